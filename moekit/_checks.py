@@ -1,0 +1,117 @@
+"""Argument validation shared by every public entry point.
+
+Every check raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, value,
+device or layout) with a message that names the argument, says what was expected and what came.
+They only read metadata (shape, dtype, device, strides): no device synchronization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Optional, Union
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+DTypeSpec = Union[torch.dtype, Iterable[torch.dtype], None]
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtype: DTypeSpec = None,
+    ndim: Optional[int] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    device: Optional[torch.device] = None,
+    contiguous: bool = False,
+    last_dim_contiguous: bool = False,
+) -> torch.Tensor:
+    """Validate one tensor argument and return it.
+
+    ``shape`` entries that are ``None`` are not checked. ``device`` compares the device type
+    and index (an index-less CUDA device matches any index).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            raise TypeError(f"{name} must have dtype {_dtype_names(allowed)}, got {t.dtype}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for i, (want, got) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != got:
+                pretty = tuple("*" if s is None else s for s in shape)
+                raise ValueError(f"{name} must have shape {pretty}, got {tuple(t.shape)} (dim {i})")
+    if device is not None and not same_device(t.device, device):
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit stride in its last dim, got strides {t.stride()}")
+    return t
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    return a.index is None or b.index is None or a.index == b.index
+
+
+def check_optional_count(name: str, t: Optional[torch.Tensor], device: torch.device) -> None:
+    """A device-side count: ``None`` or a 1-element int32/int64 tensor on ``device``."""
+    if t is None:
+        return
+    check_tensor(name, t, dtype=INDEX_DTYPES, device=device)
+    if t.numel() != 1:
+        raise ValueError(f"{name} must hold exactly 1 element, got shape {tuple(t.shape)}")
+
+
+def check_optional_scale_ub(name: str, t: Optional[torch.Tensor], device: torch.device) -> None:
+    if t is None:
+        return
+    check_tensor(name, t, dtype=torch.float32, device=device)
+    if t.numel() != 1:
+        raise ValueError(f"{name} must hold exactly 1 float32 element, got shape {tuple(t.shape)}")
+
+
+def check_int(name: str, v: object, *, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    """An integer in ``[lo, hi]`` (inclusive bounds, each optional)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {v}")
+    return v
+
+
+def check_multiple(name: str, v: int, m: int) -> None:
+    if v % m != 0:
+        raise ValueError(f"{name} must be a multiple of {m}, got {v}")
+
+
+def expert_range(
+    num_experts: int, start: Optional[int], end: Optional[int], *, start_name: str, end_name: str
+) -> tuple[int, int]:
+    """Resolve an optional expert range ``[start, end)`` against ``num_experts``."""
+    s = 0 if start is None else check_int(start_name, start)
+    e = num_experts if end is None else check_int(end_name, end)
+    if not 0 <= s <= e <= num_experts:
+        raise ValueError(
+            f"expert range [{start_name}, {end_name}) must satisfy 0 <= {start_name} <= {end_name} <= "
+            f"{num_experts} (number of experts), got [{s}, {e})"
+        )
+    return s, e

@@ -1,0 +1,147 @@
+"""The shared benchmark timer and roofline helpers (used by ``benchmarks/`` and ``moekit bench``).
+
+Times are medians of CUDA-graph replays: one graph holds ``calls`` launches cycling through the
+given callables (pass several input sets to rotate them past the 60 MB L2), and the per-call
+time is the replay time over ``calls``. On the CPU it falls back to wall-clock medians.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+# Measured ceilings of one H200 (shared/ANCHORS.md).
+COPY_TBPS = 4.25
+BF16_TFLOPS = 679.0
+FP8_TFLOPS = 1260.0
+L2_BYTES = 60 * 2**20
+
+
+def floor_us(bytes_moved: float = 0.0, flops: float = 0.0, fp8: bool = False) -> float:
+    """Roofline floor in µs: max(bytes / copy bandwidth, flops / matmul peak)."""
+    t_mem = bytes_moved / (COPY_TBPS * 1e12)
+    t_flop = flops / ((FP8_TFLOPS if fp8 else BF16_TFLOPS) * 1e12)
+    return max(t_mem, t_flop) * 1e6
+
+
+def rotations(bytes_per_set: float, max_sets: int = 16) -> int:
+    """How many input sets to rotate so that together they exceed 3x the L2 (1 if one set does)."""
+    if bytes_per_set <= 0:
+        return max_sets
+    need = int(3 * L2_BYTES // max(bytes_per_set, 1)) + 1
+    return max(1, min(max_sets, need))
+
+
+def bench_us(
+    fns: Callable[[], Any] | Sequence[Callable[[], Any]],
+    *,
+    calls: Optional[int] = None,
+    replays: int = 20,
+    warmup: int = 3,
+    use_graph: bool = True,
+) -> float:
+    """Median µs per call of ``fns`` (one callable or several cycled in order)."""
+    fns = [fns] if callable(fns) else list(fns)
+    if not torch.cuda.is_available():
+        for f in fns:
+            f()
+        samples = []
+        for _ in range(max(3, replays // 4)):
+            t0 = time.perf_counter()
+            for f in fns:
+                f()
+            samples.append((time.perf_counter() - t0) / len(fns) * 1e6)
+        return statistics.median(samples)
+    n = calls if calls is not None else max(len(fns), 10)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if use_graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(n):
+                fns[i % len(fns)]()
+        g.replay()
+        torch.cuda.synchronize()
+        run = g.replay
+    else:
+
+        def run():
+            for i in range(n):
+                fns[i % len(fns)]()
+
+    samples = []
+    for _ in range(replays):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / n)
+    return statistics.median(samples)
+
+
+def try_import_mslk() -> Optional[Any]:
+    """The ``mslk`` package when importable (a benchmark peer, never a dependency)."""
+    try:
+        import mslk  # type: ignore
+
+        return mslk
+    except Exception:
+        return None
+
+
+def markdown_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None) -> str:
+    if not rows:
+        return "(no rows)"
+    cols = list(columns or rows[0].keys())
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
+        return "—" if v is None else str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def save_rows(name: str, rows: Sequence[dict], meta: Optional[dict] = None) -> Optional[str]:
+    """Write rows as JSON to ``$OUT/<name>.json`` (or ``$MOEKIT_BENCH_DIR``) when set."""
+    out_dir = os.environ.get("MOEKIT_BENCH_DIR") or os.environ.get("OUT")
+    if not out_dir:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta or environment(), "rows": list(rows)}, f, indent=1)
+    return path
+
+
+def environment() -> dict:
+    """Versions and device facts for a results log."""
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, gpus=torch.cuda.device_count())
+    mslk = try_import_mslk()
+    info["mslk"] = getattr(mslk, "__version__", "present") if mslk else None
+    info["date"] = time.strftime("%Y-%m-%d")
+    return info

@@ -1,0 +1,159 @@
+"""Grouped GEMM oracles (BF16 and FP8 row-wise) and the dense FP8 row-wise GEMM.
+
+``x [M, K]`` holds rows grouped by expert: group ``g`` owns the next ``m_sizes[g]`` rows.
+``w [G * N, K]``: expert ``g``'s weight is rows ``g*N:(g+1)*N``. Rows past ``sum(m_sizes)`` (or
+past ``M``) are not computed: zeros here, untouched by kernels. All math in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moekit._checks import FP8_DTYPE, INDEX_DTYPES, check_tensor
+
+__all__ = ["grouped_gemm", "grouped_gemm_fp8_rowwise", "f8f8bf16_rowwise", "group_of_rows"]
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def group_of_rows(m_sizes: torch.Tensor, M: int) -> torch.Tensor:
+    """``[M]`` int64: the group of each row of x, ``G`` for rows past ``sum(m_sizes)``."""
+    ends = torch.cumsum(m_sizes.long(), 0)
+    return torch.searchsorted(ends, torch.arange(M, device=m_sizes.device), right=True)
+
+
+def _check_common(x, w, m_sizes, x_dtypes, name_w="w"):
+    check_tensor("x", x, ndim=2, dtype=x_dtypes)
+    M, K = x.shape
+    check_tensor(name_w, w, ndim=2, dtype=x.dtype, device=x.device)
+    check_tensor("m_sizes", m_sizes, ndim=1, dtype=INDEX_DTYPES, device=x.device)
+    G = m_sizes.shape[0]
+    if G < 1:
+        raise ValueError("m_sizes must have at least one group, got shape (0,)")
+    if w.shape[1] != K:
+        raise ValueError(f"{name_w} must have K={K} columns like x, got shape {tuple(w.shape)}")
+    if w.shape[0] % G != 0:
+        raise ValueError(f"{name_w}.shape[0] must be G * N with G={G} groups (len(m_sizes)), got {w.shape[0]} rows")
+    return M, K, G, w.shape[0] // G
+
+
+def _finish(y32, group, G, M, N, out_dtype, token_weights, output_tensor, scatter_add_indices):
+    valid = group < G
+    if token_weights is not None:
+        check_tensor("token_weights", token_weights, shape=(M,), device=y32.device)
+        y32 = y32 * token_weights.float().unsqueeze(1)
+    y32 = torch.where(valid.unsqueeze(1), y32, 0.0)
+    if output_tensor is None:
+        if scatter_add_indices is not None:
+            raise ValueError("_scatter_add_indices needs _output_tensor")
+        return y32.to(out_dtype)
+    check_tensor("_output_tensor", output_tensor, ndim=2, dtype=out_dtype, device=y32.device)
+    if output_tensor.shape[1] != N:
+        raise ValueError(f"_output_tensor must have N={N} columns, got shape {tuple(output_tensor.shape)}")
+    check_tensor("_scatter_add_indices", scatter_add_indices, shape=(M,), dtype=INDEX_DTYPES, device=y32.device)
+    idx = scatter_add_indices.long()
+    use = valid & (idx >= 0) & (idx < output_tensor.shape[0])
+    acc = output_tensor.float()
+    acc.index_add_(0, torch.where(use, idx, 0), torch.where(use.unsqueeze(1), y32, 0.0))
+    output_tensor.copy_(acc.to(output_tensor.dtype))
+    return output_tensor
+
+
+def _grouped_product(x32: torch.Tensor, w32: torch.Tensor, group: torch.Tensor, G: int, N: int) -> torch.Tensor:
+    M, K = x32.shape
+    y = torch.zeros(M, N, dtype=torch.float32, device=x32.device)
+    w_g = w32.view(G, N, K)
+    for g in range(G):  # the oracle favours clarity over speed
+        rows = group == g
+        y = torch.where(rows.unsqueeze(1), x32 @ w_g[g].T, y) if M else y
+    return y
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    token_weights: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
+    *,
+    _use_warp_specialization: bool = True,
+    _output_tensor: Optional[torch.Tensor] = None,
+    _scatter_add_indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``y[i] = (x[i] @ w_g.T + bias[g]) * token_weights[i]`` for row ``i`` of group ``g``.
+
+    ``bias`` ``[G, N]`` (or ``[G * N]``), ``token_weights`` ``[M]``; output ``[M, N]`` in
+    ``x.dtype``. With ``_output_tensor`` ``[T, N]`` and ``_scatter_add_indices`` ``[M]``:
+    ``_output_tensor[idx[i]] += y[i]`` for computed rows (negative ``idx`` skipped), returning
+    ``_output_tensor``. ``use_fast_accum`` and ``_use_warp_specialization`` are tuning hints.
+    """
+    M, K, G, N = _check_common(x, w, m_sizes, _FLOATS)
+    group = group_of_rows(m_sizes, M)
+    y = _grouped_product(x.float(), w.float(), group, G, N)
+    if bias is not None:
+        check_tensor("bias", bias, device=x.device)
+        if bias.numel() != G * N:
+            raise ValueError(f"bias must have G * N = {G * N} elements ([G, N]), got shape {tuple(bias.shape)}")
+        b = bias.float().reshape(G, N)
+        y = y + b[group.clamp(max=G - 1)]
+    return _finish(y, group, G, M, N, x.dtype, token_weights, _output_tensor, _scatter_add_indices)
+
+
+def grouped_gemm_fp8_rowwise(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    use_fast_accum: bool = True,
+    *,
+    token_weights: Optional[torch.Tensor] = None,
+    _use_warp_specialization: bool = True,
+    _output_tensor: Optional[torch.Tensor] = None,
+    _scatter_add_indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """FP8 e4m3fn: ``y[i] = (x[i] @ w_g.T) * x_scale[i] * w_scale[g*N + n]`` (dequant scales),
+    output bf16 ``[M, N]``; ``token_weights`` and the fused scatter-add as in ``grouped_gemm``."""
+    M, K, G, N = _check_common(x, w, m_sizes, (FP8_DTYPE,))
+    check_tensor("x_scale", x_scale, dtype=torch.float32, device=x.device)
+    check_tensor("w_scale", w_scale, dtype=torch.float32, device=x.device)
+    if x_scale.numel() != M:
+        raise ValueError(f"x_scale must have M={M} elements, got shape {tuple(x_scale.shape)}")
+    if w_scale.numel() != G * N:
+        raise ValueError(f"w_scale must have G * N = {G * N} elements, got shape {tuple(w_scale.shape)}")
+    group = group_of_rows(m_sizes, M)
+    y = _grouped_product(x.float(), w.float(), group, G, N)
+    ws = w_scale.reshape(G, N)[group.clamp(max=G - 1)]
+    y = y * x_scale.reshape(M, 1) * ws
+    return _finish(y, group, G, M, N, torch.bfloat16, token_weights, _output_tensor, _scatter_add_indices)
+
+
+def f8f8bf16_rowwise(
+    XQ: torch.Tensor,
+    WQ: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
+) -> torch.Tensor:
+    """Dense FP8 row-wise GEMM: ``[M, N] bf16 = (XQ @ WQ.T) * x_scale[:, None] * w_scale[None, :] (+ bias)``."""
+    check_tensor("XQ", XQ, ndim=2, dtype=FP8_DTYPE)
+    M, K = XQ.shape
+    check_tensor("WQ", WQ, ndim=2, dtype=FP8_DTYPE, device=XQ.device)
+    N = WQ.shape[0]
+    if WQ.shape[1] != K:
+        raise ValueError(f"WQ must have K={K} columns like XQ, got shape {tuple(WQ.shape)}")
+    check_tensor("x_scale", x_scale, dtype=torch.float32, device=XQ.device)
+    check_tensor("w_scale", w_scale, dtype=torch.float32, device=XQ.device)
+    if x_scale.numel() != M:
+        raise ValueError(f"x_scale must have M={M} elements, got shape {tuple(x_scale.shape)}")
+    if w_scale.numel() != N:
+        raise ValueError(f"w_scale must have N={N} elements, got shape {tuple(w_scale.shape)}")
+    y = (XQ.float() @ WQ.float().T) * x_scale.reshape(M, 1) * w_scale.reshape(1, N)
+    if bias is not None:
+        check_tensor("bias", bias, shape=(N,), device=XQ.device)
+        y = y + bias.float()
+    return y.to(torch.bfloat16)

@@ -1,0 +1,102 @@
+"""Comparison with per-dtype tolerances, and output poisoning."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+# Relative error ||out - ref|| / ||ref|| allowed for an output computed in this dtype (DESIGN §5).
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1e-2,
+    torch.float8_e4m3fn: 6e-2,
+}
+TF32_TOLERANCE = 2e-3
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (0 when both are empty or both zero; inf on NaN)."""
+    o = out.detach().to(torch.float64).cpu()
+    r = ref.detach().to(torch.float64).cpu()
+    if o.shape != r.shape:
+        raise AssertionError(f"shape mismatch: out {tuple(o.shape)} vs ref {tuple(r.shape)}")
+    if o.numel() == 0:
+        return 0.0
+    if not torch.isfinite(o).all():
+        return float("inf")
+    num = torch.linalg.vector_norm(o - r).item()
+    den = torch.linalg.vector_norm(r).item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def assert_close(
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    dtype: Optional[torch.dtype] = None,
+    tol: Optional[float] = None,
+    msg: str = "",
+) -> float:
+    """Assert ``rel_error(out, ref) <= tol``; integer and bool tensors must match exactly.
+
+    ``tol`` defaults to ``TOLERANCES[dtype or out.dtype]``. Returns the relative error.
+    """
+    if out.shape != ref.shape:
+        raise AssertionError(f"{msg} shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
+    if not out.is_floating_point() and not ref.is_floating_point():
+        o, r = out.detach().cpu().long(), ref.detach().cpu().long()
+        if not torch.equal(o, r):
+            bad = (o != r).nonzero()
+            first = tuple(bad[0].tolist())
+            raise AssertionError(
+                f"{msg} integer mismatch at {bad.shape[0]} of {o.numel()} positions; first at {first}: "
+                f"out={o[first].item()} ref={r[first].item()}"
+            )
+        return 0.0
+    if tol is None:
+        tol = TOLERANCES[dtype if dtype is not None else out.dtype]
+    err = rel_error(out, ref)
+    if not err <= tol:
+        raise AssertionError(f"{msg} relative error {err:.3e} > tolerance {tol:.1e} (shape {tuple(out.shape)})")
+    return err
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` in place with a value no kernel writes: NaN for floats, -1 for integers. FP8
+    tensors get NaN's bit pattern (0x7F)."""
+    if t.dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8).fill_(0x7F)
+    elif t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(-1)
+    return t
+
+
+def _is_poison(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8) == 0x7F
+    if t.is_floating_point():
+        return torch.isnan(t)
+    return t == -1
+
+
+def assert_poisoned(t: torch.Tensor, written: Union[torch.Tensor, slice], msg: str = "") -> None:
+    """Rows selected by ``written`` (a bool row mask or a slice) hold no poison; all other rows
+    are still entirely poisoned."""
+    p = _is_poison(t).reshape(t.shape[0], -1).cpu() if t.dim() else _is_poison(t).reshape(1, 1).cpu()
+    mask = torch.zeros(p.shape[0], dtype=torch.bool)
+    if isinstance(written, slice):
+        mask[written] = True
+    else:
+        mask = written.detach().cpu().bool().reshape(-1)
+    if p[mask].any():
+        rows = p[mask].any(dim=1).nonzero().flatten()[:5].tolist()
+        raise AssertionError(f"{msg} rows that must be written still hold poison (first of them: {rows})")
+    if not p[~mask].all():
+        rows = (~p[~mask].all(dim=1)).nonzero().flatten()[:5].tolist()
+        raise AssertionError(f"{msg} rows that must stay untouched were written (first, among untouched: {rows})")
