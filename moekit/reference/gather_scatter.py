@@ -117,13 +117,17 @@ def _check_scatter_args(out_tokens, in_tokens, token_indices, valid_token_count)
 
 
 def _scatter_add_rows(out_tokens: torch.Tensor, in_rows: torch.Tensor, tok: torch.Tensor, use: torch.Tensor):
-    """``out[tok[r]] += in[r]`` for rows with ``use``, accumulated in float32, in place."""
+    """``out[tok[r]] += in[r]`` for rows with ``use``, in place: the rows that land on one token
+    are summed in float32 (ascending row order on the CPU), added to ``out`` once in float32, and
+    rounded once to ``out``'s dtype."""
     T = out_tokens.shape[0]
+    if T == 0 or in_rows.shape[0] == 0:
+        return  # nothing can land anywhere (and index_add_ would reject index 0 on an empty out)
     use = use & (tok >= 0) & (tok < T)
-    acc = out_tokens.float()
+    sums = torch.zeros(out_tokens.shape, dtype=torch.float32, device=out_tokens.device)
     idx = torch.where(use, tok, 0)
-    acc.index_add_(0, idx, torch.where(use.unsqueeze(1), in_rows.float(), 0.0))
-    out_tokens.copy_(acc.to(out_tokens.dtype))
+    sums.index_add_(0, idx, torch.where(use.unsqueeze(1), in_rows.float(), 0.0))
+    out_tokens.copy_((out_tokens.float() + sums).to(out_tokens.dtype))
 
 
 def scatter_add_dense_tokens(

@@ -12,12 +12,24 @@ from moekit.reference.routing import routing_weights
 __all__ = ["swiglu_expert", "moe_forward"]
 
 
+def _check_swiglu_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, name13: str, name2: str) -> None:
+    check_tensor("x", x)
+    if x.dim() < 1:
+        raise ValueError("x must have at least 1 dim (the model dim last), got a scalar")
+    D = x.shape[-1]
+    check_tensor(name13, w13, shape=(None, D), device=x.device)
+    if w13.shape[0] % 2:
+        raise ValueError(f"{name13}.shape[0] must be 2F (even: gate rows over up rows), got {w13.shape[0]}")
+    check_tensor(name2, w2, shape=(D, w13.shape[0] // 2), device=x.device)
+
+
 def swiglu_expert(x: torch.Tensor, w13_2FD: torch.Tensor, w2_DF: torch.Tensor) -> torch.Tensor:
     """One SwiGLU expert in float32: ``h = x @ w13.T``; ``z = silu(h[:, :F]) * h[:, F:]``; ``z @ w2.T``.
 
     ``w13`` ``[2F, D]`` stacks the gate rows (``w_in``) over the up rows (``w_swiglu``);
     ``w2`` ``[D, F]``.
     """
+    _check_swiglu_weights(x, w13_2FD, w2_DF, "w13_2FD", "w2_DF")
     h = x.float() @ w13_2FD.float().T
     F = h.shape[-1] // 2
     z = torch.nn.functional.silu(h[..., :F]) * h[..., F:]
@@ -61,6 +73,14 @@ def moe_forward(
     if twoF % 2:
         raise ValueError(f"w13_e2FD.shape[1] must be 2F (even), got {twoF}")
     check_tensor("w2_eDF", w2_eDF, shape=(E, D, twoF // 2), device=x.device)
+    if (shared_w13_2FD is None) != (shared_w2_DF is None):
+        raise ValueError(
+            "shared_w13_2FD and shared_w2_DF go together, got "
+            f"shared_w13_2FD={'a tensor' if shared_w13_2FD is not None else None}, "
+            f"shared_w2_DF={'a tensor' if shared_w2_DF is not None else None}"
+        )
+    if shared_w13_2FD is not None:
+        _check_swiglu_weights(x, shared_w13_2FD, shared_w2_DF, "shared_w13_2FD", "shared_w2_DF")
     logits = x.float() @ router_DE.float()
     weights, ids = routing_weights(
         logits,
@@ -82,8 +102,6 @@ def moe_forward(
         else:
             y = swiglu_expert(x, w13_e2FD[e], w2_eDF[e]) * w_te.unsqueeze(1)
         out = out + torch.where(hit.unsqueeze(1), y, 0.0)
-    if (shared_w13_2FD is None) != (shared_w2_DF is None):
-        raise ValueError("shared_w13_2FD and shared_w2_DF go together")
     if shared_w13_2FD is not None:
         out = out + swiglu_expert(x, shared_w13_2FD, shared_w2_DF)
     return out.to(x_TD.dtype).reshape(x_TD.shape)

@@ -27,9 +27,9 @@ def rms_norm(
     """``y = x * rsqrt(mean(x^2) + eps) * gamma`` over the last dim, returned in float32.
 
     ``fp32_internal=True``: ``x`` (plus ``residual``) in float32 throughout. ``False`` (the seed's
-    upstream-compatible mode): ``x`` is first rounded to bf16, each square is computed in bf16
-    (``bf16 * bf16`` rounded to bf16) and then summed in float32; the normalized value uses the
-    bf16-rounded ``x``.
+    upstream-compatible mode): ``x`` (plus ``residual``, added in float32) is first rounded to
+    bf16, each square is computed in bf16 (``bf16 * bf16`` rounded to bf16) and then summed in
+    float32; the normalized value uses the bf16-rounded ``x``.
     """
     check_tensor("x", x)
     if x.dim() < 1:
@@ -69,11 +69,13 @@ def topk_finalize(gemm2_permuted: torch.Tensor, expert_weights: torch.Tensor, id
 def rank_sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Float32 sum of the ranks' tensors in rank order."""
     if len(xs) == 0:
-        raise ValueError("need at least one rank's tensor, got an empty list")
+        raise ValueError("xs must hold at least one rank's tensor, got an empty sequence")
+    for r, x in enumerate(xs):
+        check_tensor(f"xs[{r}]", x)
+        if x.shape != xs[0].shape:
+            raise ValueError(f"xs[{r}] must have shape {tuple(xs[0].shape)} like xs[0], got {tuple(x.shape)}")
     acc = xs[0].float().clone()
     for x in xs[1:]:
-        if x.shape != xs[0].shape:
-            raise ValueError(f"every rank's tensor must have shape {tuple(xs[0].shape)}, got {tuple(x.shape)}")
         acc = acc + x.float()
     return acc
 
@@ -96,7 +98,7 @@ def reduce_scatter_hidden(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     R = len(xs)
     H = total.shape[-1]
     if H % R != 0:
-        raise ValueError(f"hidden dim ({H}) must be divisible by the number of ranks ({R})")
+        raise ValueError(f"xs' hidden dim (last, {H}) must be divisible by the number of ranks (len(xs), {R})")
     return list(total.split(H // R, dim=-1))
 
 
@@ -107,11 +109,20 @@ def moe_tail(
     eps: float = 1e-6,
     fp32_internal: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The fused MoE-tail collective on R ranks: ``(rms_norm(sum latent) * gamma, shards of sum shared)``.
+    """The fused MoE-tail collective on R ranks: ``(rms_norm(sum latent, gamma), shards of sum shared)``.
 
-    Each rank's latent contribution is rounded to bf16 before the sum (it travels as bf16); for a
-    top-k finalize pass ``topk_finalize(...)`` per rank first.
+    ``latent_sources`` and ``shared_sources`` hold one tensor per rank (the same R). Each rank's
+    latent and shared contribution is rounded to bf16 before the sum (it travels as bf16); for a
+    top-k finalize pass ``topk_finalize(...)`` per rank first. Returns the float32 normalized
+    latent ``[M, L]`` and R float32 shards ``[M, H / R]`` (shard r for rank r).
     """
+    if len(latent_sources) != len(shared_sources):
+        raise ValueError(
+            f"latent_sources and shared_sources must hold one tensor per rank each, got "
+            f"{len(latent_sources)} and {len(shared_sources)}"
+        )
+    if len(latent_sources) == 0:
+        raise ValueError("latent_sources must hold at least one rank's tensor, got an empty sequence")
     lat = [x.to(torch.bfloat16) for x in latent_sources]
     sh = [x.to(torch.bfloat16) for x in shared_sources]
     return all_reduce_rms_norm(lat, gamma, eps, fp32_internal), reduce_scatter_hidden(sh)

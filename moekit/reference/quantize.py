@@ -38,7 +38,9 @@ def quantize_rows(
         amax = torch.minimum(torch.clamp(amax, min=eps), scale_ub.float().reshape(()).to(r.device))
     else:
         amax = torch.clamp(amax, min=eps)
-    inv = FP8_MAX / amax
+    # A true float32 division (``scalar / tensor`` would compute ``reciprocal(amax) * 448``,
+    # rounding twice).
+    inv = torch.full_like(amax, FP8_MAX) / amax
     q = torch.clamp(r * inv.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, 1.0 / inv
 

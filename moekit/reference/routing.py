@@ -27,7 +27,9 @@ def topk(scores_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tenso
     Returns ``(values_TK float32, ids_TK int64)``, values in descending order.
     """
     check_tensor("scores_TE", scores_TE, ndim=2)
-    check_int("top_k", top_k, lo=1, hi=max(scores_TE.shape[1], 1))
+    if scores_TE.shape[1] < 1:
+        raise ValueError(f"scores_TE must have at least one expert column, got shape {tuple(scores_TE.shape)}")
+    check_int("top_k", top_k, lo=1, hi=scores_TE.shape[1])
     return _topk_lowest_index_on_ties(scores_TE.float(), top_k)
 
 
@@ -62,14 +64,20 @@ def routing_weights(
     """
     check_tensor("logits_TE", logits_TE, ndim=2)
     T, E = logits_TE.shape
-    check_int("top_k", top_k, lo=1, hi=max(E, 1))
+    if E < 1:
+        raise ValueError(f"logits_TE must have at least one expert column, got shape {(T, E)}")
+    check_int("top_k", top_k, lo=1, hi=E)
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     logits = logits_TE.float()
 
     if score_func == "topk_softmax":
-        if n_group is not None or e_score_correction_bias is not None:
-            raise ValueError("score_func='topk_softmax' does not take n_group or e_score_correction_bias")
+        if n_group is not None or topk_group is not None or e_score_correction_bias is not None:
+            raise ValueError(
+                "score_func='topk_softmax' does not take n_group, topk_group or e_score_correction_bias, got "
+                f"n_group={n_group}, topk_group={topk_group}, "
+                f"e_score_correction_bias={'a tensor' if e_score_correction_bias is not None else None}"
+            )
         vals, ids = _topk_lowest_index_on_ties(logits, top_k)
         weights = torch.softmax(vals, dim=-1)
         if renormalize:
@@ -115,7 +123,8 @@ def dense_scores(weights_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts: in
     weights are positive and distinct within each row.
     """
     check_tensor("weights_TK", weights_TK, ndim=2)
-    check_tensor("ids_TK", ids_TK, dtype=INDEX_DTYPES, shape=tuple(weights_TK.shape))
+    check_tensor("ids_TK", ids_TK, dtype=INDEX_DTYPES, shape=tuple(weights_TK.shape), device=weights_TK.device)
+    check_int("num_experts", num_experts, lo=weights_TK.shape[1])
     out = torch.zeros(weights_TK.shape[0], num_experts, dtype=torch.float32, device=weights_TK.device)
     return out.scatter_(1, ids_TK.long(), weights_TK.float())
 
