@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
-from moekit._checks import FP8_DTYPE
+from moekit._checks import check_optional_scale_ub
 from moekit.ops._common import use_triton
 from moekit.reference import activation as _ref
 
@@ -43,10 +43,18 @@ def _silu_mul_quant_op(
 
 
 def silu_mul(x0: torch.Tensor, x1: torch.Tensor, valid_token_count: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x0 * sigmoid(x0) * x1`` in float32, output ``[T, F]`` in ``x0.dtype``.
+    """SwiGLU: ``y = x0 * sigmoid(x0) * x1`` computed in float32, returned ``[T, F]`` in ``x0.dtype``.
 
-    ``x0``/``x1`` ``[T, F]`` bf16/fp16/fp32 with unit last stride (column slices of one
-    ``[T, 2F]`` tensor are fine). Rows ``t >= valid_token_count[0]`` are left unwritten.
+    Args:
+        x0: ``[T, F]`` gate, bf16/fp16/fp32, unit last stride, any row stride (e.g.
+            ``h[:, :F]`` of a ``[T, 2F]`` GEMM output).
+        x1: ``[T, F]`` up projection, same dtype, device and shape as ``x0``, unit last stride
+            (e.g. ``h[:, F:]``).
+        valid_token_count: optional 1-element int32/int64 device tensor; rows
+            ``t >= valid_token_count[0]`` are neither read nor written (their output is
+            uninitialized on CUDA, zeros on CPU). No host synchronization.
+
+    Raises ``TypeError``/``ValueError`` naming the offending argument.
     """
     _ref._check(x0, x1, valid_token_count)
     return torch.ops.moekit.silu_mul(x0, x1, valid_token_count)
@@ -58,13 +66,21 @@ def silu_mul_quant(
     scale_ub: Optional[torch.Tensor] = None,
     valid_token_count: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``silu_mul`` fused with FP8 e4m3fn row-wise quantization (eps 1e-12, optional
-    ``scale_ub``): returns ``(y [T, F] e4m3fn, dequant scale [T] float32)``."""
-    _ref._check(x0, x1, valid_token_count)
-    from moekit._checks import check_optional_scale_ub
+    """``silu_mul`` fused with FP8 e4m3fn row-wise quantization, in one pass over the data.
 
+    The float32 activation (not rounded to ``x0.dtype``) of each row is scaled by
+    ``inv = 448 / amax`` with ``amax = min(max(max|y_row|, 1e-12), scale_ub)`` (eps ``1e-12``,
+    ``FUSED_EPS``, unlike ``quantize_fp8_row``'s ``1/512``), clamped to ``±448`` and rounded to
+    e4m3fn (nearest even).
+
+    Args:
+        x0, x1: as in ``silu_mul``.
+        scale_ub: optional 1-element float32 device tensor, upper bound of the row max.
+        valid_token_count: as in ``silu_mul`` (rows past it: values and scales untouched).
+
+    Returns ``(y [T, F] float8_e4m3fn, scale [T] float32)`` where ``scale = 1 / inv`` is the
+    dequantization scale: ``y.float() * scale[:, None]`` approximates the activation.
+    """
+    _ref._check(x0, x1, valid_token_count)
     check_optional_scale_ub("scale_ub", scale_ub, x0.device)
     return torch.ops.moekit.silu_mul_quant(x0, x1, scale_ub, valid_token_count)
-
-
-assert FP8_DTYPE is torch.float8_e4m3fn

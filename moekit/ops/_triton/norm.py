@@ -1,0 +1,121 @@
+"""Triton kernel: RMSNorm ``y = v * rsqrt(mean(v^2) + eps) * gamma`` with ``v = x (+ residual)``
+in float32, output in ``x.dtype``.
+
+One pass (read the row once, write it once) when the row fits in registers
+(``ONE_PASS_BYTES``: H <= 16384 in bf16/fp16, 8192 in fp32), several rows per program for small
+H, two passes beyond. Rows of ``x``/``residual`` are addressed through a two-level row layout,
+so strided leading dims need no copy.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.ops._common import launch
+from moekit.ops._triton.quantize import row_config, row_offsets, rows_of
+
+
+@triton.jit
+def _load_rows(x_ptr, x_rows, res_ptr, res_rows, cols, mask, HAS_RES: tl.constexpr):
+    v = tl.load(x_ptr + x_rows[:, None] + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        v += tl.load(res_ptr + res_rows[:, None] + cols, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _rms_norm_kernel(
+    y_ptr,
+    x_ptr,
+    g_ptr,
+    res_ptr,
+    R,
+    H,
+    eps,
+    INNER,
+    SX_OUTER,
+    SX_INNER,
+    SR_OUTER,
+    SR_INNER,
+    HAS_RES: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < R
+    r64 = rows.to(tl.int64)
+    x_rows = row_offsets(r64, INNER, SX_OUTER, SX_INNER)
+    res_rows = x_rows
+    if HAS_RES:
+        res_rows = row_offsets(r64, INNER, SR_OUTER, SR_INNER)
+    y_rows = (r64 * H)[:, None]
+    out_ty = y_ptr.dtype.element_ty
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_H)
+        col_ok = cols < H
+        mask = row_ok[:, None] & col_ok[None, :]
+        v = _load_rows(x_ptr, x_rows, res_ptr, res_rows, cols[None, :], mask, HAS_RES)
+        inv = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
+        g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = v * inv[:, None] * g[None, :]
+        tl.store(y_ptr + y_rows + cols[None, :], y.to(out_ty), mask=mask)
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for h0 in tl.range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mask = row_ok[:, None] & (cols < H)[None, :]
+            v = _load_rows(x_ptr, x_rows, res_ptr, res_rows, cols[None, :], mask, HAS_RES)
+            acc += v * v
+        inv = tl.rsqrt(tl.sum(acc, axis=1) / H + eps)
+        for h0 in tl.range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            col_ok = cols < H
+            mask = row_ok[:, None] & col_ok[None, :]
+            v = _load_rows(x_ptr, x_rows, res_ptr, res_rows, cols[None, :], mask, HAS_RES)
+            g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            y = v * inv[:, None] * g[None, :]
+            tl.store(y_ptr + y_rows + cols[None, :], y.to(out_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Launcher (arguments already validated): ``[..., H]`` in ``x.dtype`` (contiguous)."""
+    H = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    R = y.numel() // H if H else 0
+    if R == 0:
+        return y
+    x, xl = rows_of(x)
+    has_res = residual is not None
+    rl = xl
+    if has_res:  # same shape as x, hence the same (outer, inner) split of the rows
+        residual, rl = rows_of(residual)
+    elem = max(x.element_size(), residual.element_size() if has_res else 1)
+    cfg = row_config(R, H, elem, x.device)
+    launch(_rms_norm_kernel)[(triton.cdiv(R, cfg.block_t),)](
+        y,
+        x,
+        gamma,
+        residual if has_res else x,  # unused placeholder: an input, never an output
+        R,
+        H,
+        float(eps),
+        xl.inner,
+        xl.s_outer,
+        xl.s_inner,
+        rl.s_outer,
+        rl.s_inner,
+        HAS_RES=has_res,
+        ONE_PASS=cfg.one_pass,
+        BLOCK_T=cfg.block_t,
+        BLOCK_H=cfg.block_c,
+        num_warps=cfg.num_warps,
+    )
+    return y
