@@ -1,0 +1,353 @@
+"""Grouped GEMMs for MoE experts (MSLK ``mslk.gemm.triton.grouped_gemm`` API) and the dense FP8
+row-wise GEMM (MSLK ``f8f8bf16_rowwise``).
+
+- ``grouped_gemm(x, w, m_sizes, bias, token_weights, use_fast_accum, *, ...)``: BF16/FP16/FP32.
+- ``grouped_gemm_fp8_rowwise(x, w, m_sizes, x_scale, w_scale, use_fast_accum, *, ...)``: FP8 e4m3fn
+  with row-wise dequant scales, bf16 output.
+- ``f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum)``.
+
+``x [M, K]`` holds rows grouped by expert, ``w [G * N, K]`` (expert g = rows ``g*N:(g+1)*N``,
+``y = x @ w_g.T``), ``m_sizes [G]`` int32 (or int64) on x's device, read by the kernel (no host
+synchronization: CUDA-graph safe, replays follow new sizes). Rows past ``sum(m_sizes)`` are not
+computed (left unwritten in the returned tensor); rows past ``M`` are never touched. N and K must
+be multiples of 8.
+
+Fused scatter-add: with ``_output_tensor [T, N]`` and ``_scatter_add_indices [M]`` row i is added
+into ``_output_tensor[_scatter_add_indices[i]]`` (negative or ``>= T``: skipped) and
+``_output_tensor`` is returned. By default with atomics in the output dtype (bf16 for FP8, like
+MSLK: fast, summation order not reproducible); ``deterministic=True`` stores the rows and adds
+them token by token in ascending row order in float32 (bitwise reproducible; costs an ``[M, N]``
+scratch buffer, a sort of the indices and one more pass).
+
+Registered ops: ``torch.ops.moekit.grouped_gemm``, ``grouped_gemm_fp8_rowwise`` (functional),
+``grouped_gemm_scatter_add``, ``grouped_gemm_fp8_rowwise_scatter_add`` (mutate ``output``, return
+None) and ``f8f8bf16_rowwise``. On CPU tensors they run the float32 reference.
+
+``use_fast_accum`` matters only for FP8 on the tiled path (see ``moekit.ops._triton.grouped_gemm``);
+``_use_warp_specialization`` is accepted for MSLK compatibility and ignored (Triton 3.6 does not
+warp-specialize these kernels on Hopper).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Optional
+
+import torch
+from torch.library import triton_op
+
+from moekit._checks import FP8_DTYPE, INDEX_DTYPES, check_multiple, check_tensor
+from moekit.ops._common import use_triton
+
+# ``moekit.reference`` re-exports a function named ``grouped_gemm``, which shadows the submodule
+# attribute: load the module itself.
+_ref = importlib.import_module("moekit.reference.grouped_gemm")
+
+__all__ = ["grouped_gemm", "grouped_gemm_fp8_rowwise", "f8f8bf16_rowwise"]
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+# ----------------------------------------------------------------------------------------------
+# Validation (metadata only: no device synchronization)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_dims(name: str, v: int, what: str) -> None:
+    if v <= 0:
+        raise ValueError(f"{name} must be a positive multiple of 8, got {what}={v}")
+    check_multiple(f"{name} ({what})", v, 8)
+
+
+def _validate(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    x_dtypes: tuple,
+    bias: Optional[torch.Tensor],
+    token_weights: Optional[torch.Tensor],
+    output: Optional[torch.Tensor],
+    indices: Optional[torch.Tensor],
+    out_dtype: Optional[torch.dtype],
+) -> tuple[int, int, int, int]:
+    check_tensor("x", x, ndim=2, dtype=x_dtypes)
+    M, K = x.shape
+    dev = x.device
+    check_tensor("w", w, ndim=2, dtype=x.dtype, device=dev)
+    check_tensor("m_sizes", m_sizes, ndim=1, dtype=INDEX_DTYPES, device=dev)
+    G = m_sizes.shape[0]
+    if G < 1:
+        raise ValueError("m_sizes must have at least one group, got shape (0,)")
+    if w.shape[1] != K:
+        raise ValueError(f"w must have K={K} columns like x, got shape {tuple(w.shape)}")
+    if w.shape[0] % G != 0 or w.shape[0] == 0:
+        raise ValueError(f"w.shape[0] must be G * N with G={G} groups (len(m_sizes)) and N > 0, got {w.shape[0]} rows")
+    N = w.shape[0] // G
+    _check_dims("x.shape[1]", K, "K")
+    _check_dims("w.shape[0] // G", N, "N")
+    if bias is not None:
+        check_tensor("bias", bias, dtype=_FLOATS, device=dev)
+        if bias.numel() != G * N or bias.dim() not in (1, 2):
+            raise ValueError(f"bias must have shape [G, N] = [{G}, {N}] (or [G * N]), got shape {tuple(bias.shape)}")
+    if token_weights is not None:
+        check_tensor("token_weights", token_weights, dtype=_FLOATS, shape=(M,), device=dev)
+    if (output is None) != (indices is None):
+        raise ValueError(
+            "_output_tensor and _scatter_add_indices must be given together, got "
+            f"_output_tensor={'None' if output is None else 'a tensor'}, "
+            f"_scatter_add_indices={'None' if indices is None else 'a tensor'}"
+        )
+    if output is not None:
+        check_tensor("_output_tensor", output, ndim=2, dtype=out_dtype, device=dev, last_dim_contiguous=True)
+        if output.shape[1] != N:
+            raise ValueError(f"_output_tensor must have N={N} columns, got shape {tuple(output.shape)}")
+        check_tensor("_scatter_add_indices", indices, shape=(M,), dtype=INDEX_DTYPES, device=dev)
+    return M, K, G, N
+
+
+def _validate_scales(x_scale: torch.Tensor, w_scale: torch.Tensor, M: int, N_total: int, dev, w_name="w") -> None:
+    check_tensor("x_scale", x_scale, dtype=torch.float32, device=dev)
+    check_tensor("w_scale", w_scale, dtype=torch.float32, device=dev)
+    if x_scale.numel() != M:
+        raise ValueError(f"x_scale must have M={M} elements (one per row of x), got shape {tuple(x_scale.shape)}")
+    if w_scale.numel() != N_total:
+        raise ValueError(
+            f"w_scale must have {N_total} elements (one per row of {w_name}), got shape {tuple(w_scale.shape)}"
+        )
+
+
+def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registered ops
+# ----------------------------------------------------------------------------------------------
+
+
+@triton_op("moekit::grouped_gemm", mutates_args=())
+def _grouped_gemm_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    token_weights: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
+) -> torch.Tensor:
+    if use_triton(x):
+        from moekit.ops._triton import grouped_gemm as _tri
+
+        return _tri.grouped_gemm(x, w, m_sizes, bias=_flat(bias), token_weights=token_weights)
+    return _ref.grouped_gemm(x, w, m_sizes, bias, token_weights)
+
+
+@triton_op("moekit::grouped_gemm_scatter_add", mutates_args=("output",))
+def _grouped_gemm_scatter_add_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    output: torch.Tensor,
+    scatter_add_indices: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    token_weights: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
+    deterministic: bool = False,
+) -> None:
+    if use_triton(x):
+        from moekit.ops._triton import grouped_gemm as _tri
+
+        _tri.grouped_gemm(
+            x, w, m_sizes, bias=_flat(bias), token_weights=token_weights, out=output,
+            scatter_indices=scatter_add_indices, deterministic=deterministic,
+        )  # fmt: skip
+        return
+    _ref.grouped_gemm(
+        x, w, m_sizes, bias, token_weights, _output_tensor=output, _scatter_add_indices=scatter_add_indices
+    )
+
+
+@triton_op("moekit::grouped_gemm_fp8_rowwise", mutates_args=())
+def _grouped_gemm_fp8_rowwise_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    token_weights: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
+) -> torch.Tensor:
+    if use_triton(x):
+        from moekit.ops._triton import grouped_gemm as _tri
+
+        return _tri.grouped_gemm(
+            x, w, m_sizes, x_scale=_flat(x_scale), w_scale=_flat(w_scale), token_weights=token_weights,
+            fast_accum=use_fast_accum,
+        )  # fmt: skip
+    return _ref.grouped_gemm_fp8_rowwise(x, w, m_sizes, x_scale, w_scale, token_weights=token_weights)
+
+
+@triton_op("moekit::grouped_gemm_fp8_rowwise_scatter_add", mutates_args=("output",))
+def _grouped_gemm_fp8_rowwise_scatter_add_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    output: torch.Tensor,
+    scatter_add_indices: torch.Tensor,
+    token_weights: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
+    deterministic: bool = False,
+) -> None:
+    if use_triton(x):
+        from moekit.ops._triton import grouped_gemm as _tri
+
+        _tri.grouped_gemm(
+            x, w, m_sizes, x_scale=_flat(x_scale), w_scale=_flat(w_scale), token_weights=token_weights,
+            out=output, scatter_indices=scatter_add_indices, deterministic=deterministic, fast_accum=use_fast_accum,
+        )  # fmt: skip
+        return
+    _ref.grouped_gemm_fp8_rowwise(
+        x, w, m_sizes, x_scale, w_scale, token_weights=token_weights, _output_tensor=output,
+        _scatter_add_indices=scatter_add_indices,
+    )  # fmt: skip
+
+
+# Dense FP8 on CUDA: the Triton kernel (1 group) below this many rows, torch._scaled_mm (cuBLASLt /
+# CUTLASS row-wise) from there on when the layout allows. Override with $MOEKIT_F8_DENSE in
+# {"triton", "scaled_mm"}; the benchmark measures both (bench_grouped_gemm.py --dense).
+SCALED_MM_MIN_ROWS = 1024
+
+
+def _dense_backend(XQ: torch.Tensor, WQ: torch.Tensor, bias: Optional[torch.Tensor]) -> str:
+    choice = os.environ.get("MOEKIT_F8_DENSE", "auto")
+    if choice == "triton":
+        return "triton"
+    M, K = XQ.shape
+    N = WQ.shape[0]
+    fits = (
+        hasattr(torch, "_scaled_mm")
+        and K % 16 == 0
+        and N % 16 == 0
+        and XQ.is_contiguous()
+        and WQ.is_contiguous()
+        and (bias is None or bias.dtype == torch.bfloat16)
+    )
+    if not fits:
+        return "triton"
+    if choice == "scaled_mm":
+        return "scaled_mm"
+    return "scaled_mm" if M >= SCALED_MM_MIN_ROWS else "triton"
+
+
+@triton_op("moekit::f8f8bf16_rowwise", mutates_args=())
+def _f8f8bf16_rowwise_op(
+    XQ: torch.Tensor,
+    WQ: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
+) -> torch.Tensor:
+    if use_triton(XQ):
+        if _dense_backend(XQ, WQ, bias) == "scaled_mm":
+            M, N = XQ.shape[0], WQ.shape[0]
+            return torch._scaled_mm(
+                XQ, WQ.t(), x_scale.reshape(M, 1), w_scale.reshape(1, N), bias=bias, out_dtype=torch.bfloat16,
+                use_fast_accum=use_fast_accum,
+            )  # fmt: skip
+        from moekit.ops._triton import grouped_gemm as _tri
+
+        return _tri.f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum)
+    return _ref.f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API (MSLK signatures)
+# ----------------------------------------------------------------------------------------------
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    token_weights: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
+    *,
+    _use_warp_specialization: bool = True,
+    _output_tensor: Optional[torch.Tensor] = None,
+    _scatter_add_indices: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """``y[i] = (x[i] @ w_g.T + bias[g]) * token_weights[i]`` for row ``i`` of group ``g``.
+
+    ``x [M, K]`` bf16/fp16/fp32, ``w [G * N, K]`` same dtype, ``m_sizes [G]`` int32/int64 on the
+    device, ``bias [G, N]`` and ``token_weights [M]`` optional. Returns ``[M, N]`` in ``x.dtype``
+    (rows past ``sum(m_sizes)`` unwritten), or, with ``_output_tensor [T, N]`` and
+    ``_scatter_add_indices [M]``, adds row i into ``_output_tensor[idx[i]]`` and returns
+    ``_output_tensor`` (atomics; ``deterministic=True`` for a reproducible order).
+    """
+    _validate(x, w, m_sizes, _FLOATS, bias, token_weights, _output_tensor, _scatter_add_indices, x.dtype)
+    if _output_tensor is None:
+        return torch.ops.moekit.grouped_gemm(x, w, m_sizes, bias, token_weights, bool(use_fast_accum))
+    torch.ops.moekit.grouped_gemm_scatter_add(
+        x, w, m_sizes, _output_tensor, _scatter_add_indices, bias, token_weights, bool(use_fast_accum),
+        bool(deterministic),
+    )  # fmt: skip
+    return _output_tensor
+
+
+def grouped_gemm_fp8_rowwise(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    use_fast_accum: bool = True,
+    *,
+    token_weights: Optional[torch.Tensor] = None,
+    _use_warp_specialization: bool = True,
+    _output_tensor: Optional[torch.Tensor] = None,
+    _scatter_add_indices: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """FP8 e4m3fn: ``y[i] = (x[i] @ w_g.T) * x_scale[i] * w_scale[g*N + n] (* token_weights[i])``,
+    bf16 ``[M, N]``; ``x_scale [M]`` and ``w_scale [G * N]`` float32 dequant scales. Scatter-add
+    and ``deterministic`` as in ``grouped_gemm``."""
+    M, K, G, N = _validate(
+        x, w, m_sizes, (FP8_DTYPE,), None, token_weights, _output_tensor, _scatter_add_indices, torch.bfloat16
+    )
+    _validate_scales(x_scale, w_scale, M, G * N, x.device)
+    if _output_tensor is None:
+        return torch.ops.moekit.grouped_gemm_fp8_rowwise(x, w, m_sizes, x_scale, w_scale, token_weights,
+                                                         bool(use_fast_accum))  # fmt: skip
+    torch.ops.moekit.grouped_gemm_fp8_rowwise_scatter_add(
+        x, w, m_sizes, x_scale, w_scale, _output_tensor, _scatter_add_indices, token_weights, bool(use_fast_accum),
+        bool(deterministic),
+    )  # fmt: skip
+    return _output_tensor
+
+
+def f8f8bf16_rowwise(
+    XQ: torch.Tensor,
+    WQ: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
+) -> torch.Tensor:
+    """Dense FP8 row-wise GEMM: ``[M, N] bf16 = (XQ @ WQ.T) * x_scale[:, None] * w_scale[None, :]
+    (+ bias [N])``. ``XQ [M, K]``, ``WQ [N, K]`` e4m3fn; K and N multiples of 8."""
+    check_tensor("XQ", XQ, ndim=2, dtype=FP8_DTYPE)
+    M, K = XQ.shape
+    check_tensor("WQ", WQ, ndim=2, dtype=FP8_DTYPE, device=XQ.device)
+    N = WQ.shape[0]
+    if WQ.shape[1] != K:
+        raise ValueError(f"WQ must have K={K} columns like XQ, got shape {tuple(WQ.shape)}")
+    _check_dims("XQ.shape[1]", K, "K")
+    _check_dims("WQ.shape[0]", N, "N")
+    _validate_scales(x_scale, w_scale, M, N, XQ.device, w_name="WQ")
+    if bias is not None:
+        check_tensor("bias", bias, dtype=_FLOATS, shape=(N,), device=XQ.device)
+    return torch.ops.moekit.f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias, bool(use_fast_accum))

@@ -1,0 +1,777 @@
+"""Grouped GEMM (BF16 / FP8 row-wise, fused scatter-add) and the dense FP8 row-wise GEMM.
+
+Tiers: ``interpreter`` (the Triton launchers on small CPU tensors, fp16/fp32/fp8 since the
+interpreter has no bf16 dot), ``reference`` (the public ops on CPU: plumbing, opcheck,
+torch.compile, argument errors) and ``gpu`` (the public ops on CUDA against a float32 oracle).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from moekit.ops import grouped_gemm as gg_ops
+from moekit.ops.grouped_gemm import f8f8bf16_rowwise, grouped_gemm, grouped_gemm_fp8_rowwise
+from moekit.reference.quantize import quantize_fp8_row
+from moekit.testing import assert_close, assert_poisoned, poison, random_m_sizes
+
+ref = importlib.import_module("moekit.reference.grouped_gemm")
+FP8 = torch.float8_e4m3fn
+TF32_TOL = 2e-3
+
+
+def _tri():
+    from moekit.ops._triton import grouped_gemm as tri
+
+    return tri
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def _inputs(M, G, N, K, dtype, seed=0, device="cpu"):
+    """Random x [M, K], w [G*N, K] (fp8: quantized row-wise, with their dequant scales)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    x = torch.randn(M, K, generator=g, device=device)
+    w = torch.randn(G * N, K, generator=g, device=device) / K**0.5
+    if dtype == FP8:
+        xq, xs = quantize_fp8_row(x)
+        wq, ws = quantize_fp8_row(w)
+        return xq, wq, xs, ws
+    return x.to(dtype), w.to(dtype), None, None
+
+
+def _sizes(kind: str, M: int, G: int, seed: int = 0) -> torch.Tensor:
+    """int32 [G] group sizes: 'routing' (a random top-1 routing of M rows), 'one' (every row in
+    one group, the others empty), 'zeros' (random with many empty groups), 'short' (sum < M),
+    'over' (sum > M)."""
+    g = _gen(seed + 7)
+    if kind == "routing":
+        return random_m_sizes(M, G, seed=seed)
+    if kind == "one":
+        s = torch.zeros(G, dtype=torch.int32)
+        s[int(torch.randint(0, G, (1,), generator=g))] = M
+        return s
+    if kind == "zeros":
+        s = random_m_sizes(M, G, seed=seed)
+        keep = torch.rand(G, generator=g) < 0.5
+        s = torch.where(keep, s, 0)
+        s[0] += M - int(s.sum())  # the rows of dropped groups go to group 0
+        return s.to(torch.int32)
+    if kind == "short":
+        s = random_m_sizes(M, G, seed=seed)
+        take = max(0, M - max(1, M // 3))
+        out = torch.zeros(G, dtype=torch.int32)
+        left = take
+        for i in range(G):
+            out[i] = min(int(s[i]), left)
+            left -= int(out[i])
+        return out
+    if kind == "over":
+        s = random_m_sizes(M, G, seed=seed)
+        s[-1] += 5
+        s[0] += 3
+        return s
+    raise ValueError(kind)
+
+
+def _oracle(x, w, m_sizes, *, x_scale=None, w_scale=None, bias=None, token_weights=None):
+    """Float32 oracle equal to moekit.reference (rows past sum(m_sizes) are zero), computed per
+    group by slicing (tests may synchronize) so that large G * M stays cheap."""
+    M, K = x.shape
+    G = m_sizes.shape[0]
+    N = w.shape[0] // G
+    if M * G <= 4096:
+        if x.dtype == FP8:
+            return ref.grouped_gemm_fp8_rowwise(x, w, m_sizes, x_scale, w_scale, token_weights=token_weights).float()
+        return ref.grouped_gemm(x, w, m_sizes, bias, token_weights).float()
+    y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
+    sizes = m_sizes.tolist()
+    s = 0
+    for gi, n in enumerate(sizes):
+        e = min(s + n, M)
+        if e > s:
+            xs = x[s:e].float()
+            wg = w[gi * N : (gi + 1) * N].float()
+            acc = xs @ wg.T
+            if x_scale is not None:
+                acc = acc * x_scale.reshape(-1)[s:e, None] * w_scale.reshape(-1)[gi * N : (gi + 1) * N][None, :]
+            if bias is not None:
+                acc = acc + bias.reshape(G, N)[gi].float()
+            if token_weights is not None:
+                acc = acc * token_weights[s:e, None].float()
+            y[s:e] = acc
+        s = min(s + n, M)
+    return y
+
+
+def _valid_rows(m_sizes: torch.Tensor, M: int) -> int:
+    return min(int(m_sizes.sum()), M)
+
+
+# ==============================================================================================
+# Interpreter tier: the Triton launchers on small CPU tensors
+# ==============================================================================================
+
+
+def _cfg(kind, bm=16, bn=16, bk=16, tma=True, stages=2, group_m=2, flatten=True):
+    return _tri().GemmConfig(kind, bm, bn, bk, stages, 4, group_m=group_m, use_tma=tma, flatten=flatten)
+
+
+INTERP_CASES = [
+    # (M, G, N, K, sizes kind, config)
+    (37, 4, 32, 48, "routing", ("stream", 16, 16, 32, True)),
+    (37, 4, 24, 40, "zeros", ("stream", 16, 16, 16, False)),
+    (70, 6, 16, 64, "routing", ("stream", 32, 16, 32, True)),
+    (5, 6, 40, 24, "short", ("stream", 16, 32, 16, True)),
+    (33, 3, 32, 32, "over", ("stream", 16, 16, 16, False)),
+    (64, 2, 48, 32, "one", ("tiled", 16, 16, 16, True)),
+    (70, 3, 40, 24, "routing", ("tiled", 16, 32, 16, False)),
+    (45, 5, 24, 48, "zeros", ("tiled", 32, 16, 16, True)),
+    (29, 4, 16, 16, "over", ("tiled", 16, 16, 16, True)),
+    (1, 4, 32, 64, "routing", ("stream", 16, 16, 64, True)),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("case", INTERP_CASES, ids=lambda c: f"M{c[0]}-G{c[1]}-N{c[2]}-K{c[3]}-{c[4]}-{c[5][0]}")
+def test_interp_grouped_gemm(case, dtype):
+    M, G, N, K, kind, (ck, bm, bn, bk, tma) = case
+    x, w, _, _ = _inputs(M, G, N, K, dtype, seed=M + G)
+    ms = _sizes(kind, M, G, seed=M)
+    g = _gen(3)
+    bias = torch.randn(G, N, generator=g).to(dtype) if M % 2 else None
+    tw = torch.rand(M, generator=g) + 0.5 if G % 2 == 0 else None
+    rows = poison(torch.empty(M, N, dtype=dtype))
+    tri = _tri()
+    tri._launch(x, w, ms, None, None, None if bias is None else bias.reshape(-1), tw, None, None, True,
+                _cfg(ck, bm, bn, bk, tma), M, N, K, G, False, dtype, rows_out=rows)  # fmt: skip
+    n = _valid_rows(ms, M)
+    assert_poisoned(rows, slice(0, n), msg="rows past sum(m_sizes)")
+    want = ref.grouped_gemm(x, w, ms, bias, tw)
+    assert_close(rows[:n].float(), want[:n].float(), tol=TF32_TOL if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["stream", "tiled"])
+def test_interp_fp8(kind):
+    M, G, N, K = 41, 3, 32, 64
+    xq, wq, xs, ws = _inputs(M, G, N, K, FP8, seed=5)
+    ms = _sizes("routing", M, G, seed=5)
+    tw = torch.rand(M, generator=_gen(1)) + 0.5
+    cfg = _cfg(kind, 16, 16, 32, tma=(kind == "tiled"))
+    y = _tri().grouped_gemm(xq, wq, ms, x_scale=xs, w_scale=ws, token_weights=tw, config=cfg)
+    assert y.dtype == torch.bfloat16
+    want = ref.grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, token_weights=tw)
+    assert_close(y.float(), want.float(), tol=1e-2)  # same fp8 inputs: only bf16 output rounding
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("kind", ["stream", "tiled"])
+def test_interp_scatter_add(kind, deterministic):
+    M, G, N, K, T = 29, 4, 24, 40, 11
+    x, w, _, _ = _inputs(M, G, N, K, torch.float32, seed=11)
+    ms = _sizes("short", M, G, seed=2)
+    g = _gen(4)
+    idx = torch.randint(-2, T + 2, (M,), generator=g).to(torch.int32)  # negatives and >= T: skipped
+    tw = torch.rand(M, generator=g)
+    out0 = torch.randn(T, N, generator=g)
+    out = out0.clone()
+    res = _tri().grouped_gemm(x, w, ms, token_weights=tw, out=out, scatter_indices=idx, deterministic=deterministic,
+                              config=_cfg(kind, 16, 16, 16))  # fmt: skip
+    assert res is None
+    want = out0.clone()
+    ref.grouped_gemm(x, w, ms, None, tw, _output_tensor=want, _scatter_add_indices=idx)
+    assert_close(out, want, tol=TF32_TOL)
+
+
+@pytest.mark.interpreter
+def test_interp_deterministic_scatter_bitwise_order():
+    """The deterministic reduction sums each token's rows in ascending row order in float32."""
+    M, G, N, K, T = 24, 2, 16, 16, 3
+    x, w, _, _ = _inputs(M, G, N, K, torch.float16, seed=1)
+    ms = torch.tensor([10, 14], dtype=torch.int32)
+    idx = (torch.arange(M) % T).to(torch.int64)
+    out = torch.randn(T, N, generator=_gen(2)).to(torch.float16)
+    want = out.float().clone()
+    rows = ref.grouped_gemm(x, w, ms).float().to(torch.float16).float()
+    for r in range(M):
+        want[idx[r]] += rows[r]
+    _tri().grouped_gemm(x, w, ms, out=out, scatter_indices=idx, deterministic=True, config=_cfg("stream"))
+    assert torch.equal(out, want.to(torch.float16))
+
+
+@pytest.mark.interpreter
+def test_interp_dense_fp8_and_heuristic_config():
+    M, N, K = 20, 32, 48
+    xq, wq, xs, ws = _inputs(M, 1, N, K, FP8, seed=8)
+    bias = torch.randn(N, generator=_gen(8)).to(torch.bfloat16)
+    y = _tri().f8f8bf16_rowwise(xq, wq, xs, ws, bias)  # heuristic config (stream path)
+    assert_close(y.float(), ref.f8f8bf16_rowwise(xq, wq, xs, ws, bias).float(), tol=1e-2)
+
+
+@pytest.mark.interpreter
+def test_interp_strided_x_int64_sizes_and_empty():
+    M, G, N, K = 19, 3, 16, 32
+    base = torch.randn(M, 2 * K, generator=_gen(9)).to(torch.float16)
+    x = base[:, K:]  # unit last stride, row stride 2K
+    w = (torch.randn(G * N, K, generator=_gen(10)) / K**0.5).to(torch.float16)
+    ms = torch.tensor([7, 0, 12], dtype=torch.int64)
+    for kind in ("stream", "tiled"):
+        y = _tri().grouped_gemm(x, w, ms, config=_cfg(kind))
+        assert_close(y.float(), ref.grouped_gemm(x, w, ms).float(), tol=2e-3)
+    y0 = _tri().grouped_gemm(x[:0], w, torch.zeros(G, dtype=torch.int32))
+    assert y0.shape == (0, N)
+    # every group empty: nothing written
+    y = poison(torch.empty(M, N, dtype=torch.float16))
+    _tri()._launch(x, w, torch.zeros(G, dtype=torch.int32), None, None, None, None, None, None, True,
+                   _cfg("stream"), M, N, K, G, False, torch.float16, rows_out=y)  # fmt: skip
+    assert_poisoned(y, slice(0, 0))
+
+
+@pytest.mark.reference
+def test_heuristic_buckets():
+    tri = _tri()
+    sel = tri.heuristic_config
+    c = sel(1, 2048, 5120, 16, False, 2, 132)
+    assert c.kind == "stream" and c.block_m == 16
+    assert sel(128, 4096, 7168, 256, True, 1, 132).kind == "stream"
+    assert sel(16384, 2048, 5120, 16, False, 2, 132).kind == "tiled"
+    for M in (1, 16, 64, 128, 2048, 16384):
+        for (G, N, K) in ((16, 2048, 5120), (256, 7168, 2048), (128, 2048, 768)):
+            for fp8 in (False, True):
+                cfg = sel(M, N, K, G, fp8, 1 if fp8 else 2, 132)
+                for b in (cfg.block_m, cfg.block_n, cfg.block_k):
+                    assert b >= 16 and b & (b - 1) == 0
+    assert tri.config_key(100, 2048, 5120, 16, False, 2) == "m128_n2048_k5120_g16_b2"
+
+
+# ==============================================================================================
+# Reference tier: public ops on CPU tensors
+# ==============================================================================================
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("M,G,N,K", [(0, 2, 16, 8), (1, 1, 8, 16), (13, 5, 24, 40), (64, 4, 32, 16)])
+def test_cpu_grouped_gemm_matches_reference(M, G, N, K):
+    x, w, _, _ = _inputs(M, G, N, K, torch.bfloat16, seed=M)
+    ms = _sizes("routing", M, G) if M else torch.zeros(G, dtype=torch.int32)
+    bias = torch.randn(G, N, generator=_gen(1)).to(torch.bfloat16)
+    tw = torch.rand(M, generator=_gen(2)).to(torch.bfloat16)
+    y = grouped_gemm(x, w, ms, bias, tw)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    assert torch.equal(y, ref.grouped_gemm(x, w, ms, bias, tw))
+    T = 5
+    idx = torch.randint(-1, T, (M,), generator=_gen(3))
+    out = torch.randn(T, N, generator=_gen(4)).to(torch.bfloat16)
+    want = out.clone()
+    ref.grouped_gemm(x, w, ms, bias, tw, _output_tensor=want, _scatter_add_indices=idx)
+    got = grouped_gemm(x, w, ms, bias, tw, _output_tensor=out, _scatter_add_indices=idx, deterministic=True)
+    assert got is out and torch.equal(out, want)
+
+
+@pytest.mark.reference
+def test_cpu_fp8_and_dense_match_reference():
+    M, G, N, K = 21, 3, 16, 32
+    xq, wq, xs, ws = _inputs(M, G, N, K, FP8, seed=3)
+    ms = _sizes("over", M, G)
+    tw = torch.rand(M, generator=_gen(5))
+    y = grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, token_weights=tw)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref.grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, token_weights=tw))
+    out = torch.randn(7, N, generator=_gen(6)).to(torch.bfloat16)
+    idx = torch.randint(0, 7, (M,), generator=_gen(7), dtype=torch.int32)
+    want = out.clone()
+    ref.grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, _output_tensor=want, _scatter_add_indices=idx)
+    assert grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, _output_tensor=out, _scatter_add_indices=idx) is out
+    assert torch.equal(out, want)
+    d = f8f8bf16_rowwise(xq, wq[:N], xs, ws[:N], torch.randn(N, generator=_gen(8)))
+    assert d.shape == (M, N) and d.dtype == torch.bfloat16
+
+
+def _op_cases():
+    M, G, N, K, T = 9, 3, 16, 24, 4
+    x, w, _, _ = _inputs(M, G, N, K, torch.bfloat16, seed=1)
+    xq, wq, xs, ws = _inputs(M, G, N, K, FP8, seed=2)
+    ms = torch.tensor([4, 0, 5], dtype=torch.int32)
+    bias = torch.randn(G, N, generator=_gen(1)).to(torch.bfloat16)
+    tw = torch.rand(M, generator=_gen(2))
+    idx = torch.tensor([0, 1, 2, 3, -1, 0, 1, 2, 3], dtype=torch.int64)
+    out = torch.randn(T, N, generator=_gen(3)).to(torch.bfloat16)
+    return {
+        "grouped_gemm": (torch.ops.moekit.grouped_gemm.default, (x, w, ms, bias, tw, True)),
+        "grouped_gemm_scatter_add": (
+            torch.ops.moekit.grouped_gemm_scatter_add.default,
+            (x, w, ms, out.clone(), idx, bias, tw, True, False),
+        ),
+        "grouped_gemm_fp8_rowwise": (torch.ops.moekit.grouped_gemm_fp8_rowwise.default, (xq, wq, ms, xs, ws, tw, True)),
+        "grouped_gemm_fp8_rowwise_scatter_add": (
+            torch.ops.moekit.grouped_gemm_fp8_rowwise_scatter_add.default,
+            (xq, wq, ms, xs, ws, out.clone(), idx, tw, True, True),
+        ),
+        "f8f8bf16_rowwise": (torch.ops.moekit.f8f8bf16_rowwise.default, (xq, wq[:N], xs, ws[:N], None, True)),
+    }
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name", list(_op_cases().keys()))
+def test_cpu_opcheck(name):
+    op, args = _op_cases()[name]
+    if any(isinstance(a, torch.Tensor) and a.dtype == FP8 for a in args):
+        # SchemaCheckMode compares inputs with allclose, which CPU float8 lacks: check the
+        # schema's no-mutation promise on the fp8 inputs by bytes instead.
+        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        torch.library.opcheck(op, args, test_utils=utils)
+        before = [a.view(torch.uint8).clone() if isinstance(a, torch.Tensor) and a.dtype == FP8 else None for a in args]
+        op(*args)
+        for a, b in zip(args, before):
+            if b is not None:
+                assert torch.equal(a.view(torch.uint8), b)
+    else:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.reference
+def test_cpu_torch_compile_fullgraph():
+    M, G, N, K, T = 12, 3, 16, 24, 5
+    x, w, _, _ = _inputs(M, G, N, K, torch.bfloat16, seed=4)
+    xq, wq, xs, ws = _inputs(M, G, N, K, FP8, seed=5)
+    ms = torch.tensor([3, 4, 5], dtype=torch.int32)
+    idx = torch.randint(-1, T, (M,), generator=_gen(6))
+    bias = torch.randn(G, N, generator=_gen(7)).to(torch.bfloat16)
+
+    def f(x, w, ms, xq, wq, xs, ws, idx, out):
+        a = grouped_gemm(x, w, ms, bias)
+        b = grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws)
+        grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx)
+        grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, _output_tensor=out, _scatter_add_indices=idx, deterministic=True)
+        c = f8f8bf16_rowwise(xq, wq[:N], xs, ws[:N])
+        return a, b, c, out
+
+    out0 = torch.randn(T, N, generator=_gen(8)).to(torch.bfloat16)
+    want = f(x, w, ms, xq, wq, xs, ws, idx, out0.clone())
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, ms, xq, wq, xs, ws, idx, out0.clone())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def _bad_calls():
+    M, G, N, K = 8, 2, 16, 24
+    x, w, _, _ = _inputs(M, G, N, K, torch.bfloat16)
+    xq, wq, xs, ws = _inputs(M, G, N, K, FP8)
+    ms = torch.tensor([3, 5], dtype=torch.int32)
+    out = torch.zeros(4, N, dtype=torch.bfloat16)
+    idx = torch.zeros(M, dtype=torch.int64)
+    return [
+        ("x dtype", TypeError, "x", lambda: grouped_gemm(x.to(torch.int32), w, ms)),
+        ("fp8 to bf16 op", TypeError, "x", lambda: grouped_gemm(xq, wq, ms)),
+        ("bf16 to fp8 op", TypeError, "x", lambda: grouped_gemm_fp8_rowwise(x, w, ms, xs, ws)),
+        ("w dtype", TypeError, "w", lambda: grouped_gemm(x, w.float(), ms)),
+        ("x ndim", ValueError, "x", lambda: grouped_gemm(x[0], w, ms)),
+        ("w cols", ValueError, "w", lambda: grouped_gemm(x, w[:, :16], ms)),
+        ("w rows", ValueError, "w.shape[0]", lambda: grouped_gemm(x, w[:-1], ms)),
+        ("K multiple of 8", ValueError, "K", lambda: grouped_gemm(x[:, :20], w[:, :20], ms)),
+        ("N multiple of 8", ValueError, "N", lambda: grouped_gemm(x, w[:20], ms)),
+        ("m_sizes dtype", TypeError, "m_sizes", lambda: grouped_gemm(x, w, ms.float())),
+        ("m_sizes int16", TypeError, "m_sizes", lambda: grouped_gemm(x, w, ms.to(torch.int16))),
+        ("m_sizes ndim", ValueError, "m_sizes", lambda: grouped_gemm(x, w, ms[None])),
+        ("m_sizes empty", ValueError, "m_sizes", lambda: grouped_gemm(x, w, ms[:0])),
+        ("m_sizes device", ValueError, "m_sizes", lambda: grouped_gemm(x, w, ms.to("meta"))),
+        ("bias shape", ValueError, "bias", lambda: grouped_gemm(x, w, ms, torch.zeros(G, N + 8))),
+        ("bias dtype", TypeError, "bias", lambda: grouped_gemm(x, w, ms, torch.zeros(G, N, dtype=torch.int32))),
+        ("token_weights shape", ValueError, "token_weights", lambda: grouped_gemm(x, w, ms, None, torch.ones(M + 1))),
+        ("output alone", ValueError, "_scatter_add_indices", lambda: grouped_gemm(x, w, ms, _output_tensor=out)),
+        ("indices alone", ValueError, "_output_tensor", lambda: grouped_gemm(x, w, ms, _scatter_add_indices=idx)),
+        ("output dtype", TypeError, "_output_tensor",
+         lambda: grouped_gemm(x, w, ms, _output_tensor=out.float(), _scatter_add_indices=idx)),
+        ("output cols", ValueError, "_output_tensor",
+         lambda: grouped_gemm(x, w, ms, _output_tensor=out[:, :8], _scatter_add_indices=idx)),
+        ("indices shape", ValueError, "_scatter_add_indices",
+         lambda: grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx[:3])),
+        ("indices dtype", TypeError, "_scatter_add_indices",
+         lambda: grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx.float())),
+        ("x_scale dtype", TypeError, "x_scale", lambda: grouped_gemm_fp8_rowwise(xq, wq, ms, xs.half(), ws)),
+        ("x_scale size", ValueError, "x_scale", lambda: grouped_gemm_fp8_rowwise(xq, wq, ms, xs[:3], ws)),
+        ("w_scale size", ValueError, "w_scale", lambda: grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws[:3])),
+        ("fp8 output dtype", TypeError, "_output_tensor",
+         lambda: grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, _output_tensor=out.half(), _scatter_add_indices=idx)),
+        ("dense XQ dtype", TypeError, "XQ", lambda: f8f8bf16_rowwise(x, wq, xs, ws)),
+        ("dense K", ValueError, "K", lambda: f8f8bf16_rowwise(xq[:, :20], wq[:N, :20], xs, ws[:N])),
+        ("dense N", ValueError, "N", lambda: f8f8bf16_rowwise(xq, wq[:12], xs, ws[:12])),
+        ("dense w_scale", ValueError, "w_scale", lambda: f8f8bf16_rowwise(xq, wq[:N], xs, ws)),
+        ("dense bias", ValueError, "bias", lambda: f8f8bf16_rowwise(xq, wq[:N], xs, ws[:N], torch.zeros(N + 1))),
+    ]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case", _bad_calls(), ids=lambda c: c[0])
+def test_cpu_bad_input(case):
+    _, exc, name, call = case
+    with pytest.raises(exc, match=name.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+@pytest.mark.reference
+def test_tuned_table_lookup(tmp_path, monkeypatch):
+    tri = _tri()
+    table = {tri.config_key(64, 512, 256, 8, False, 2): dict(kind="stream", block_m=32, block_n=64, block_k=128,
+                                                             stages=3, warps=4)}  # fmt: skip
+    path = tmp_path / "t.json"
+    tri.save_table(table, str(path))
+    monkeypatch.setattr(tri, "_TUNED", None)
+    monkeypatch.setenv("MOEKIT_GG_TUNED", str(path))
+    tri.select_config.cache_clear()
+    try:
+        c = tri.select_config(60, 512, 256, 8, False, 2, 132)
+        assert (c.kind, c.block_m, c.block_n) == ("stream", 32, 64)
+    finally:
+        monkeypatch.setattr(tri, "_TUNED", None)
+        monkeypatch.delenv("MOEKIT_GG_TUNED")
+        tri.select_config.cache_clear()
+
+
+# ==============================================================================================
+# GPU tier
+# ==============================================================================================
+
+GPU_CASES = [
+    # (G, M, N, K)
+    (1, 1, 7168, 768),
+    (1, 3, 24, 40),
+    (1, 2048, 2880, 1536),
+    (4, 0, 768, 1536),
+    (4, 3, 2880, 2880),
+    (4, 129, 40, 24),
+    (4, 16384, 1536, 768),
+    (16, 1, 2048, 5120),
+    (16, 64, 5120, 1024),
+    (16, 129, 7168, 768),
+    (16, 2048, 2880, 768),
+    (16, 16384, 768, 1536),
+    (128, 3, 1536, 2048),
+    (128, 64, 2048, 768),
+    (128, 2048, 768, 1536),
+    (128, 16384, 24, 40),
+    (256, 1, 768, 7168),
+    (256, 129, 1536, 768),
+    (256, 2048, 40, 24),
+    (256, 16384, 768, 768),
+]
+SIZE_KINDS = ["routing", "one", "zeros", "short", "over"]
+
+
+def _tol(dtype):
+    return {torch.bfloat16: 1e-2, FP8: 6e-2, torch.float16: 2e-3, torch.float32: TF32_TOL}[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "G{}-M{}-N{}-K{}".format(*c))
+def test_gpu_grouped_gemm(case, dtype, cuda):
+    G, M, N, K = case
+    kind = SIZE_KINDS[(G + M + N) % len(SIZE_KINDS)] if M else "routing"
+    ms_cpu = _sizes(kind, M, G, seed=G + M) if M else torch.zeros(G, dtype=torch.int32)
+    ms = ms_cpu.to(cuda)
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=N, device=cuda)
+    tw = (torch.rand(M, generator=_gen(1)) + 0.5).to(cuda) if (M % 2) else None
+    if dtype == FP8:
+        y = grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw)
+        want = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+    else:
+        bias = (torch.randn(G, N, generator=_gen(2)) * 0.1).to(torch.bfloat16).to(cuda) if G % 2 == 0 else None
+        y = grouped_gemm(x, w, ms, bias, tw)
+        want = _oracle(x, w, ms, bias=bias, token_weights=tw)
+    torch.cuda.synchronize()
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    n = _valid_rows(ms_cpu, M)
+    assert not torch.isnan(y[:n]).any()
+    assert_close(y[:n].float(), want[:n], tol=_tol(dtype), msg=f"{kind} sizes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("M", [3, 4096])
+def test_gpu_other_float_dtypes(dtype, M, cuda):
+    G, N, K = 8, 1536, 768
+    x, w, _, _ = _inputs(M, G, N, K, dtype, seed=M, device=cuda)
+    ms = random_m_sizes(M, G, device=cuda)
+    y = grouped_gemm(x, w, ms)
+    assert y.dtype == dtype
+    assert_close(y.float(), _oracle(x, w, ms), tol=_tol(dtype))
+
+
+def _all_configs(M, N, K, G, fp8):
+    """Every code path the launchers have, at the block sizes the heuristic uses."""
+    tri = _tri()
+    C = tri.GemmConfig
+    out = []
+    for use_tma in (True, False):
+        out.append(C("stream", 16, 16, 512 if fp8 else 256, 4, 2, use_tma=use_tma))
+        out.append(C("stream", 32, 64, 256 if fp8 else 128, 5, 4, use_tma=use_tma))
+        out.append(C("stream", 128, 128, 128 if fp8 else 64, 4, 8, use_tma=use_tma))
+        for flatten in (True, False):
+            out.append(C("tiled", 128, 128, 128 if fp8 else 64, 4, 8, use_tma=use_tma, flatten=flatten))
+        out.append(C("tiled", 128, 256, 128 if fp8 else 64, 3, 8, use_tma=use_tma, flatten=not fp8))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", [(16, 1000, 2880, 768), (4, 515, 40, 1536)], ids=["big", "narrow"])
+def test_gpu_every_config(shape, dtype, cuda):
+    """Each kernel variant (stream/tiled, TMA/pointers, flattened or not) on one shape, plus the
+    scatter epilogue and the FP8 precise-accumulation variant."""
+    G, M, N, K = shape
+    fp8 = dtype == FP8
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=3, device=cuda)
+    ms_cpu = _sizes("zeros", M, G, seed=1)
+    ms = ms_cpu.to(cuda)
+    tw = torch.rand(M, device=cuda) + 0.5
+    want = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+    n = _valid_rows(ms_cpu, M)
+    T = 300
+    idx = torch.randint(-1, T, (M,), device=cuda)
+    out0 = torch.randn(T, N, device=cuda).to(torch.bfloat16)
+    want_out = out0.float().index_add(0, idx.clamp(min=0)[:n], torch.where(idx[:n, None] >= 0, want[:n], 0.0))
+    tri = _tri()
+    for cfg in _all_configs(M, N, K, G, fp8):
+        y = tri.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, config=cfg)
+        assert_close(y[:n].float(), want[:n], tol=_tol(dtype), msg=str(cfg))
+        out = out0.clone()
+        tri.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, out=out, scatter_indices=idx, config=cfg)
+        assert_close(out.float(), want_out, tol=_tol(dtype), msg="scatter " + str(cfg))
+    if fp8:
+        y = tri.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, fast_accum=False,
+                             config=tri.GemmConfig("tiled", 128, 256, 128, 3, 8))  # fmt: skip
+        assert_close(y[:n].float(), want[:n], tol=_tol(dtype), msg="precise accumulation")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("G,M,N,K", [(16, 1, 5120, 1024), (128, 128, 2048, 768), (16, 4096, 2048, 1024)])
+def test_gpu_scatter_add(G, M, N, K, dtype, cuda):
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=G, device=cuda)
+    ms_cpu = _sizes("short", M, G, seed=M)
+    ms = ms_cpu.to(cuda)
+    T = max(1, M // 2)
+    idx = torch.randint(-1, T, (M,), device=cuda, dtype=torch.int32)
+    out = poison(torch.empty(T, N, device=cuda, dtype=torch.bfloat16))
+    n = _valid_rows(ms_cpu, M)
+    hit = torch.zeros(T, dtype=torch.bool, device=cuda)
+    hit[idx[:n][idx[:n] >= 0].long()] = True
+    out[hit] = torch.randn(int(hit.sum()), N, device=cuda).to(torch.bfloat16)
+    out0 = out.clone()
+    tw = torch.rand(M, device=cuda)
+    for deterministic in (False, True):
+        out = out0.clone()
+        if dtype == FP8:
+            r = grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw, _output_tensor=out,
+                                         _scatter_add_indices=idx, deterministic=deterministic)  # fmt: skip
+        else:
+            r = grouped_gemm(x, w, ms, None, tw, _output_tensor=out, _scatter_add_indices=idx,
+                             deterministic=deterministic)  # fmt: skip
+        assert r is out
+        want = out0.clone()
+        rows = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+        use = (torch.arange(M, device=cuda) < n) & (idx >= 0)
+        acc = want.float()
+        acc.index_add_(0, torch.where(use, idx, 0).long(), torch.where(use[:, None], rows, 0.0))
+        assert_poisoned(out, hit, msg="tokens no row targets")
+        assert_close(out[hit].float(), acc[hit], tol=_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("M", [64, 4096])
+def test_gpu_deterministic_bitwise(M, dtype, cuda):
+    G, N, K, T = 16, 2048, 1024, 32
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=M, device=cuda)
+    ms = random_m_sizes(M, G, device=cuda)
+    idx = torch.randint(0, T, (M,), device=cuda)  # many rows per token: order matters
+    out0 = torch.randn(T, N, device=cuda).to(torch.bfloat16)
+    results = []
+    for _ in range(3):
+        out = out0.clone()
+        if dtype == FP8:
+            grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, _output_tensor=out, _scatter_add_indices=idx, deterministic=True)
+        else:
+            grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx, deterministic=True)
+        results.append(out)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    rows = _oracle(x, w, ms, x_scale=xs, w_scale=ws)
+    want = out0.float().index_add(0, idx, rows)
+    assert_close(results[0].float(), want, tol=_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("G,M,N,K", [(16, 64, 2048, 1024), (4, 3000, 1536, 768)])
+def test_gpu_rows_past_sum_stay_poisoned(G, M, N, K, dtype, cuda):
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=1, device=cuda)
+    ms_cpu = _sizes("short", M, G, seed=3)
+    ms = ms_cpu.to(cuda)
+    n = _valid_rows(ms_cpu, M)
+    tri = _tri()
+    y = poison(torch.empty(M, N, device=cuda, dtype=torch.bfloat16))
+    tri._launch(x, w, ms, xs, ws, None, None, None, None, True, None, M, N, K, G, dtype == FP8, torch.bfloat16,
+                rows_out=y)  # fmt: skip
+    assert_poisoned(y, slice(0, n))
+    # The public op writes the same rows: a freed poisoned block of the same size is what the
+    # caching allocator hands back to it.
+    p = poison(torch.empty(M, N, device=cuda, dtype=torch.bfloat16))
+    del p
+    y2 = grouped_gemm_fp8_rowwise(x, w, ms, xs, ws) if dtype == FP8 else grouped_gemm(x, w, ms)
+    assert_poisoned(y2, slice(0, n))
+    assert torch.equal(y2[:n], y[:n])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("M", [64, 4096])
+@pytest.mark.parametrize("scatter", [False, True], ids=["store", "scatter"])
+def test_gpu_cuda_graph_replay(M, dtype, scatter, cuda):
+    G, N, K, T = 16, 1536, 768, 256
+    fp8 = dtype == FP8
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=2, device=cuda)
+    ms = random_m_sizes(M, G, device=cuda)
+    idx = torch.randint(-1, T, (M,), device=cuda)
+    base = torch.randn(T, N, device=cuda).to(torch.bfloat16)
+    out = base.clone()
+
+    def call():
+        if fp8:
+            if scatter:
+                return grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, _output_tensor=out, _scatter_add_indices=idx)
+            return grouped_gemm_fp8_rowwise(x, w, ms, xs, ws)
+        if scatter:
+            return grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx)
+        return grouped_gemm(x, w, ms)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = call()
+    for seed, kind in ((5, "one"), (6, "zeros"), (7, "short")):
+        new_ms = _sizes(kind, M, G, seed=seed)
+        ms.copy_(new_ms.to(cuda))
+        nx, _, nxs, _ = _inputs(M, G, N, K, dtype, seed=seed, device=cuda)
+        x.copy_(nx)
+        if fp8:
+            xs.copy_(nxs)
+        out.copy_(base)
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = _oracle(x, w, ms, x_scale=xs, w_scale=ws)
+        n = _valid_rows(new_ms, M)
+        if scatter:
+            use = (torch.arange(M, device=cuda) < n) & (idx >= 0)
+            want = base.float().index_add_(0, torch.where(use, idx, 0), torch.where(use[:, None], rows, 0.0))
+            assert_close(out.float(), want, tol=_tol(dtype), msg=kind)
+        else:
+            assert_close(y[:n].float(), rows[:n], tol=_tol(dtype), msg=kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 64, 2048])
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_gpu_f8f8bf16_rowwise(M, backend, cuda, monkeypatch):
+    monkeypatch.setenv("MOEKIT_F8_DENSE", backend)
+    N, K = 2880, 1536
+    xq, wq, xs, ws = _inputs(M, 1, N, K, FP8, seed=M, device=cuda)
+    bias = torch.randn(N, device=cuda).to(torch.bfloat16)
+    y = f8f8bf16_rowwise(xq, wq, xs, ws, bias)
+    want = (xq.float() @ wq.float().T) * xs[:, None] * ws[None, :] + bias.float()
+    assert y.dtype == torch.bfloat16
+    assert_close(y.float(), want, tol=6e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile(cuda):
+    G, M, N, K = 8, 300, 1536, 768
+    x, w, _, _ = _inputs(M, G, N, K, torch.bfloat16, seed=1, device=cuda)
+    xq, wq, xs, ws = _inputs(M, G, N, K, FP8, seed=2, device=cuda)
+    ms = random_m_sizes(M, G, device=cuda)
+    idx = torch.randint(0, 64, (M,), device=cuda)
+
+    def f(x, w, ms, xq, wq, xs, ws, idx, out):
+        a = grouped_gemm(x, w, ms)
+        b = grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws)
+        grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx, deterministic=True)
+        return a, b, out
+
+    torch._dynamo.reset()
+    a, b, out = torch.compile(f, fullgraph=True)(x, w, ms, xq, wq, xs, ws, idx, torch.zeros(64, N, device=cuda,
+                                                                                       dtype=torch.bfloat16))  # fmt: skip
+    assert_close(a.float(), _oracle(x, w, ms), tol=1e-2)
+    assert_close(b.float(), _oracle(xq, wq, ms, x_scale=xs, w_scale=ws), tol=6e-2)
+    assert_close(out.float(), torch.zeros(64, N, device=cuda).index_add_(0, idx, _oracle(x, w, ms)), tol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_strided_and_int64_sizes(cuda):
+    G, M, N, K = 8, 200, 1536, 768
+    base = torch.randn(M, 2 * K, device=cuda).to(torch.bfloat16)
+    x = base[:, K:]
+    _, w, _, _ = _inputs(M, G, N, K, torch.bfloat16, device=cuda)
+    ms = random_m_sizes(M, G, device=cuda).long()
+    assert_close(grouped_gemm(x, w, ms).float(), _oracle(x, w, ms), tol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_offsets_past_2_31(cuda):
+    """x and y with more than 2**31 elements: row offsets must be 64-bit (every kernel path)."""
+    G, N, K = 2, 4096, 4096
+    M = 2**31 // K + 64  # rows * cols passes 2**31 for x and for y
+    x = torch.randn(M, K, device=cuda, dtype=torch.bfloat16)
+    w = (torch.randn(G * N, K, device=cuda) / K**0.5).to(torch.bfloat16)
+    ms = torch.tensor([M - 100, 100], dtype=torch.int32, device=cuda)
+    tri = _tri()
+    checks = [slice(0, 64), slice(M - 100 - 32, M - 100 + 32), slice(M - 64, M)]
+    for cfg in (None, tri.GemmConfig("tiled", 128, 256, 64, 3, 8, use_tma=False),
+                tri.GemmConfig("stream", 128, 128, 64, 4, 8)):  # fmt: skip
+        y = tri.grouped_gemm(x, w, ms, config=cfg)
+        for sl in checks:
+            rows = torch.arange(M, device=cuda)[sl]
+            in_g1 = (rows >= M - 100)[:, None]
+            xs = x[sl].float()
+            want = torch.where(in_g1, xs @ w[N:].float().T, xs @ w[:N].float().T)
+            assert_close(y[sl].float(), want, tol=1e-2, msg=f"{cfg} rows {sl}")
+        del y
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_bad_input(cuda):
+    x, w, xs, ws = _inputs(8, 2, 16, 24, FP8, device=cuda)
+    ms = torch.tensor([3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="m_sizes"):
+        grouped_gemm_fp8_rowwise(x, w, ms, xs, ws)  # m_sizes on the CPU
+    with pytest.raises(ValueError, match="x_scale"):
+        grouped_gemm_fp8_rowwise(x, w, ms.to(cuda), xs.cpu(), ws)
+    with pytest.raises(TypeError, match="m_sizes"):
+        grouped_gemm_fp8_rowwise(x, w, ms.to(cuda).float(), xs, ws)
+    with pytest.raises(ValueError, match="K"):
+        grouped_gemm_fp8_rowwise(x[:, :20], w[:, :20], ms.to(cuda), xs, ws)
+
+
+@pytest.mark.reference
+def test_module_exports():
+    assert set(gg_ops.__all__) == {"grouped_gemm", "grouped_gemm_fp8_rowwise", "f8f8bf16_rowwise"}
+    for name in ("grouped_gemm", "grouped_gemm_scatter_add", "grouped_gemm_fp8_rowwise",
+                 "grouped_gemm_fp8_rowwise_scatter_add", "f8f8bf16_rowwise"):  # fmt: skip
+        assert hasattr(torch.ops.moekit, name)
+    assert os.path.basename(gg_ops.__file__) == "grouped_gemm.py"
