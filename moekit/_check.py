@@ -55,7 +55,7 @@ def _gather_scatter(device: torch.device) -> None:
     assert_close(got.float().cpu(), ref.gather_scale_dense_tokens(x.to(dt), tidx, eidx, s).float(), dtype=dt)
     out = torch.randn(T, D)
     rows = torch.randn(T * k, D)
-    o = out.to(device, dt)
+    o = out.to(device, dt).clone()
     scatter_add_dense_tokens(o, rows.to(device, dt), tidx.to(device))
     r = out.to(dt).clone()
     ref.scatter_add_dense_tokens(r, rows.to(dt), tidx)

@@ -1,0 +1,561 @@
+"""gather_scale_dense_tokens (+ quant), scatter_add_dense_tokens (atomic / deterministic),
+scatter_add_padded_tokens: Triton kernels (interpreter and GPU) against moekit.reference."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import pytest
+import torch
+
+from moekit import reference as ref
+from moekit.ops import gather_scatter as ops
+from moekit.reference.gather_scatter import row_mask
+from moekit.testing import assert_close, assert_poisoned, poison, tie_free_scores
+
+FP8 = torch.float8_e4m3fn
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _tri():
+    from moekit.ops._triton import gather_scatter
+
+    return gather_scatter
+
+
+def routing(T, E, K, *, start=None, end=None, seed=0, column_major=False, dtype=torch.float32, device="cpu"):
+    """(scores [T, E], counts [E + 2], expert_indices, token_indices) from the reference
+    index_shuffling on tie-free scores: rows past the valid count hold -1."""
+    s = tie_free_scores(T, E, dtype=dtype, seed=seed, column_major=column_major)
+    counts, eidx, tidx = ref.index_shuffling(s, start, end, top_k=K)
+    return s.to(device), counts.to(device), eidx.to(device), tidx.to(device)
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
+def vtc(n: Optional[int], device="cpu"):
+    return None if n is None else torch.tensor([n], dtype=torch.int32, device=device)
+
+
+def gather_written(tidx, eidx, valid, device="cpu"):
+    return (row_mask(tidx.shape[0], valid, tidx.device) & (tidx >= 0) & (eidx >= 0)).to(device)
+
+
+def e4m3_step(v: torch.Tensor) -> torch.Tensor:
+    """Spacing of e4m3fn values around |v| (2**-9 in the subnormal range)."""
+    a = v.abs().float().clamp(min=2.0**-6)
+    return torch.pow(2.0, torch.floor(torch.log2(a)) - 3)
+
+
+def check_fp8(q, scale, rq, rscale, written):
+    q, rq = q.float().cpu()[written.cpu()], rq.float().cpu()[written.cpu()]
+    step = torch.maximum(e4m3_step(q), e4m3_step(rq))
+    bad = (q - rq).abs() > step
+    assert not bad.any(), f"{int(bad.sum())} fp8 values off by more than one e4m3 step"
+    s, rs = scale.cpu()[written.cpu()], rscale.cpu()[written.cpu()]
+    assert torch.all((s - rs).abs() <= 1e-6 * rs.abs()), "dequant scales differ by more than 1e-6 relative"
+
+
+# Shapes for the interpreter (tiny; every T, E, K, D of the issue appears at least once).
+INTERP_CASES = [
+    # T, E, K, D
+    (0, 6, 2, 8),
+    (1, 1, 1, 8),
+    (1, 16, 8, 24),
+    (7, 6, 4, 24),
+    (7, 257, 2, 8),
+    (7, 16, 2, 2880),
+    (128, 16, 1, 24),
+    (128, 128, 8, 8),
+]
+
+
+def _valid_rows(T, K, mode):
+    return None if mode is None else max(T * K - 3, 0) if mode == "short" else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# interpreter tier: the private launchers on CPU tensors
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,E,K,D", INTERP_CASES)
+def test_gather_scale_interpreter(T, E, K, D):
+    tri = _tri()
+    # Expert range [1, E) leaves a -1 tail; column-major scores exercise the strided path.
+    s, _, eidx, tidx = routing(T, E, K, start=min(1, E - 1), end=E, column_major=True, seed=T + E)
+    for i, (dtype, mode) in enumerate([(torch.float16, None), (torch.bfloat16, "short"), (torch.float32, "zero")]):
+        x = randn(T, D, dtype=dtype, seed=i)
+        v = vtc(_valid_rows(T, K, mode))
+        out = poison(torch.empty(T * K, D, dtype=dtype))
+        tri.gather_scale_dense_tokens(x, tidx, eidx, s, v, out=out)
+        want = ref.gather_scale_dense_tokens(x, tidx, eidx, s, v)
+        w = gather_written(tidx, eidx, v)
+        if T:
+            assert_poisoned(out, w)
+        if dtype == torch.bfloat16:
+            # The interpreter's float32 -> bf16 conversion does not round to nearest even.
+            assert_close(out[w], want[w])
+        else:
+            assert torch.equal(out[w], want[w]), "gathered rows differ from the float32 reference"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,E,K,D", INTERP_CASES[1:6])
+def test_gather_scale_quant_interpreter(T, E, K, D):
+    tri = _tri()
+    s, _, eidx, tidx = routing(T, E, K, start=min(1, E - 1), end=E, seed=3 * T + E)
+    x = randn(T, D, dtype=torch.bfloat16, seed=T)
+    for ub, mode in [(None, None), (torch.tensor([0.05]), "short")]:
+        v = vtc(_valid_rows(T, K, mode))
+        q = poison(torch.empty(T * K, D, dtype=FP8))
+        sc = poison(torch.empty(T * K))
+        tri.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v, out=q, out_scale=sc)
+        rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v)
+        w = gather_written(tidx, eidx, v)
+        assert_poisoned(q, w)
+        assert_poisoned(sc, w)
+        check_fp8(q, sc, rq, rs, w)
+
+
+@pytest.mark.interpreter
+def test_gather_scale_quant_interpreter_two_pass(monkeypatch):
+    """Rows wider than the one-pass limit take the two-pass (amax, then quantize) path."""
+    tri = _tri()
+    monkeypatch.setattr(tri, "_ONE_PASS_MAX_D", 64)
+    T, E, K, D = 5, 6, 2, 200
+    s, _, eidx, tidx = routing(T, E, K, seed=5)
+    x = randn(T, D, dtype=torch.float16, seed=5)
+    q, sc = tri.gather_scale_quant_dense_tokens(x, tidx, eidx, s, torch.tensor([0.5]))
+    rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s, torch.tensor([0.5]))
+    check_fp8(q, sc, rq, rs, gather_written(tidx, eidx, None))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,E,K,D", INTERP_CASES)
+def test_scatter_add_interpreter(T, E, K, D):
+    """Atomic (fp32/fp16: the interpreter has no bf16 atomics) and deterministic (bf16 too)."""
+    tri = _tri()
+    _, _, _, tidx = routing(T, E, K, start=min(1, E - 1), end=E, seed=T * 7 + E)
+    for i, (dtype, mode) in enumerate([(torch.float32, None), (torch.float16, "short"), (torch.bfloat16, "zero")]):
+        out0 = randn(T, D, dtype=dtype, seed=i)
+        rows = randn(T * K, D, dtype=dtype, seed=10 + i)
+        v = vtc(_valid_rows(T, K, mode))
+        want = out0.clone()
+        ref.scatter_add_dense_tokens(want, rows, tidx, v)
+        if dtype != torch.bfloat16:
+            got = out0.clone()
+            tri.scatter_add_dense_tokens(got, rows, tidx, v)
+            assert_close(got, want, msg="atomic scatter-add")
+        det = out0.clone()
+        tri.scatter_add_dense_tokens_deterministic(det, rows, tidx, v)
+        assert_close(det, want, msg="deterministic scatter-add")
+        det2 = out0.clone()
+        tri.scatter_add_dense_tokens_deterministic(det2, rows, tidx, v)
+        assert torch.equal(det, det2)
+
+
+@pytest.mark.interpreter
+def test_scatter_add_interpreter_untouched_rows():
+    """Tokens that receive no row keep their exact bits; int64 indices; a row-strided out."""
+    tri = _tri()
+    T, D = 9, 16
+    tidx = torch.tensor([3, 1, -1, 3, 7, 3, -1, 1], dtype=torch.int64)
+    big = randn(T, 2 * D, seed=1)
+    out = big[:, :D]  # row stride 2D
+    rows = randn(8, D, seed=2)
+    untouched = torch.ones(T, dtype=torch.bool)
+    untouched[[1, 3, 7]] = False
+    before = out.clone()
+    want = out.clone()
+    ref.scatter_add_dense_tokens(want, rows, tidx)
+    for fn in (tri.scatter_add_dense_tokens, tri.scatter_add_dense_tokens_deterministic):
+        o = out.clone()
+        fn(o, rows, tidx)
+        assert torch.equal(o[untouched], before[untouched])
+        assert_close(o, want)
+    fn = tri.scatter_add_dense_tokens_deterministic
+    fn(out, rows, tidx)  # in place through the strided view
+    assert_close(out, want)
+    assert torch.equal(big[:, D:], randn(T, 2 * D, seed=1)[:, D:])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("EP,E,T,K,D", [(1, 6, 7, 2, 8), (2, 16, 7, 4, 24), (4, 16, 1, 1, 8), (8, 16, 9, 8, 40)])
+def test_scatter_add_padded_interpreter(EP, E, T, K, D):
+    tri = _tri()
+    _, counts, _, tidx = routing(T, E, K, seed=EP + T)
+    inp = randn(EP, T * K, D, seed=1)
+    out0 = randn(T, D, seed=2)
+    got, want = out0.clone(), out0.clone()
+    tri.scatter_add_padded_tokens(inp, counts[:E], tidx, got)
+    ref.scatter_add_padded_tokens(inp, counts[:E], tidx, want)
+    assert_close(got, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# reference tier: the public ops on CPU tensors
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.reference
+def test_public_ops_cpu_match_reference():
+    T, E, K, D = 7, 6, 2, 16
+    s, counts, eidx, tidx = routing(T, E, K, start=1, end=5, seed=1)
+    x = randn(T, D, dtype=torch.bfloat16)
+    v = vtc(9)
+    got = ops.gather_scale_dense_tokens(x, tidx, eidx, s, v)
+    assert got.dtype == torch.bfloat16 and got.shape == (T * K, D)
+    assert torch.equal(got, ref.gather_scale_dense_tokens(x, tidx, eidx, s, v))
+    q, sc = ops.gather_scale_quant_dense_tokens(x, tidx, eidx, s, torch.tensor([0.1]), v)
+    rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s, torch.tensor([0.1]), v)
+    assert q.dtype == FP8 and torch.equal(q.float(), rq.float()) and torch.equal(sc, rs)
+
+    out0, rows = randn(T, D), randn(T * K, D, seed=3)
+    want = out0.clone()
+    ref.scatter_add_dense_tokens(want, rows, tidx, v)
+    for kw in ({}, {"deterministic": True}):
+        o = out0.clone()
+        assert ops.scatter_add_dense_tokens(o, rows, tidx, v, **kw) is o
+        assert_close(o, want)
+    o = out0.clone()
+    assert ops.scatter_add_dense_tokens_deterministic(o, rows, tidx, v) is o
+    assert_close(o, want)
+
+    inp = randn(2, T * K, D, seed=4)
+    o, w = out0.clone(), out0.clone()
+    assert ops.scatter_add_padded_tokens(inp, counts[:E], tidx, o) is o
+    ref.scatter_add_padded_tokens(inp, counts[:E], tidx, w)
+    assert_close(o, w)
+
+
+def _op_cases():
+    T, E, K, D = 7, 6, 2, 16
+    s, counts, eidx, tidx = routing(T, E, K, start=1, end=5, seed=2, column_major=True)
+    x = randn(T, D, dtype=torch.bfloat16)
+    return [
+        ("gather_scale_dense_tokens", (x, tidx, eidx, s, vtc(9))),
+        ("gather_scale_quant_dense_tokens", (x, tidx, eidx, s, torch.tensor([0.2]), vtc(11))),
+        ("scatter_add_dense_tokens", (randn(T, D), randn(T * K, D, seed=1), tidx, vtc(5))),
+        ("scatter_add_dense_tokens_deterministic", (randn(T, D), randn(T * K, D, seed=1), tidx, None)),
+        ("scatter_add_padded_tokens", (randn(2, T * K, D, seed=2), counts[:E], tidx, randn(T, D))),
+    ]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name,args", _op_cases(), ids=[c[0] for c in _op_cases()])
+def test_opcheck(name, args):
+    torch.library.opcheck(getattr(torch.ops.moekit, name).default, args)
+
+
+@pytest.mark.reference
+def test_torch_compile_fullgraph():
+    T, E, K, D = 7, 6, 2, 16
+    s, counts, eidx, tidx = routing(T, E, K, seed=4)
+    x = randn(T, D)
+    v = vtc(10)
+
+    def f(x, tidx, eidx, s, v, out, rows, inp, counts):
+        y = ops.gather_scale_dense_tokens(x, tidx, eidx, s, v)
+        q, sc = ops.gather_scale_quant_dense_tokens(x, tidx, eidx, s, None, v)
+        ops.scatter_add_dense_tokens(out, rows, tidx, v)
+        ops.scatter_add_dense_tokens(out, y, tidx, deterministic=True)
+        ops.scatter_add_padded_tokens(inp, counts, tidx, out)
+        return y, q, sc, out * 1
+
+    args = (x, tidx, eidx, s, v, randn(T, D, seed=1), randn(T * K, D, seed=2), randn(2, T * K, D, seed=3), counts[:E])
+    got = torch.compile(f, fullgraph=True, backend="inductor")(*[a.clone() if a is not None else a for a in args])
+    want = f(*[a.clone() if a is not None else a for a in args])
+    for g, w in zip(got, want):
+        assert_close(g.float(), w.float(), tol=1e-5)
+
+
+def _bad_calls():
+    T, E, K, D = 4, 6, 2, 16
+    s, counts, eidx, tidx = routing(T, E, K, seed=0)
+    x = randn(T, D)
+    out, rows = randn(T, D), randn(T * K, D)
+    g = ops.gather_scale_dense_tokens
+    q = ops.gather_scale_quant_dense_tokens
+    sa = ops.scatter_add_dense_tokens
+    sp = ops.scatter_add_padded_tokens
+    return [
+        ("x dtype", lambda: g(x.int(), tidx, eidx, s), TypeError, "x must have dtype"),
+        ("x not 2-D", lambda: g(x[0], tidx, eidx, s), ValueError, "x must be 2-D"),
+        ("x D % 8", lambda: g(randn(T, 12), tidx, eidx, s), ValueError, "multiple of 8"),
+        ("x non-unit last stride", lambda: g(randn(D, T).T, tidx, eidx, s), ValueError, "x must have a unit stride"),
+        ("x odd row stride", lambda: g(randn(T, 20)[:, :16], tidx, eidx, s), ValueError, "x must have strides"),
+        ("token_indices dtype", lambda: g(x, tidx.float(), eidx, s), TypeError, "token_indices must have dtype"),
+        ("expert_indices shape", lambda: g(x, tidx, eidx[:-1], s), ValueError, "expert_indices must have shape"),
+        ("scores rows", lambda: g(x, tidx, eidx, s[:-1]), ValueError, "scores must have shape"),
+        ("scores dtype", lambda: g(x, tidx, eidx, s.int()), TypeError, "scores must have dtype"),
+        ("valid_token_count 2 elems", lambda: g(x, tidx, eidx, s, torch.tensor([1, 2])), ValueError, "valid_token_count"),
+        ("valid_token_count dtype", lambda: g(x, tidx, eidx, s, torch.tensor([1.0])), TypeError, "valid_token_count"),
+        ("scale_ub dtype", lambda: q(x, tidx, eidx, s, torch.tensor([1], dtype=torch.float64)), TypeError, "scale_ub"),
+        ("scale_ub numel", lambda: q(x, tidx, eidx, s, torch.ones(2)), ValueError, "scale_ub"),
+        ("out_tokens dtype", lambda: sa(out.int(), rows, tidx), TypeError, "out_tokens must have dtype"),
+        ("in_tokens columns", lambda: sa(out, randn(T * K, 24), tidx), ValueError, "out_tokens must have 24 columns"),
+        ("in_tokens D % 8", lambda: sa(randn(T, 12), randn(T * K, 12), tidx), ValueError, "multiple of 8"),
+        ("in_tokens non-contiguous", lambda: sa(out, randn(D, T * K).T, tidx), ValueError, "in_tokens must have a unit stride"),
+        ("token_indices length", lambda: sa(out, rows, tidx[:-1]), ValueError, "token_indices must have shape"),
+        ("deterministic type", lambda: sa(out, rows, tidx, deterministic=1), TypeError, "deterministic must be a bool"),
+        ("padded E % EP", lambda: sp(randn(4, T * K, D), counts[:E], tidx, out), ValueError, "multiple of in_tokens.shape[0]"),
+        ("padded in_tokens 2-D", lambda: sp(rows, counts[:E], tidx, out), ValueError, "in_tokens must be 3-D"),
+        ("padded out dtype", lambda: sp(randn(2, T * K, D), counts[:E], tidx, out.half()), TypeError, "out_tokens must have dtype"),
+        ("padded token_indices", lambda: sp(randn(2, T * K, D), counts[:E], tidx[:3], out), ValueError, "token_indices must have shape"),
+        ("padded counts dtype", lambda: sp(randn(2, T * K, D), counts[:E].float(), tidx, out), TypeError, "token_counts must have dtype"),
+    ]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case", _bad_calls(), ids=[c[0] for c in _bad_calls()])
+def test_bad_input_raises(case):
+    _, call, exc, match = case
+    with pytest.raises(exc, match=re.escape(match)):
+        call()
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU tier
+# ----------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # T, E, K, D
+    (1, 16, 1, 5120),
+    (1, 257, 8, 7168),
+    (7, 6, 4, 24),
+    (7, 128, 2, 2880),
+    (128, 16, 4, 5120),
+    (128, 257, 8, 8),
+    (4096, 16, 1, 5120),
+    (4096, 128, 4, 7168),
+    (4096, 128, 8, 2880),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,D", GPU_CASES)
+def test_gather_scale_gpu(T, E, K, D, cuda):
+    tri = _tri()
+    s, _, eidx, tidx = routing(T, E, K, start=1, end=E, column_major=True, seed=T, device=cuda)
+    x = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=1)
+    for v in (None, vtc(T * K // 2, cuda)):
+        got = ops.gather_scale_dense_tokens(x, tidx, eidx, s, v)
+        want = ref.gather_scale_dense_tokens(x, tidx, eidx, s, v)
+        w = gather_written(tidx, eidx, v)
+        assert torch.equal(got[w], want[w])
+        out = poison(torch.empty(T * K, D, dtype=torch.bfloat16, device=cuda))
+        tri.gather_scale_dense_tokens(x, tidx, eidx, s, v, out=out)
+        assert_poisoned(out, w)
+        assert torch.equal(out[w], want[w])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,D", GPU_CASES)
+def test_gather_scale_quant_gpu(T, E, K, D, cuda):
+    tri = _tri()
+    s, _, eidx, tidx = routing(T, E, K, start=1, end=E, seed=T + 1, dtype=torch.bfloat16, device=cuda)
+    x = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=2)
+    for ub, v in [(None, None), (torch.tensor([0.02], device=cuda), vtc(max(T * K - 5, 0), cuda))]:
+        q, sc = ops.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v)
+        rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v)
+        w = gather_written(tidx, eidx, v)
+        check_fp8(q, sc, rq, rs, w)
+        qp = poison(torch.empty(T * K, D, dtype=FP8, device=cuda))
+        sp = poison(torch.empty(T * K, device=cuda))
+        tri.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v, out=qp, out_scale=sp)
+        assert_poisoned(qp, w)
+        assert_poisoned(sp, w)
+
+
+@pytest.mark.gpu
+def test_gather_scale_quant_gpu_two_pass(cuda):
+    T, E, K, D = 64, 16, 2, 16384  # wider than the one-pass limit
+    s, _, eidx, tidx = routing(T, E, K, seed=9, device=cuda)
+    x = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=9)
+    q, sc = ops.gather_scale_quant_dense_tokens(x, tidx, eidx, s)
+    rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s)
+    check_fp8(q, sc, rq, rs, gather_written(tidx, eidx, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,D", GPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scatter_add_gpu(T, E, K, D, dtype, cuda):
+    _, _, _, tidx = routing(T, E, K, start=1, end=E, seed=T + 2, device=cuda)
+    out0 = randn(T, D, dtype=dtype, device=cuda, seed=3)
+    rows = randn(T * K, D, dtype=dtype, device=cuda, seed=4)
+    for v in (None, vtc(T * K // 3, cuda)):
+        want = out0.clone()
+        ref.scatter_add_dense_tokens(want, rows, tidx, v)
+        got = ops.scatter_add_dense_tokens(out0.clone(), rows, tidx, v)
+        assert_close(got, want, msg="atomic")
+        det = ops.scatter_add_dense_tokens(out0.clone(), rows, tidx, v, deterministic=True)
+        assert_close(det, want, msg="deterministic")
+        assert not torch.isnan(det).any()
+        for _ in range(3):
+            again = ops.scatter_add_dense_tokens_deterministic(out0.clone(), rows, tidx, v)
+            assert torch.equal(again, det), "deterministic scatter-add is not bitwise reproducible"
+
+
+@pytest.mark.gpu
+def test_scatter_add_gpu_untouched_tokens(cuda):
+    """Tokens no row lands on keep their bits (poisoned out stays poisoned there)."""
+    T, D = 64, 5120
+    tidx = torch.randint(0, T // 2, (3 * T,), device=cuda, dtype=torch.int32)
+    tidx[::5] = -1
+    rows = randn(3 * T, D, dtype=torch.bfloat16, device=cuda)
+    hit = torch.zeros(T, dtype=torch.bool, device=cuda)
+    hit[tidx[tidx >= 0].long()] = True
+    for det in (False, True):
+        out = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=5)
+        out[~hit] = float("nan")
+        ops.scatter_add_dense_tokens(out, rows, tidx, deterministic=det)
+        assert_poisoned(out, hit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("EP", [1, 2, 4, 8])
+@pytest.mark.parametrize("T,K,D", [(1, 1, 5120), (128, 4, 2880), (4096, 1, 5120)])
+def test_scatter_add_padded_gpu(EP, T, K, D, cuda):
+    E = 16
+    _, counts, _, tidx = routing(T, E, K, seed=EP, device=cuda)
+    inp = randn(EP, T * K, D, dtype=torch.bfloat16, device=cuda, seed=6)
+    out0 = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=7)
+    want = out0.clone()
+    ref.scatter_add_padded_tokens(inp, counts[:E], tidx, want)
+    got = ops.scatter_add_padded_tokens(inp, counts[:E], tidx, out0.clone())
+    assert_close(got, want)
+
+
+def _capture(fn):
+    """Warm ``fn`` up (compiles), then capture it in a CUDA graph. Returns (graph, outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = fn()
+    return g, res
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_new_data(cuda):
+    T, E, K, D = 256, 16, 4, 2880
+    s, _, eidx, tidx = routing(T, E, K, start=2, end=E, seed=1, device=cuda)
+    x = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=1)
+    v = vtc(T * K, cuda)
+    out = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=2)
+    rows = randn(T * K, D, dtype=torch.bfloat16, device=cuda, seed=3)
+    out_det = out.clone()
+
+    def step():
+        y = ops.gather_scale_dense_tokens(x, tidx, eidx, s, v)
+        q, sc = ops.gather_scale_quant_dense_tokens(x, tidx, eidx, s, None, v)
+        ops.scatter_add_dense_tokens(out, rows, tidx, v)
+        ops.scatter_add_dense_tokens(out_det, rows, tidx, v, deterministic=True)
+        return y, q, sc
+
+    g, (y, q, sc) = _capture(step)
+    # New data everywhere, in place.
+    s2, _, e2, t2 = routing(T, E, K, start=0, end=E - 3, seed=7, device=cuda)
+    s.copy_(s2)
+    eidx.copy_(e2)
+    tidx.copy_(t2)
+    x.copy_(randn(T, D, dtype=torch.bfloat16, device=cuda, seed=8))
+    v.fill_(T * K - 100)
+    rows.copy_(randn(T * K, D, dtype=torch.bfloat16, device=cuda, seed=9))
+    o0 = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=10)
+    out.copy_(o0)
+    out_det.copy_(o0)
+    g.replay()
+    torch.cuda.synchronize()
+    w = gather_written(tidx, eidx, v)
+    assert torch.equal(y[w], ref.gather_scale_dense_tokens(x, tidx, eidx, s, v)[w])
+    rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s, None, v)
+    check_fp8(q, sc, rq, rs, w)
+    want = o0.clone()
+    ref.scatter_add_dense_tokens(want, rows, tidx, v)
+    assert_close(out, want)
+    assert_close(out_det, want)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_padded(cuda):
+    EP, E, T, K, D = 4, 16, 128, 2, 5120
+    _, counts, _, tidx = routing(T, E, K, seed=1, device=cuda)
+    c = counts[:E].clone()
+    inp = randn(EP, T * K, D, dtype=torch.bfloat16, device=cuda, seed=1)
+    out = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=2)
+    g, _ = _capture(lambda: ops.scatter_add_padded_tokens(inp, c, tidx, out))
+    _, counts2, _, t2 = routing(T, E, K, seed=5, device=cuda)
+    c.copy_(counts2[:E])
+    tidx.copy_(t2)
+    inp.copy_(randn(EP, T * K, D, dtype=torch.bfloat16, device=cuda, seed=3))
+    o0 = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=4)
+    out.copy_(o0)
+    g.replay()
+    torch.cuda.synchronize()
+    ref.scatter_add_padded_tokens(inp, c, tidx, o0)
+    assert_close(out, o0)
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph_gpu(cuda):
+    """The registered ops trace into Inductor graphs with their Triton kernels."""
+    T, E, K, D = 64, 16, 2, 256
+    s, counts, eidx, tidx = routing(T, E, K, start=1, end=E, seed=4, device=cuda)
+    x = randn(T, D, dtype=torch.bfloat16, device=cuda)
+    v = vtc(T * K - 7, cuda)
+
+    def f(x, tidx, eidx, s, v, out, inp, counts):
+        y = ops.gather_scale_dense_tokens(x, tidx, eidx, s, v)
+        q, sc = ops.gather_scale_quant_dense_tokens(x, tidx, eidx, s, None, v)
+        ops.scatter_add_dense_tokens(out, y, tidx, v, deterministic=True)
+        ops.scatter_add_padded_tokens(inp, counts, tidx, out)
+        return y, q.float(), sc, out * 1
+
+    args = (x, tidx, eidx, s, v, randn(T, D, dtype=torch.bfloat16, device=cuda, seed=1),
+            randn(2, T * K, D, dtype=torch.bfloat16, device=cuda, seed=3), counts[:E])
+    clone = lambda: [a.clone() for a in args]  # noqa: E731
+    got = torch.compile(f, fullgraph=True)(*clone())
+    want = f(*clone())
+    w = gather_written(tidx, eidx, v)
+    assert torch.equal(got[0][w], want[0][w])
+    assert torch.equal(got[1][w], want[1][w]) and torch.equal(got[2][w], want[2][w])
+    assert_close(got[3], want[3])
+
+
+@pytest.mark.gpu
+def test_offsets_past_2_pow_31_gpu(cuda):
+    """Rows whose element offset exceeds 2**31 (x and out of about 4.3 GB each)."""
+    D = 4096
+    T = 2**31 // D + 64
+    x = torch.empty(T, D, dtype=torch.bfloat16, device=cuda).normal_()
+    s = torch.rand(T, 4, device=cuda) + 0.5
+    tidx = torch.cat([torch.arange(T - 40, T, device=cuda), torch.arange(0, 8, device=cuda)]).int()
+    eidx = (torch.arange(48, device=cuda) % 4).int()
+    got = ops.gather_scale_dense_tokens(x, tidx, eidx, s)
+    want = x[tidx.long()].float() * s[tidx.long(), eidx.long()].unsqueeze(1)
+    assert torch.equal(got, want.to(torch.bfloat16))
+    q, sc = ops.gather_scale_quant_dense_tokens(x, tidx, eidx, s)
+    rq, rs = ref.quantize_fp8_row(want, eps=1e-12)
+    check_fp8(q, sc, rq, rs, torch.ones(48, dtype=torch.bool))
+    del x
+    out = torch.zeros(T, D, dtype=torch.bfloat16, device=cuda)
+    for det in (False, True):
+        out[-40:].zero_()
+        ops.scatter_add_dense_tokens(out, got, tidx, deterministic=det)
+        assert torch.equal(out[-40:], got[:40])
