@@ -1,0 +1,694 @@
+"""Triton kernel of the fused MoE-tail collective: a one-shot (or two-shot) Lamport exchange on
+symmetric memory through peer pointers (no NVLink multicast).
+
+One launch does both roles of ``moekit.comm.CollectiveKernel``:
+
+- routed: every rank publishes its latent row (or the top-k finalize of its unreduced expert
+  outputs, rounded to bf16) into a slot of every rank's workspace; each rank then sums the R slots
+  in rank order in float32 (bitwise identical on every rank) and applies RMSNorm * gamma.
+- shared: rank r sends columns ``[p*S, (p+1)*S)`` of its shared-expert output to rank p; each
+  rank sums the R contributions to its own shard.
+
+Lamport protocol. The workspace is ``int16`` storage (bf16 bit patterns) pre-filled with the
+sentinel ``0x8000`` (bf16 -0.0). Published data never holds -0.0 (turned into +0.0 first), so a
+reader knows an element has arrived as soon as it is not the sentinel: it spins on volatile loads
+until its fragment holds no sentinel. Three buffers rotate; the buffer of the previous call is
+re-filled with sentinels lazily during the next call (only the extent that call used). The
+device-side ``flags`` tensor holds the current and dirty buffer indices, the dirty extent and an
+arrival counter; the last program to arrive advances them, so nothing lives on the host and the
+launch is CUDA-graph capturable (replays keep rotating correctly).
+
+Two-shot routed path (chosen by M for large messages): rank r sends column chunk c of its row to
+rank c (reduce-scatter), rank c sums the chunk and publishes the sum to every rank (all-gather,
+bf16, or float32 in ``fp32_internal`` mode), then every rank normalizes the full row.
+
+Waits are bounded: a deadline on ``%globaltimer`` on the GPU (an iteration cap in the
+interpreter). On timeout a program stops waiting, marks the missing source ranks in the device
+error tensor (and in a host-mapped mirror when available) and finishes; the host raises.
+
+Every workspace read is a sentinel-checked spin, so no fence is needed for correctness: data
+published by any program of any rank becomes visible eventually, and each element is written at
+most once per call. Programs never wait for a program of their own rank that has not published
+yet (every program publishes before it waits) and the grid never exceeds the SM count, so all
+programs are co-resident and the exchange cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.ops._common import cdiv, interpreting, next_pow2, num_sms
+
+NUM_BUFFERS = 3
+SENTINEL16 = -32768  # 0x8000: bf16 -0.0
+SENTINEL32 = -2147450880  # 0x80008000: two bf16 sentinels read as one 32-bit word
+# flags tensor (int32)
+F_CURRENT, F_DIRTY, F_DIRTY_M, F_DIRTY_USED, F_ARRIVED, F_CALLS = 0, 1, 2, 3, 4, 5
+NUM_FLAGS = 8
+EMULATE_BF16 = interpreting()  # see _to_bf16
+
+
+# ----------------------------------------------------------------------------------------------
+# device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _now_ns(USE_TIMER: tl.constexpr):
+    if USE_TIMER:
+        t = _globaltimer()
+    else:
+        t = tl.full((), 0, tl.int64)
+    return t
+
+
+@triton.jit
+def _peer16(peers_ptr, p):
+    """int16 view of peer ``p``'s workspace (16-byte aligned base)."""
+    return tl.multiple_of(tl.load(peers_ptr + p).to(tl.pointer_type(tl.int16)), 16)
+
+
+@triton.jit
+def _peer32(peers_ptr, p):
+    return tl.multiple_of(tl.load(peers_ptr + p).to(tl.pointer_type(tl.int32)), 16)
+
+
+@triton.jit
+def _to_bf16(x, EMULATE: tl.constexpr):
+    """float32 -> bf16, round to nearest even. The Triton 3.6 interpreter truncates instead, so
+    there (``EMULATE``) the value is first rounded on the bf16 grid in integer arithmetic and the
+    conversion of the now exact value cannot differ."""
+    if EMULATE:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _bf16_bits(x, EMULATE: tl.constexpr):
+    """float32 -> bf16 bit pattern (round to nearest even) with -0.0 turned into +0.0."""
+    b = _to_bf16(x, EMULATE).to(tl.int16, bitcast=True)
+    return tl.where(b == -32768, tl.zeros_like(b), b)
+
+
+@triton.jit
+def _bits_f32(b):
+    return b.to(tl.bfloat16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _record_missing(err_ptr, herr_ptr, src, pending, HOST_ERR: tl.constexpr):
+    """Mark the source rank(s) of the still-pending elements as missing."""
+    one = tl.full(pending.shape, 1, tl.int32)
+    tl.store(err_ptr + src, one, mask=pending)
+    if HOST_ERR:
+        tl.store(herr_ptr + src, one, mask=pending)
+
+
+@triton.jit
+def _pending(count, deadline, spins, max_spins, USE_TIMER: tl.constexpr):
+    """(number of missing elements, whether the wait has expired), both uniform across the
+    program: the clock of the thread that owns element 0 decides (each thread reads its own
+    %globaltimer; a per-thread decision could split the loop around the reduction's barrier)."""
+    if USE_TIMER:
+        expired = (_globaltimer() >= deadline).to(tl.int32)
+    else:
+        expired = (spins >= max_spins).to(tl.int32)
+    first = tl.arange(0, count.shape[0]) == 0
+    stat = tl.sum(count.to(tl.int32) * 2 + tl.where(first, expired, 0), axis=0)
+    return stat // 2, (stat % 2) == 1
+
+
+@triton.jit
+def _wait16(ptrs, mask, src, deadline, max_spins, err_ptr, herr_ptr,
+            USE_TIMER: tl.constexpr, HOST_ERR: tl.constexpr):
+    """Spin on volatile loads of ``ptrs`` until no element is the sentinel (or the deadline).
+    ``src`` is the source rank of each element (for the timeout report)."""
+    v = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    pend = tl.sum((v == -32768).to(tl.int32), axis=0)
+    spins = pend * 0
+    go = pend > 0
+    while go:
+        miss = v == -32768
+        w = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        v = tl.where(miss, w, v)
+        spins += 1
+        pend, expired = _pending((v == -32768).to(tl.int32), deadline, spins, max_spins, USE_TIMER)
+        go = (pend > 0) & (not expired)
+    if pend > 0:
+        miss = v == -32768
+        _record_missing(err_ptr, herr_ptr, src, miss, HOST_ERR)
+        v = tl.where(miss, tl.zeros_like(v), v)
+    return v
+
+
+@triton.jit
+def _wait32(ptrs, mask, src, deadline, max_spins, err_ptr, herr_ptr,
+            USE_TIMER: tl.constexpr, HOST_ERR: tl.constexpr):
+    """``_wait16`` for float32 words (sentinel 0x80008000)."""
+    v = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    pend = tl.sum((v == -2147450880).to(tl.int32), axis=0)
+    spins = pend * 0
+    go = pend > 0
+    while go:
+        miss = v == -2147450880
+        w = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        v = tl.where(miss, w, v)
+        spins += 1
+        pend, expired = _pending((v == -2147450880).to(tl.int32), deadline, spins, max_spins, USE_TIMER)
+        go = (pend > 0) & (not expired)
+    if pend > 0:
+        miss = v == -2147450880
+        _record_missing(err_ptr, herr_ptr, src, miss, HOST_ERR)
+        v = tl.where(miss, tl.zeros_like(v), v)
+    return v
+
+
+@triton.jit
+def _load_sum(base, STRIDE: tl.constexpr, cols, mask, R: tl.constexpr, BLOCK: tl.constexpr):
+    """Volatile loads of the R source slots ``base + s*STRIDE + cols`` issued back to back: their
+    float32 sum in rank order and, per element, how many are still the sentinel."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    npend = tl.zeros([BLOCK], tl.int32)
+    for s in tl.static_range(R):
+        v = tl.load(base + s * STRIDE + cols, mask=mask, other=0, volatile=True)
+        npend += (v == -32768).to(tl.int32)
+        acc += _bits_f32(v)
+    return acc, npend
+
+
+@triton.jit
+def _sum_sources(base, STRIDE: tl.constexpr, cols, mask, deadline, max_spins, err_ptr, herr_ptr,
+                 R: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr, HOST_ERR: tl.constexpr):
+    """Wait until every source slot is complete and return the float32 rank-order sum. Each spin
+    reloads all R slots and takes one reduction, so a wait costs one round trip, not R. On
+    timeout, the still-missing sources are recorded and their elements count as 0."""
+    acc, npend = _load_sum(base, STRIDE, cols, mask, R, BLOCK)
+    pend = tl.sum(npend, axis=0)
+    spins = pend * 0
+    go = pend > 0
+    while go:
+        acc, npend = _load_sum(base, STRIDE, cols, mask, R, BLOCK)
+        spins += 1
+        pend, expired = _pending(npend, deadline, spins, max_spins, USE_TIMER)
+        go = (pend > 0) & (not expired)
+    if pend > 0:
+        acc = tl.zeros([BLOCK], tl.float32)
+        src = tl.zeros([BLOCK], tl.int32)
+        for s in tl.static_range(R):
+            v = tl.load(base + s * STRIDE + cols, mask=mask, other=0, volatile=True)
+            miss = v == -32768
+            _record_missing(err_ptr, herr_ptr, src + s, miss, HOST_ERR)
+            acc += tl.where(miss, 0.0, _bits_f32(v))
+    return acc
+
+
+@triton.jit
+def _local_values(lat_ptr, wts_ptr, idx_ptr, t64, cols, mask, gemm_rows,
+                  L: tl.constexpr, TOP_K: tl.constexpr, KG: tl.constexpr, BLOCK: tl.constexpr):
+    """This rank's routed contribution to row ``t`` at ``cols`` in float32: the latent source
+    row, or the top-k finalize ``sum_k w[t,k] * gemm2[idx[t,k]]`` (slots ascending, idx < 0 or
+    past the last row skipped)."""
+    if TOP_K > 0:
+        acc = tl.zeros([BLOCK], tl.float32)
+        for k0 in tl.range(0, TOP_K, KG):
+            for kk in tl.static_range(KG):
+                k = k0 + kk
+                i = tl.load(idx_ptr + t64 * TOP_K + k).to(tl.int64)
+                w = tl.load(wts_ptr + t64 * TOP_K + k).to(tl.float32)
+                ok = (i >= 0) & (i < gemm_rows)
+                row = tl.where(ok, i, 0)
+                v = tl.load(lat_ptr + row * L + cols, mask=mask & ok, other=0.0).to(tl.float32)
+                acc += tl.where(ok, v * w, 0.0)
+        out = acc
+    else:
+        out = tl.load(lat_ptr + t64 * L + cols, mask=mask, other=0.0).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _routed_row(ws16_ptr, ws32_ptr, cur, t64, cols, mask, deadline, max_spins, err_ptr, herr_ptr,
+                R: tl.constexpr, L: tl.constexpr, FOOT: tl.constexpr, BUF: tl.constexpr,
+                RT0: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
+                TWO_SHOT: tl.constexpr, GATHER_F32: tl.constexpr,
+                USE_TIMER: tl.constexpr, HOST_ERR: tl.constexpr):
+    """The float32 rank sum of row ``t`` at ``cols`` (waiting for every contribution)."""
+    if TWO_SHOT:
+        owner = cols // CH
+        if GATHER_F32:
+            base32 = cur.to(tl.int64) * (BUF // 2) + t64 * (FOOT // 2) + (RT0 + L) // 2
+            w = _wait32(ws32_ptr + base32 + cols, mask, owner, deadline, max_spins, err_ptr,
+                        herr_ptr, USE_TIMER, HOST_ERR)
+            acc = w.to(tl.float32, bitcast=True)
+        else:
+            base16 = cur.to(tl.int64) * BUF + t64 * FOOT + RT0 + L
+            v = _wait16(ws16_ptr + base16 + cols, mask, owner, deadline, max_spins, err_ptr,
+                        herr_ptr, USE_TIMER, HOST_ERR)
+            acc = _bits_f32(v)
+    else:
+        base16 = cur.to(tl.int64) * BUF + t64 * FOOT + RT0
+        acc = _sum_sources(ws16_ptr + base16, L, cols, mask, deadline, max_spins, err_ptr, herr_ptr,
+                           R, BLOCK, USE_TIMER, HOST_ERR)
+    return acc
+
+
+@triton.jit
+def _norm_input(x, res_ptr, t64, cols, mask, L: tl.constexpr, HAS_RES: tl.constexpr,
+                FP32_INTERNAL: tl.constexpr, EMULATE: tl.constexpr):
+    """(value entering the norm, its square as summed) for the rank sum ``x``."""
+    if HAS_RES:
+        x += tl.load(res_ptr + t64 * L + cols, mask=mask, other=0.0).to(tl.float32)
+    if FP32_INTERNAL:
+        sq = x * x
+    else:
+        # upstream-compatible: the sum rounded to bf16, each square rounded to bf16
+        x = _to_bf16(x, EMULATE).to(tl.float32)
+        sq = _to_bf16(x * x, EMULATE).to(tl.float32)
+    sq = tl.where(mask, sq, 0.0)
+    return x, sq
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["m", "rank", "gemm_rows", "timeout_ns", "max_spins"])
+def _tail_kernel(
+    lat_ptr, wts_ptr, idx_ptr, res_ptr, gamma_ptr, lat_out_ptr,
+    sh_ptr, sh_out_ptr,
+    ws16_ptr, ws32_ptr, peers_ptr, flags_ptr, err_ptr,
+    m, rank, gemm_rows, eps, timeout_ns, max_spins,
+    R: tl.constexpr, L: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
+    FOOT: tl.constexpr, BUF: tl.constexpr, RT0: tl.constexpr, USED: tl.constexpr,
+    CH: tl.constexpr, NPR: tl.constexpr, NCH: tl.constexpr, NJ: tl.constexpr,
+    SH_OUT_STRIDE: tl.constexpr,
+    TOP_K: tl.constexpr, KG: tl.constexpr,
+    ROUTED: tl.constexpr, SHARED: tl.constexpr, TWO_SHOT: tl.constexpr,
+    FP32_INTERNAL: tl.constexpr, GATHER_F32: tl.constexpr, HAS_RES: tl.constexpr,
+    HOST_ERR: tl.constexpr, USE_TIMER: tl.constexpr, EMULATE: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    cur = tl.load(flags_ptr + 0)
+    dirty = tl.load(flags_ptr + 1)
+    dirty_m = tl.load(flags_ptr + 2)
+    dirty_used = tl.multiple_of(tl.load(flags_ptr + 3), 8)  # extents are multiples of 8
+    calls = tl.load(flags_ptr + 5)
+    cur_base = cur.to(tl.int64) * BUF  # int16 units
+    herr_ptr = err_ptr
+    if HOST_ERR:
+        herr_ptr = tl.load(peers_ptr + R).to(tl.pointer_type(tl.int32))
+
+    zero = m * 0
+    n_pub_r = zero
+    n_sh = zero
+    if ROUTED:
+        n_pub_r = m * NPR
+    if SHARED:
+        n_sh = m * NJ
+
+    # ---- phase 1: publish this rank's fragments into every rank's current buffer -------------
+    for it in tl.range(pid, n_pub_r + n_sh, P):
+        if ROUTED:
+            if it < n_pub_r:
+                t = it // NPR
+                c = it % NPR
+                t64 = tl.cast(t, tl.int64)
+                slot = cur_base + t64 * FOOT + RT0
+                if TWO_SHOT:
+                    owner = c // NCH
+                    cin = (c % NCH) * BLOCK_P + tl.arange(0, BLOCK_P)
+                    pmask = cin < CH
+                    vals = _local_values(lat_ptr, wts_ptr, idx_ptr, t64, owner * CH + cin, pmask,
+                                         gemm_rows, L, TOP_K, KG, BLOCK_P)
+                    bits = _bf16_bits(vals, EMULATE)
+                    tl.store(_peer16(peers_ptr, owner) + slot + rank * CH + cin, bits, mask=pmask)
+                else:
+                    cols = c * BLOCK_P + tl.arange(0, BLOCK_P)
+                    pmask = cols < L
+                    vals = _local_values(lat_ptr, wts_ptr, idx_ptr, t64, cols, pmask, gemm_rows,
+                                         L, TOP_K, KG, BLOCK_P)
+                    bits = _bf16_bits(vals, EMULATE)
+                    for p in tl.static_range(R):
+                        tl.store(_peer16(peers_ptr, p) + slot + rank * L + cols, bits, mask=pmask)
+        if SHARED:
+            if it >= n_pub_r:
+                q = it - n_pub_r
+                t = q // NJ
+                j = q % NJ
+                t64 = tl.cast(t, tl.int64)
+                cols = j * BLOCK_S + tl.arange(0, BLOCK_S)
+                smask = cols < S
+                dst = cur_base + t64 * FOOT + rank * S + cols
+                for p in tl.static_range(R):
+                    v = tl.load(sh_ptr + t64 * H + p * S + cols, mask=smask, other=0.0)
+                    b = v.to(tl.int16, bitcast=True)
+                    b = tl.where(b == -32768, tl.zeros_like(b), b)
+                    tl.store(_peer16(peers_ptr, p) + dst, b, mask=smask)
+
+    # ---- phase 2: lazily re-fill the previous call's buffer with sentinels -------------------
+    dirty_base = dirty.to(tl.int64) * BUF
+    nblk = (dirty_used + BLOCK_C - 1) // BLOCK_C
+    sentinel = tl.full([BLOCK_C], -32768, tl.int16)
+    for b in tl.range(pid, dirty_m * nblk, P):
+        tt = tl.cast(b // nblk, tl.int64)
+        offs = (b % nblk) * BLOCK_C + tl.arange(0, BLOCK_C)
+        tl.store(ws16_ptr + dirty_base + tt * FOOT + offs, sentinel, mask=offs < dirty_used)
+
+    deadline = _now_ns(USE_TIMER) + timeout_ns
+
+    # ---- phase 3 (two-shot): reduce this rank's column chunk and publish the sum to all ------
+    if ROUTED:
+        if TWO_SHOT:
+            for it in tl.range(pid, m * NCH, P):
+                t = it // NCH
+                cin = (it % NCH) * BLOCK_P + tl.arange(0, BLOCK_P)
+                pmask = cin < CH
+                t64 = tl.cast(t, tl.int64)
+                slot = cur_base + t64 * FOOT + RT0
+                acc = _sum_sources(ws16_ptr + slot, CH, cin, pmask, deadline, max_spins, err_ptr,
+                                   herr_ptr, R, BLOCK_P, USE_TIMER, HOST_ERR)
+                if GATHER_F32:
+                    w = acc.to(tl.int32, bitcast=True)
+                    w = tl.where(w == -2147450880, tl.zeros_like(w), w)
+                    dst32 = (cur.to(tl.int64) * (BUF // 2) + t64 * (FOOT // 2) + (RT0 + L) // 2
+                             + rank * CH + cin)
+                    for p in tl.static_range(R):
+                        tl.store(_peer32(peers_ptr, p) + dst32, w, mask=pmask)
+                else:
+                    bits = _bf16_bits(acc, EMULATE)
+                    for p in tl.static_range(R):
+                        tl.store(_peer16(peers_ptr, p) + slot + L + rank * CH + cin, bits, mask=pmask)
+
+    # ---- phase 4: shared role, sum the R contributions to this rank's shard -----------------
+    n_rt = zero
+    if ROUTED:
+        n_rt = m
+    if SHARED:
+        for it in tl.range(pid, n_rt + n_sh, P):
+            if it >= n_rt:
+                q = it - n_rt
+                t = q // NJ
+                cols = (q % NJ) * BLOCK_S + tl.arange(0, BLOCK_S)
+                smask = cols < S
+                t64 = tl.cast(t, tl.int64)
+                slot = cur_base + t64 * FOOT
+                acc = _sum_sources(ws16_ptr + slot, S, cols, smask, deadline, max_spins, err_ptr,
+                                   herr_ptr, R, BLOCK_S, USE_TIMER, HOST_ERR)
+                tl.store(sh_out_ptr + t64 * SH_OUT_STRIDE + cols, _to_bf16(acc, EMULATE), mask=smask)
+
+    # ---- phase 5: routed role, rank sum + RMSNorm * gamma ------------------------------------
+    if ROUTED:
+        for t in tl.range(pid, n_rt, P):
+            t64 = tl.cast(t, tl.int64)
+            if BLOCK_L >= L:
+                # the whole row in registers: one pass
+                cols = tl.arange(0, BLOCK_L)
+                lmask = cols < L
+                g = tl.load(gamma_ptr + cols, mask=lmask, other=0.0).to(tl.float32)
+                x = _routed_row(ws16_ptr, ws32_ptr, cur, t64, cols, lmask, deadline, max_spins,
+                                err_ptr, herr_ptr, R, L, FOOT, BUF, RT0, CH, BLOCK_L, TWO_SHOT,
+                                GATHER_F32, USE_TIMER, HOST_ERR)
+                x, sq = _norm_input(x, res_ptr, t64, cols, lmask, L, HAS_RES, FP32_INTERNAL, EMULATE)
+                inv = tl.math.rsqrt(tl.sum(sq, axis=0) / L + eps)
+                y = x * inv * g
+                tl.store(lat_out_ptr + t64 * L + cols, _to_bf16(y, EMULATE), mask=lmask)
+            else:
+                # long rows: the sum of squares first, then a second (non-waiting) pass
+                ss = tl.zeros([BLOCK_L], tl.float32)
+                for c0 in tl.range(0, L, BLOCK_L):
+                    cols = c0 + tl.arange(0, BLOCK_L)
+                    lmask = cols < L
+                    x = _routed_row(ws16_ptr, ws32_ptr, cur, t64, cols, lmask, deadline, max_spins,
+                                    err_ptr, herr_ptr, R, L, FOOT, BUF, RT0, CH, BLOCK_L, TWO_SHOT,
+                                    GATHER_F32, USE_TIMER, HOST_ERR)
+                    x, sq = _norm_input(x, res_ptr, t64, cols, lmask, L, HAS_RES, FP32_INTERNAL, EMULATE)
+                    ss += sq
+                inv = tl.math.rsqrt(tl.sum(ss, axis=0) / L + eps)
+                for c0 in tl.range(0, L, BLOCK_L):
+                    cols = c0 + tl.arange(0, BLOCK_L)
+                    lmask = cols < L
+                    # every element has arrived (or timed out): the waits below return at once
+                    x = _routed_row(ws16_ptr, ws32_ptr, cur, t64, cols, lmask, deadline, max_spins,
+                                    err_ptr, herr_ptr, R, L, FOOT, BUF, RT0, CH, BLOCK_L, TWO_SHOT,
+                                    GATHER_F32, USE_TIMER, HOST_ERR)
+                    x, sq = _norm_input(x, res_ptr, t64, cols, lmask, L, HAS_RES, FP32_INTERNAL, EMULATE)
+                    g = tl.load(gamma_ptr + cols, mask=lmask, other=0.0).to(tl.float32)
+                    y = x * inv * g
+                    tl.store(lat_out_ptr + t64 * L + cols, _to_bf16(y, EMULATE), mask=lmask)
+
+    # ---- phase 6: arrival; the last program advances the buffer rotation ---------------------
+    tl.debug_barrier()
+    old = tl.atomic_add(flags_ptr + 4, 1, sem="acq_rel", scope="gpu")
+    if old == P - 1:
+        tl.store(flags_ptr + 0, (cur + 1) % 3)
+        tl.store(flags_ptr + 1, cur)
+        tl.store(flags_ptr + 2, m)
+        tl.store(flags_ptr + 3, m * 0 + USED)
+        tl.store(flags_ptr + 5, calls + 1)
+        tl.store(flags_ptr + 4, m * 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side: static layout, per-call launch
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TailLayout:
+    """Static geometry of one collective instance (identical on every rank).
+
+    Workspace (``int16``): ``[NUM_BUFFERS, max_m, foot]``; per token: the shared region
+    ``[R, S]`` first (slot of source s at ``s*S``), then the routed region at ``rt0``: one-shot
+    ``[R, L]``; two-shot ``[R, L/R]`` reduce-scatter slots followed by the gathered row (bf16, or
+    float32 words with ``gather_f32``, which defaults to ``fp32_internal``; the standalone
+    all-reduce + norm sets it so that a residual is added to the unrounded sum).
+    """
+
+    rank: int
+    tp_size: int
+    latent_dim: int  # L (0 when the routed role is off)
+    hidden_dim: int  # H (0 when the shared role is off)
+    max_m: int
+    top_k: int
+    routed: bool
+    shared: bool
+    fp32_internal: bool
+    two_shot_min_m: int  # > max_m: never
+    gather_f32: Optional[bool] = None  # two-shot all-gather in float32 (default: fp32_internal)
+
+    @property
+    def gathers_f32(self) -> bool:
+        return self.fp32_internal if self.gather_f32 is None else self.gather_f32
+
+    @property
+    def shard_dim(self) -> int:
+        return self.hidden_dim // self.tp_size if self.shared else 0
+
+    @property
+    def two_shot_possible(self) -> bool:
+        R, L = self.tp_size, self.latent_dim
+        return self.routed and R >= 2 and L % (8 * R) == 0 and self.two_shot_min_m <= self.max_m
+
+    @property
+    def gather_elems(self) -> int:  # int16 units per gathered element in the two-shot path
+        return 2 if self.gathers_f32 else 1
+
+    @property
+    def rt0(self) -> int:
+        return self.tp_size * self.shard_dim
+
+    def used(self, two_shot: bool) -> int:
+        if not self.routed:
+            return self.rt0
+        L = self.latent_dim
+        return self.rt0 + ((1 + self.gather_elems) * L if two_shot else self.tp_size * L)
+
+    @property
+    def foot(self) -> int:
+        f = self.used(False)
+        if self.two_shot_possible:
+            f = max(f, self.used(True))
+        return f
+
+    @property
+    def buffer_elems(self) -> int:
+        return self.max_m * self.foot
+
+    @property
+    def workspace_elems(self) -> int:
+        return NUM_BUFFERS * self.buffer_elems
+
+    def use_two_shot(self, m: int) -> bool:
+        return self.two_shot_possible and m >= self.two_shot_min_m
+
+
+@dataclass(frozen=True)
+class TailBlocks:
+    block_l: int
+    block_p: int
+    block_s: int
+    block_c: int
+    num_warps: int
+    kg: int
+
+
+def choose_blocks(layout: TailLayout, max_block_l: Optional[int] = None) -> TailBlocks:
+    """Block sizes from the static shapes (a cheap bucket function: one config per instance)."""
+    L, S = layout.latent_dim, layout.shard_dim
+    cap = 8192 if max_block_l is None else max_block_l
+    if layout.routed:
+        block_l = next_pow2(L) if next_pow2(L) <= cap else min(4096, cap)
+    else:
+        block_l = 16
+    block_l = max(block_l, 16)
+    num_warps = 4 if block_l <= 2048 else (8 if block_l <= 4096 else 16)
+    vec = num_warps * 32 * 8  # one 16-byte vector per thread
+    if layout.routed:
+        span = L // layout.tp_size if layout.two_shot_possible else L
+        block_p = max(16, min(vec, next_pow2(span), block_l))
+        if layout.two_shot_possible:
+            block_p = max(16, min(block_p, next_pow2(L // layout.tp_size)))
+    else:
+        block_p = 16
+    block_s = max(16, min(vec, next_pow2(S))) if layout.shared else 16
+    block_c = 2 * vec
+    k = layout.top_k
+    kg = max((d for d in range(1, 9) if k and k % d == 0), default=1)
+    return TailBlocks(block_l, block_p, block_s, block_c, num_warps, kg)
+
+
+@dataclass
+class TailState:
+    """Device state of one instance: the local workspace (``int16``; ``ws32`` is its int32
+    view), peer base addresses ``peers`` (int64 ``[R + 1]``, entry R = host-mapped error mirror
+    or 0), ``flags`` (int32 ``[8]``), ``errors`` (int32 ``[R]``, 1 = that source rank was
+    missing at a timeout)."""
+
+    layout: TailLayout
+    blocks: TailBlocks
+    workspace: torch.Tensor
+    peers: torch.Tensor
+    flags: torch.Tensor
+    errors: torch.Tensor
+    host_errors: Optional[torch.Tensor]
+    timeout_s: float
+    max_programs: int
+    prev_m: int = 0
+
+    @property
+    def ws32(self) -> torch.Tensor:
+        return self.workspace.view(torch.int32)
+
+
+def initial_flags(device: torch.device) -> torch.Tensor:
+    f = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=device)
+    f[F_DIRTY] = NUM_BUFFERS - 1
+    return f
+
+
+def max_spins_for(timeout_s: float) -> int:
+    """Iteration cap of the interpreter's waits (no clock there): about 1 ms per spin."""
+    return max(2, int(timeout_s * 1000))
+
+
+def launch_tail(
+    state: TailState,
+    m: int,
+    latent_source: Optional[torch.Tensor],
+    expert_weights: Optional[torch.Tensor],
+    expanded_idx: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    gamma: Optional[torch.Tensor],
+    shared_source: Optional[torch.Tensor],
+    latent_output: Optional[torch.Tensor],
+    shared_output: Optional[torch.Tensor],
+    eps: float,
+    two_shot: Optional[bool] = None,
+) -> None:
+    """Run one collective call (arguments already validated). ``latent_source`` is the latent
+    ``[m, L]`` or, with ``top_k > 0``, ``gemm2_permuted [rows, L]``; ``shared_output`` is this
+    rank's shard view ``[>= m, S]`` with unit column stride; ``latent_output`` ``[>= m, L]``."""
+    lay, blk = state.layout, state.blocks
+    R, L, S = lay.tp_size, lay.latent_dim, lay.shard_dim
+    H = lay.hidden_dim
+    ts = lay.use_two_shot(m) if two_shot is None else bool(two_shot and lay.two_shot_possible)
+    dummy = state.flags
+    lat = latent_source if lay.routed else dummy
+    gemm_rows = 0
+    if lay.routed and lay.top_k > 0:
+        gemm_rows = latent_source.shape[0]
+        if gemm_rows == 0:
+            lat = torch.zeros((1, L), dtype=torch.bfloat16, device=state.workspace.device)
+    wts = expert_weights if (lay.routed and lay.top_k > 0) else dummy
+    idx = expanded_idx if (lay.routed and lay.top_k > 0) else dummy
+    res = residual if residual is not None else dummy
+    gam = gamma if lay.routed else dummy
+    lat_out = latent_output if lay.routed else dummy
+    sh = shared_source if lay.shared else dummy
+    sh_out = shared_output if lay.shared else dummy
+    sh_stride = shared_output.stride(0) if lay.shared else 0
+
+    ch = L // R if ts else 0
+    npr = (R * cdiv(ch, blk.block_p) if ts else cdiv(L, blk.block_p)) if lay.routed else 0
+    nch = cdiv(ch, blk.block_p) if ts else 0
+    nj = cdiv(S, blk.block_s) if lay.shared else 0
+    items = max(
+        m * npr + m * nj,  # publish
+        m * nch,  # two-shot reduce
+        (m if lay.routed else 0) + m * nj,  # consume
+        cdiv(state.prev_m * lay.foot, blk.block_c),  # lazy clear (a hint: the device knows)
+        1,
+    )
+    device = state.workspace.device
+    grid = (max(1, min(num_sms(device), state.max_programs, items)),)
+    use_timer = device.type == "cuda" and not interpreting()
+    _tail_kernel[grid](
+        lat, wts, idx, res, gam, lat_out, sh, sh_out,
+        state.workspace, state.ws32, state.peers, state.flags, state.errors,
+        m, lay.rank, gemm_rows, float(eps),
+        int(state.timeout_s * 1e9), max_spins_for(state.timeout_s),
+        R=R, L=max(L, 1), H=max(H, 1), S=max(S, 1),
+        FOOT=lay.foot, BUF=lay.buffer_elems, RT0=lay.rt0, USED=lay.used(ts),
+        CH=max(ch, 1), NPR=max(npr, 1), NCH=max(nch, 1), NJ=max(nj, 1),
+        SH_OUT_STRIDE=max(sh_stride, 1),
+        TOP_K=lay.top_k if lay.routed else 0, KG=blk.kg,
+        ROUTED=lay.routed, SHARED=lay.shared, TWO_SHOT=ts,
+        FP32_INTERNAL=lay.fp32_internal, GATHER_F32=lay.gathers_f32, HAS_RES=residual is not None,
+        HOST_ERR=state.host_errors is not None, USE_TIMER=use_timer,
+        EMULATE=EMULATE_BF16,
+        BLOCK_L=blk.block_l, BLOCK_P=blk.block_p, BLOCK_S=blk.block_s, BLOCK_C=blk.block_c,
+        num_warps=blk.num_warps,
+    )
+    state.prev_m = m
+
+
+@triton.jit
+def _probe_kernel(peers_ptr, out_ptr, last):
+    p = tl.program_id(0)
+    base = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int16))
+    tl.store(out_ptr + 2 * p, tl.load(base, volatile=True).to(tl.int32))
+    tl.store(out_ptr + 2 * p + 1, tl.load(base + last, volatile=True).to(tl.int32))
+
+
+def probe_peers(peers: torch.Tensor, R: int, last: int) -> torch.Tensor:
+    """Element 0 and element ``last`` of every rank's workspace, read through the peer pointers
+    the collective kernel uses (a set-up check)."""
+    out = torch.empty(2 * R, dtype=torch.int32, device=peers.device)
+    _probe_kernel[(R,)](peers, out, last)
+    return out
