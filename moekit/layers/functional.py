@@ -112,7 +112,15 @@ def moe_forward(
     ``deterministic`` uses the atomics-free scatter-add (bitwise reproducible for top-k > 1).
     ``logits_TE`` (e.g. computed in float32 by the caller) replaces ``x_TD @ router_DE``.
     """
-    from moekit.ops import activation, gather_scatter, grouped_gemm, routing
+    from moekit.ops import (
+        gather_scale_dense_tokens,
+        gather_scale_quant_dense_tokens,
+        grouped_gemm,
+        grouped_gemm_fp8_rowwise,
+        index_shuffling,
+        silu_mul,
+        silu_mul_quant,
+    )
 
     check_tensor("x_TD", x_TD, ndim=2)
     T, D = x_TD.shape
@@ -130,7 +138,7 @@ def moe_forward(
         raise ValueError("FP8 expert weights need w13_scale_e2F and w2_scale_eD")
 
     sel, weights = route(logits_TE, cfg, e_score_correction_bias)
-    counts, expert_ids, token_ids = routing.index_shuffling(sel, top_k=cfg.top_k)
+    counts, expert_ids, token_ids = index_shuffling(sel, top_k=cfg.top_k)
     m_sizes = counts[:E]
 
     on_input = cfg.apply_router_weight_on_input
@@ -143,10 +151,10 @@ def moe_forward(
 
     out = shared_out_TD if shared_out_TD is not None else torch.zeros_like(x_TD)
     if not fp8:
-        xg = gather_scatter.gather_scale_dense_tokens(x_TD, token_ids, expert_ids, gather_scores)
-        h = grouped_gemm.grouped_gemm(xg, w13_e2FD.view(-1, D), m_sizes)
-        z = activation.silu_mul(h[:, :F], h[:, F:])
-        return grouped_gemm.grouped_gemm(
+        xg = gather_scale_dense_tokens(x_TD, token_ids, expert_ids, gather_scores)
+        h = grouped_gemm(xg, w13_e2FD.view(-1, D), m_sizes)
+        z = silu_mul(h[:, :F], h[:, F:])
+        return grouped_gemm(
             z,
             w2_eDF.view(-1, F),
             m_sizes,
@@ -155,10 +163,10 @@ def moe_forward(
             _scatter_add_indices=token_ids,
             deterministic=deterministic,
         )
-    xq, xs = gather_scatter.gather_scale_quant_dense_tokens(x_TD, token_ids, expert_ids, gather_scores)
-    h = grouped_gemm.grouped_gemm_fp8_rowwise(xq, w13_e2FD.view(-1, D), m_sizes, xs, w13_scale_e2F.reshape(-1))
-    zq, zs = activation.silu_mul_quant(h[:, :F], h[:, F:])
-    return grouped_gemm.grouped_gemm_fp8_rowwise(
+    xq, xs = gather_scale_quant_dense_tokens(x_TD, token_ids, expert_ids, gather_scores)
+    h = grouped_gemm_fp8_rowwise(xq, w13_e2FD.view(-1, D), m_sizes, xs, w13_scale_e2F.reshape(-1))
+    zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
+    return grouped_gemm_fp8_rowwise(
         zq,
         w2_eDF.view(-1, F),
         m_sizes,

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device-machine call that does as much as possible: GPU tier of the ops and layers (split
+# across the GPUs), the collective's multi-GPU tier, then benchmarks, with hard time limits so the
+# whole call ends inside the 10-minute command limit. Writes logs and JSON to $OUT.
+#   PHASES="tests comm bench"   BENCHES="routing gather_scatter ..."   QUICK=1   BUDGET_S=560
+set -uo pipefail
+cd "$(dirname "$0")/.."
+start=$SECONDS
+BUDGET_S=${BUDGET_S:-560}
+left() { echo $(( BUDGET_S - (SECONDS - start) )); }
+export OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+# $OUT returns at most 8 files: logs and JSON rows go to $RES, packed into one tarball at the end.
+RES=/tmp/moekit_results; rm -rf "$RES"; mkdir -p "$RES"; export MOEKIT_BENCH_DIR="$RES"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset TRITON_INTERPRET
+export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p "$TRITON_CACHE_DIR"
+[ -f .devcache/triton.tgz ] && tar -xzf .devcache/triton.tgz -C "$TRITON_CACHE_DIR" 2>/dev/null
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+python3 -m moekit.cli env > "$RES/env.txt" 2>&1; head -20 "$RES/env.txt"
+PHASES=${PHASES:-"tests comm bench"}
+TESTS=${TESTS:-"tests/ops tests/layers tests/test_cli.py"}
+
+if [[ " $PHASES " == *" tests "* ]]; then
+  t=$(( $(left) * ${TESTS_SHARE:-55} / 100 ))
+  echo "== gpu tests (limit ${t}s) on $NGPU GPU(s)"
+  if [ "$NGPU" -ge 2 ]; then
+    # GEMM tests on GPU 1, everything else on GPU 0, each with a few workers.
+    CUDA_VISIBLE_DEVICES=1 timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --timeout 240 \
+      tests/ops/test_grouped_gemm.py > "$RES/tests_gemm.log" 2>&1 &
+    p1=$!
+    CUDA_VISIBLE_DEVICES=0 timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --timeout 240 \
+      $TESTS --ignore=tests/ops/test_grouped_gemm.py > "$RES/tests_other.log" 2>&1
+    wait $p1
+  else
+    timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 --timeout 240 $TESTS > "$RES/tests_all.log" 2>&1
+  fi
+  for f in "$RES"/tests_*.log; do echo "-- $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 25; done
+fi
+if [[ " $PHASES " == *" comm "* ]] && [ "$NGPU" -ge 2 ]; then
+  t=$(( $(left) * ${COMM_SHARE:-45} / 100 ))
+  echo "== comm gpu tests (limit ${t}s)"
+  timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf tests/comm > "$RES/tests_comm.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$RES/tests_comm.log" | tail -n 25
+fi
+if [[ " $PHASES " == *" bench "* ]]; then
+  for b in ${BENCHES:-routing gather_scatter shuffling activation grouped_gemm layer collective}; do
+    t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$b"; break; }
+    echo "== bench_$b (limit $((t-10))s)"
+    timeout $((t-10)) python3 benchmarks/bench_$b.py ${QUICK:+--quick} > "$RES/bench_$b.log" 2>&1
+    echo "rc=$?"; tail -n ${BENCH_TAIL:-30} "$RES/bench_$b.log"
+  done
+fi
+tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null
+tar -czf "$OUT/triton.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+echo "== done in $((SECONDS - start))s"
