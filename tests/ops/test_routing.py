@@ -1,0 +1,420 @@
+"""index_shuffling: Triton kernels (interpreter and GPU) and the public op against the reference.
+
+All three outputs are integers and must match ``moekit.reference.index_shuffling`` exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit import reference as ref
+from moekit.ops.routing import index_shuffling
+from moekit.testing import tie_free_scores
+
+CUDA = torch.cuda.is_available()
+
+# The Triton interpreter turns runtime loop bounds into numpy scalars the deprecated way.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def tied_scores(T: int, E: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Scores with many exact ties (values in {0, 0.5, 1}), row 0 all equal."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(0, 3, (T, E), generator=g).to(dtype) * 0.5
+    if T:
+        s[0] = 1.0
+    return s
+
+
+def one_expert_scores(T: int, E: int, winner: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """Tie-free scores where expert ``winner`` beats every other expert in every row."""
+    s = tie_free_scores(T, E, dtype=torch.float32, seed=seed)
+    s[:, winner] = 256.0  # tie-free values stay below 128
+    return s.to(dtype)
+
+
+def vtc_tensor(v, device="cpu", dtype=torch.int32):
+    return None if v is None else torch.tensor([v], dtype=dtype, device=device)
+
+
+def assert_same(got, want, msg=""):
+    names = ("token_counts", "expert_indices", "token_indices")
+    for g, w, n in zip(got, want, names):
+        assert g.dtype == torch.int32, f"{msg} {n} dtype {g.dtype}"
+        g, w = g.cpu(), w.cpu()
+        assert g.shape == w.shape, f"{msg} {n} shape {tuple(g.shape)} vs {tuple(w.shape)}"
+        if not torch.equal(g, w):
+            bad = (g != w).nonzero().flatten()
+            i = bad[0].item()
+            raise AssertionError(
+                f"{msg} {n}: {bad.numel()} mismatches, first at {i}: got {g[i].item()} want {w[i].item()}"
+            )
+
+
+def ref_of(scores, start=None, end=None, vtc=None, top_k=1):
+    """The oracle on a CPU copy (float32 math)."""
+    v = None if vtc is None else vtc.cpu()
+    return ref.index_shuffling(scores.cpu(), start, end, v, top_k)
+
+
+# ----------------------------------------------------------------------------- interpreter tier
+
+# (T, E, K): the issue's grid, thinned where T * E * K makes the interpreter slow.
+_GRID = [
+    (T, E, K)
+    for T in (0, 1, 7)
+    for E in (1, 6, 16, 128, 257, 512)
+    for K in (1, 2, 4, 8, 16)
+    if K <= E
+]
+_GRID += [(128, E, K) for E, K in ((1, 1), (6, 2), (16, 4), (128, 1), (128, 8), (257, 16), (512, 8))]
+_GRID += [(600, 16, 2)]
+
+
+def _interp():
+    from moekit.ops._triton import routing as tri
+
+    return tri
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,E,K", _GRID)
+def test_interp_grid(T, E, K):
+    tri = _interp()
+    dtype = torch.float32 if (T + E + K) % 2 else torch.bfloat16
+    s = tie_free_scores(T, E, dtype=dtype, seed=T * 7919 + E * 31 + K)
+    assert_same(tri.index_shuffling(s, None, None, None, K), ref_of(s, top_k=K), f"T={T} E={E} K={K} {dtype}")
+
+
+# Every path of the kernels reached with tiny shapes: (force, block_tokens, pairwise ranks).
+_PATHS = [
+    ("single", None, None),
+    ("multi", 1, True),
+    ("multi", 4, True),
+    ("multi3", 2, True),
+    ("multi3", 8, False),
+    ("multi", 2, False),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("force,bt,pw", _PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "T,E,K,start,end,vtc",
+    [
+        (13, 6, 2, None, None, None),
+        (13, 6, 2, 2, 5, None),
+        (21, 16, 4, 4, 12, 17),
+        (21, 16, 4, None, None, 0),
+        (9, 257, 3, 100, 257, 5),
+        (19, 24, 24, 0, 24, 40),  # K = E, valid count past T
+        (10, 16, 1, 16, 16, None),  # empty range
+        (10, 16, 2, 0, 0, None),
+        (11, 33, 5, 7, 8, 11),  # one expert in range
+        (12, 16, 2, None, None, -3),  # a negative count ignores every token
+    ],
+)
+def test_interp_paths(force, bt, pw, dtype, T, E, K, start, end, vtc):
+    tri = _interp()
+    s = tie_free_scores(T, E, dtype=dtype, seed=T + 100 * E + K)
+    v = vtc_tensor(vtc, dtype=torch.int64 if (vtc or 0) % 2 else torch.int32)
+    got = tri.index_shuffling(s, start, end, v, K, force=force, block_tokens=bt, pairwise=pw)
+    assert_same(got, ref_of(s, start, end, v, K), f"{force}/{bt}/{pw} T={T} E={E} K={K}")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("force,bt,pw", [(None, None, None), ("multi", 2, True), ("multi3", 4, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interp_column_major(force, bt, pw, dtype):
+    tri = _interp()
+    s = tie_free_scores(23, 40, dtype=dtype, seed=5, column_major=True)
+    assert s.stride(0) == 1
+    got = tri.index_shuffling(s, 3, 31, vtc_tensor(19), 4, force=force, block_tokens=bt, pairwise=pw)
+    assert_same(got, ref_of(s, 3, 31, vtc_tensor(19), 4), f"{force} column-major")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("force,bt,pw", [(None, None, None), ("multi", 2, True), ("multi3", 4, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("E,K", [(6, 2), (24, 24), (257, 3)])
+def test_interp_ties_go_to_lower_index(force, bt, pw, dtype, E, K):
+    tri = _interp()
+    s = tied_scores(11, E, seed=E + K, dtype=dtype)
+    got = tri.index_shuffling(s, None, None, None, K, force=force, block_tokens=bt, pairwise=pw)
+    assert_same(got, ref_of(s, top_k=K), f"{force} ties")
+    # Row 0 is all equal: experts 0..K-1 win; with K=1 token 0 lands in expert 0's first row.
+    picked = sorted(got[1][got[2] == 0].tolist())
+    assert picked == list(range(K))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("force,bt", [(None, None), ("multi3", 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interp_nan_and_signed_zero(force, bt, dtype):
+    tri = _interp()
+    s = torch.tensor(
+        [
+            [0.0, -0.0, 0.0, -1.0, -0.0, -2.0],
+            [1.0, float("nan"), 2.0, float("nan"), float("inf"), -float("inf")],
+            [-1.0, -0.5, -0.25, -3.0, -0.0, -float("inf")],
+            [-float("nan"), 0.5, 0.25, 0.5, -0.0, 0.0],
+        ],
+        dtype=dtype,
+    )
+    for K in (1, 2, 3, 6):
+        got = tri.index_shuffling(s, None, None, None, K, force=force, block_tokens=bt)
+        assert_same(got, ref_of(s, top_k=K), f"{force} K={K}")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("force,bt", [(None, None), ("multi", 4), ("multi3", 2)])
+def test_interp_every_token_to_one_expert(force, bt):
+    tri = _interp()
+    T, E = 17, 16
+    s = one_expert_scores(T, E, winner=11, seed=3)
+    for K, start, end in ((1, None, None), (3, None, None), (1, 0, 11), (2, 11, 12)):
+        got = tri.index_shuffling(s, start, end, None, K, force=force, block_tokens=bt)
+        assert_same(got, ref_of(s, start, end, None, K), f"{force} K={K} [{start},{end})")
+    counts = tri.index_shuffling(s, None, None, None, 1, force=force, block_tokens=bt)[0]
+    assert counts[11].item() == T and counts[:11].sum().item() == 0
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("force,bt", [(None, None), ("multi", 2), ("multi3", 4)])
+def test_interp_repeatable(force, bt):
+    tri = _interp()
+    s = tied_scores(29, 20, seed=9, dtype=torch.bfloat16)
+    runs = [tri.index_shuffling(s, 2, 18, vtc_tensor(25), 5, force=force, block_tokens=bt) for _ in range(3)]
+    for r in runs[1:]:
+        for a, b in zip(runs[0], r):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.interpreter
+def test_interp_packing_limits_respected():
+    tri = _interp()
+    p = tri.plan(10**6, 16, 1, torch.bfloat16, 1)
+    assert p.iters * p.bt <= tri.MAX_TOKENS_PER_PROGRAM
+    assert p.programs * p.iters * p.bt >= 10**6
+    assert tri.plan(1, 512, 16, torch.bfloat16, 132).launches == 1
+
+
+# ----------------------------------------------------------------------------- reference tier: the public op on CPU
+
+@pytest.mark.reference
+@pytest.mark.parametrize("T,E,K", [(0, 6, 2), (1, 16, 1), (9, 6, 2), (33, 257, 8)])
+def test_public_cpu_matches_reference(T, E, K):
+    s = tie_free_scores(T, E, dtype=torch.bfloat16, seed=T + E)
+    got = index_shuffling(s, None, None, None, K)
+    assert_same(got, ref_of(s, top_k=K))
+    got = index_shuffling(s, 1, E - 1, vtc_tensor(max(T - 2, 0)), K)
+    assert_same(got, ref_of(s, 1, E - 1, vtc_tensor(max(T - 2, 0)), K))
+
+
+def _opcheck_samples(device="cpu"):
+    s = tie_free_scores(9, 6, dtype=torch.bfloat16, seed=1, device=device)
+    f = tie_free_scores(7, 24, dtype=torch.float32, seed=2, device=device, column_major=True)
+    return [
+        ((s,), {}),
+        ((s, 1, 5, vtc_tensor(7, device), 2), {}),
+        ((f, None, None, None, 24), {}),
+        ((f, 3, 20, vtc_tensor(0, device, torch.int64), 4), {}),
+        ((tie_free_scores(0, 6, dtype=torch.float32, device=device), None, None, None, 3), {}),
+    ]
+
+
+@pytest.mark.reference
+def test_opcheck_cpu():
+    for args, kwargs in _opcheck_samples():
+        torch.library.opcheck(torch.ops.moekit.index_shuffling.default, args, kwargs)
+
+
+@pytest.mark.reference
+def test_torch_compile_fullgraph_cpu():
+    torch._dynamo.reset()
+    fn = torch.compile(index_shuffling, fullgraph=True)
+    s = tie_free_scores(13, 16, dtype=torch.bfloat16, seed=4)
+    v = vtc_tensor(11)
+    assert_same(fn(s, 2, 14, v, 3), index_shuffling(s, 2, 14, v, 3))
+
+
+@pytest.mark.reference
+def test_registered_outputs_do_not_alias_input():
+    s = tie_free_scores(5, 6, dtype=torch.float32, seed=0)
+    outs = torch.ops.moekit.index_shuffling(s, None, None, None, 2)
+    for o in outs:
+        assert o.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
+
+
+_S = tie_free_scores(4, 6, dtype=torch.float32, seed=0)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(
+    "args,exc,words",
+    [
+        ((_S.to(torch.float64),), TypeError, ["routing_scores", "bfloat16", "float64"]),
+        ((_S.to(torch.int32),), TypeError, ["routing_scores", "int32"]),
+        (([[1.0]],), TypeError, ["routing_scores", "Tensor"]),
+        ((_S[0],), ValueError, ["routing_scores", "2-D", "(6,)"]),
+        ((_S[:, :0],), ValueError, ["routing_scores", "expert"]),
+        ((_S, None, None, None, 7), ValueError, ["top_k", "<= 6", "7"]),
+        ((_S, None, None, None, 0), ValueError, ["top_k", ">= 1", "0"]),
+        ((_S, None, None, None, 2.0), TypeError, ["top_k", "int", "float"]),
+        ((_S, 4, 2), ValueError, ["expert_index_start", "expert_index_end", "[4, 2)"]),
+        ((_S, None, 7), ValueError, ["expert_index_end", "6", "[0, 7)"]),
+        ((_S, -1, None), ValueError, ["expert_index_start", "[-1, 6)"]),
+        ((_S, 1.5, None), TypeError, ["expert_index_start", "int"]),
+        ((_S, None, None, torch.tensor([3.0])), TypeError, ["valid_token_count", "int32", "float32"]),
+        (
+            (_S, None, None, torch.tensor([3, 4], dtype=torch.int32)),
+            ValueError,
+            ["valid_token_count", "1 element", "(2,)"],
+        ),
+        ((_S, None, None, 3), TypeError, ["valid_token_count", "Tensor", "int"]),
+    ],
+)
+def test_bad_arguments(args, exc, words):
+    with pytest.raises(exc) as info:
+        index_shuffling(*args)
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+
+
+@pytest.mark.reference
+def test_bad_valid_token_count_device():
+    s = tie_free_scores(4, 6, dtype=torch.float32, seed=0, device="meta" if not CUDA else "cuda")
+    with pytest.raises(ValueError, match="valid_token_count must be on"):
+        index_shuffling(s, None, None, torch.tensor([2], dtype=torch.int32), 1)
+
+
+# ----------------------------------------------------------------------------- gpu tier
+
+_GPU_GRID = [(T, E, K) for T in (0, 1, 7, 128) for E in (1, 6, 16, 128, 257, 512) for K in (1, 2, 4, 8, 16) if K <= E]
+_BENCH_EK = ((16, 1), (16, 4), (128, 1), (128, 4), (256, 8), (384, 8), (512, 16), (6, 2))
+_GPU_GRID += [(T, E, K) for T in (2048, 4096, 16384) for E, K in _BENCH_EK]
+_GPU_GRID += [(100_000, 16, 2), (777, 4096, 7), (3, 5000, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K", _GPU_GRID)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_grid(T, E, K, dtype):
+    if E > 2048:  # beyond tie_free_scores: a random permutation per row (exact in fp32 only)
+        if dtype != torch.float32:
+            pytest.skip("bf16 cannot hold more than 2048 distinct tie-free values per row")
+        g = torch.Generator().manual_seed(E)
+        s = torch.argsort(torch.rand(T, E, generator=g), dim=1).to(torch.float32).cuda()
+    else:
+        s = tie_free_scores(T, E, dtype=dtype, seed=T + E + K, device="cuda")
+    got = index_shuffling(s, None, None, None, K)
+    assert_same(got, ref_of(s, top_k=K), f"T={T} E={E} K={K} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "force,pw", [(None, None), ("single", None), ("multi", True), ("multi3", True), ("multi", False), ("multi3", False)]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "T,E,K,start,end,vtc",
+    [
+        (300, 6, 2, 2, 5, None),
+        (1000, 16, 4, 4, 12, 777),
+        (513, 257, 3, 100, 257, 0),
+        (250, 24, 24, 0, 24, 4000),
+        (2048, 128, 8, 32, 64, 2000),
+        (5000, 384, 8, 0, 384, 4999),
+    ],
+)
+def test_gpu_paths_ranges_valid_count(force, pw, dtype, T, E, K, start, end, vtc):
+    from moekit.ops._triton import routing as tri
+
+    if force == "single" and T * E > tri.SINGLE_TILE:
+        pytest.skip("single-program path holds at most one tile")
+    s = tie_free_scores(T, E, dtype=dtype, seed=T + E, device="cuda")
+    v = vtc_tensor(vtc, "cuda", torch.int64 if (vtc or 0) % 2 else torch.int32)
+    got = tri.index_shuffling(s, start, end, v, K, force=force, pairwise=pw)
+    assert_same(got, ref_of(s, start, end, v, K), f"{force}/{pw} T={T} E={E} K={K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K", [(1, 16, 1), (100, 128, 4), (3000, 384, 8), (20000, 16, 2)])
+def test_gpu_float16(T, E, K):
+    s = tie_free_scores(T, E, dtype=torch.float16, seed=T, device="cuda")
+    assert_same(index_shuffling(s, 1, E, vtc_tensor(T - 1, "cuda"), K), ref_of(s, 1, E, vtc_tensor(T - 1), K))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [7, 128, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_column_major_and_ties(T, dtype):
+    s = tie_free_scores(T, 128, dtype=dtype, seed=T, device="cuda", column_major=True)
+    assert s.stride(0) == 1
+    assert_same(index_shuffling(s, 8, 100, vtc_tensor(T - 3, "cuda"), 4), ref_of(s, 8, 100, vtc_tensor(T - 3), 4))
+    t = tied_scores(T, 40, seed=T, dtype=dtype).cuda()
+    assert_same(index_shuffling(t, None, None, None, 6), ref_of(t, top_k=6))
+    o = one_expert_scores(T, 16, winner=5, seed=T, dtype=dtype).cuda()
+    assert_same(index_shuffling(o, None, None, None, 2), ref_of(o, top_k=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K", [(1, 16, 1), (128, 128, 4), (4096, 256, 8), (16384, 128, 2)])
+def test_gpu_deterministic(T, E, K):
+    s = tied_scores(T, E, seed=1, dtype=torch.bfloat16).cuda()
+    first = index_shuffling(s, None, None, None, K)
+    for _ in range(10):
+        again = index_shuffling(s, None, None, None, K)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+    assert_same(first, ref_of(s, top_k=K))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K", [(1, 16, 1), (100, 128, 4), (3000, 16, 2), (16384, 384, 8)])
+def test_gpu_every_row_written(T, E, K):
+    """Fill the allocator's free memory with a sentinel first: no output entry may keep it."""
+    sentinel = 0x7B7B7B7B
+    # Small (< 1 MB) and large blocks of the caching allocator both get the sentinel.
+    sizes = [n for n in (1 << 8, 1 << 12, 1 << 16, 1 << 17) for _ in range(16)] + [1 << 22]
+    junk = [torch.full((n,), sentinel, dtype=torch.int32, device="cuda") for n in sizes]
+    del junk
+    s = tie_free_scores(T, E, dtype=torch.bfloat16, seed=T, device="cuda")
+    got = index_shuffling(s, 1, E - 1, vtc_tensor(T - 1, "cuda"), K)
+    for o in got:
+        assert not (o == sentinel).any()
+    assert_same(got, ref_of(s, 1, E - 1, vtc_tensor(T - 1), K))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K", [(1, 16, 1), (128, 128, 4), (2048, 16, 1), (4096, 384, 8)])
+def test_gpu_cuda_graph_replay(T, E, K):
+    scores = tie_free_scores(T, E, dtype=torch.bfloat16, seed=0, device="cuda")
+    vtc = vtc_tensor(T, "cuda")
+    index_shuffling(scores, 2, E, vtc, K)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = index_shuffling(scores, 2, E, vtc, K)
+    for seed, valid in ((1, T), (2, max(T // 2, 0)), (3, 0)):
+        scores.copy_(tie_free_scores(T, E, dtype=torch.bfloat16, seed=seed, device="cuda"))
+        vtc.fill_(valid)
+        g.replay()
+        torch.cuda.synchronize()
+        assert_same(outs, ref_of(scores, 2, E, vtc, K), f"replay seed={seed} valid={valid}")
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_and_compile():
+    for args, kwargs in _opcheck_samples("cuda"):
+        torch.library.opcheck(torch.ops.moekit.index_shuffling.default, args, kwargs)
+    torch._dynamo.reset()
+    fn = torch.compile(index_shuffling, fullgraph=True)
+    s = tie_free_scores(300, 128, dtype=torch.bfloat16, seed=4, device="cuda")
+    v = vtc_tensor(250, "cuda")
+    assert_same(fn(s, 2, 100, v, 4), ref_of(s, 2, 100, v, 4))
