@@ -53,7 +53,9 @@ def torch_pipeline(x: torch.Tensor, w: dict, cfg: RoutingConfig) -> torch.Tensor
     order = torch.argsort(ids, stable=True)
     tok = order // cfg.top_k
     eid = ids[order]
-    offs = torch.cumsum(torch.bincount(ids, minlength=E), 0).to(torch.int32)
+    # bincount would sync with the host (it sizes its output from the data): count with scatter_add_.
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, ids, torch.ones_like(ids))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
     wt = weights[tok, eid]
     xs = x[tok]
     if cfg.apply_router_weight_on_input:
@@ -99,11 +101,11 @@ def mslk_pipeline(mslk, x: torch.Tensor, w: dict, w13_DE_layout: torch.Tensor, w
     return m_gg(z, w2_layout, counts[:E], _output_tensor=shared, _scatter_add_indices=tidx)
 
 
-def expected_bytes(s: ModelShape, w: dict, x: torch.Tensor, cfg: RoutingConfig) -> float:
+def expected_bytes(s: ModelShape, w: dict, x: torch.Tensor, cfg: RoutingConfig, fp8: bool = False) -> float:
     """Bytes that must move: the weights of the experts actually hit, the shared expert, x and out."""
     sel, _ = route(x @ w["router_DE"], cfg, w.get("e_score_correction_bias"))
     hit = torch.unique(torch.topk(sel, cfg.top_k, dim=-1).indices).numel()
-    elt = w["w13_e2FD"].element_size()
+    elt = 1 if fp8 else w["w13_e2FD"].element_size()
     per_expert = 3 * s.D * s.F * elt
     shared = 3 * s.D * s.shared_F * w["router_DE"].element_size() if s.shared_F else 0
     return hit * per_expert + shared + 2 * x.numel() * x.element_size()
@@ -130,9 +132,9 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
         it = iter(range(10**9))
         pick: Callable[[], torch.Tensor] = lambda: xs[next(it) % len(xs)]  # noqa: E731
         row: dict = {"model": model, "T": T, "dtype": "fp8" if fp8 else "bf16"}
-        nbytes = expected_bytes(s, w, xs[0], cfg)
+        nbytes = expected_bytes(s, w, xs[0], cfg, fp8)
         flops = 2 * T * s.top_k * 3 * s.D * s.F + (2 * T * 3 * s.D * s.shared_F)
-        row["floor_us"] = floor_us(nbytes, flops)
+        row["floor_us"] = floor_us(nbytes, flops, fp8=fp8)
         reps = 5 if quick else 20
         row["moekit_us"] = bench_us(lambda: moekit_pipeline(pick(), w, cfg, q), replays=reps)
         if cuda:

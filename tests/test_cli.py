@@ -56,3 +56,24 @@ def test_console_script_entry_point():
 def test_parser_defaults():
     a = build_parser().parse_args(["bench"])
     assert a.dtype == "bf16" and a.model is None
+
+
+def test_bench_torch_baseline_matches_reference():
+    """The plain-PyTorch pipeline that moekit bench compares against computes the same layer."""
+    import torch
+
+    from moekit import reference as ref
+    from moekit._bench import routing_config, torch_pipeline
+    from moekit.testing import MODEL_SHAPES, assert_close, random_expert_weights
+
+    s = MODEL_SHAPES["tiny"]
+    w = random_expert_weights(s, dtype=torch.float32, seed=3)
+    x = torch.randn(11, s.D)
+    got = torch_pipeline(x.bfloat16(), {k: v.bfloat16() for k, v in w.items()}, routing_config(s))
+    want = ref.moe_forward(
+        x.bfloat16().float(), w["router_DE"].bfloat16().float(), w["w13_e2FD"].bfloat16().float(),
+        w["w2_eDF"].bfloat16().float(), top_k=s.top_k, score_func=s.score_func, renormalize=s.renormalize,
+        apply_router_weight_on_input=s.apply_router_weight_on_input,
+        shared_w13_2FD=w["shared_w13_2FD"].bfloat16().float(), shared_w2_DF=w["shared_w2_DF"].bfloat16().float(),
+    )
+    assert_close(got.float(), want, tol=3e-2)
