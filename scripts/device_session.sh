@@ -2,7 +2,8 @@
 # One device-machine call that does as much as possible: GPU tier of the ops and layers (split
 # across the GPUs), the collective's multi-GPU tier, then benchmarks, with hard time limits so the
 # whole call ends inside the 10-minute command limit. Writes logs and JSON to $OUT.
-#   PHASES="tests comm bench"   BENCHES="routing gather_scatter ..."   QUICK=1   BUDGET_S=560
+#   PHASES="tests comm bench lanes"   BENCHES="routing gather_scatter ..."   LANES="0:a,b 1:c"
+#   QUICK=1   BUDGET_S=560   BENCH_ARGS_<name>="extra args for benchmarks/bench_<name>.py"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -47,11 +48,32 @@ if [[ " $PHASES " == *" comm "* ]] && [ "$NGPU" -ge 2 ]; then
   timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf tests/comm > "$RES/tests_comm.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$RES/tests_comm.log" | tail -n 25
 fi
+if [[ " $PHASES " == *" lanes "* ]]; then
+  # Benchmarks in parallel lanes, one GPU each: LANES="0:routing,activation 1:grouped_gemm".
+  pids=()
+  for lane in ${LANES:-"0:routing,gather_scatter,shuffling,activation,layer 1:grouped_gemm"}; do
+    gpu=${lane%%:*}; list=${lane#*:}
+    (
+      for b in ${list//,/ }; do
+        t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$b" >> "$RES/lane$gpu.txt"; break; }
+        extra_var="BENCH_ARGS_$b"  # per-benchmark arguments, e.g. BENCH_ARGS_layer="--models llama4-scout"
+        CUDA_VISIBLE_DEVICES=$gpu timeout $((t-10)) python3 benchmarks/bench_$b.py ${QUICK:+--quick} ${!extra_var:-} \
+          > "$RES/bench_$b.log" 2>&1
+        echo "== bench_$b on GPU $gpu rc=$? at $((SECONDS - start))s" >> "$RES/lane$gpu.txt"
+      done
+    ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  cat "$RES"/lane*.txt
+  for f in "$RES"/bench_*.log; do echo "-- $f"; grep -E "^\|" "$f" | head -n ${BENCH_TAIL:-40}; done
+fi
 if [[ " $PHASES " == *" bench "* ]]; then
   for b in ${BENCHES:-routing gather_scatter shuffling activation grouped_gemm layer collective}; do
     t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$b"; break; }
     echo "== bench_$b (limit $((t-10))s)"
-    timeout $((t-10)) python3 benchmarks/bench_$b.py ${QUICK:+--quick} > "$RES/bench_$b.log" 2>&1
+    extra_var="BENCH_ARGS_$b"
+    timeout $((t-10)) python3 benchmarks/bench_$b.py ${QUICK:+--quick} ${!extra_var:-} > "$RES/bench_$b.log" 2>&1
     echo "rc=$?"; tail -n ${BENCH_TAIL:-30} "$RES/bench_$b.log"
   done
 fi
