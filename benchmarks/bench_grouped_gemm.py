@@ -3,6 +3,7 @@
 torch._scaled_grouped_mm, side by side in one process.
 
     python benchmarks/bench_grouped_gemm.py [--quick] [--dense] [--variants] [--tune PATH] [--no-mslk]
+                                            [--budget S] [--mslk-configs N]
 
 Shapes: Llama 4 TP8 shard (G=16 and 128; N, K = 2048, 5120 and 5120, 1024), Llama 4 unsharded
 (G=16; 16384, 5120 and 5120, 8192), DeepSeek-V3-like (G=256; 4096, 7168 and 7168, 2048),
@@ -19,6 +20,18 @@ fails. ``--dense`` adds the dense FP8 GEMM (``f8f8bf16_rowwise``: Triton vs torc
 ``--variants`` times moekit's kernel variants (TMA off, loop flattening off, the other kernel) on
 each cell, ``--tune PATH`` runs the ahead-of-time config search on the benchmark shapes and
 writes the table (JSON) to PATH.
+
+MSLK runs its non-warp-specialized kernels (``_use_warp_specialization=False``: its
+warp-specialized configs fail in ptxas on H200 with "Insufficient registers"). Its autotuning
+compiles every config it keeps for each (G, N, K, M bucket): ``--quick`` keeps only the first
+``--mslk-configs`` (default 2) of the configs its own pruning keeps, ranked by ``_mslk_prefer``
+(conventional warp count, deepest pipeline that fits), and times each for ~20 ms; the full run
+keeps 4 (``--mslk-configs 0``: all of them). Budget: past ``--budget`` seconds (quick: 140,
+full: 240, 0: none) the remaining cells are skipped (and listed), and past 85% of it MSLK is no
+longer timed (its compilations dominate); every row is printed as soon as it is measured.
+
+``--quick``: one projection per model family (Scout TP8, Maverick TP8, Llama 4, DeepSeek,
+Qwen3) at M = 1, 16, 128, 16384, bf16 and fp8 (40 cells), smallest M first.
 """
 
 from __future__ import annotations
@@ -65,7 +78,8 @@ SHAPES = [
     ("qwen3-w2", 128, 2048, 768),
 ]
 MS = [1, 16, 64, 128, 2048, 16384]
-QUICK = [("scout-tp8-w13", [1, 128, 16384]), ("deepseek-w2", [16, 2048]), ("qwen3-w2", [1, 128, 16384])]
+QUICK_SHAPES = ["scout-tp8-w13", "maverick-tp8-w2", "llama4-w2", "deepseek-w2", "qwen3-w2"]
+QUICK_MS = [1, 16, 128, 16384]
 TOP_K = {"deepseek": 8, "qwen3": 8}
 
 
@@ -76,7 +90,48 @@ def _top_k(name: str, M: int, G: int) -> int:
     return k
 
 
-def _mslk_ops() -> dict:
+def _mslk_prefer(cfg, elem: int) -> tuple:
+    """Rank of an MSLK autotuning config when only a few are kept: the conventional warp count
+    for the tile (4 for 64-row tiles, 8 for 128), pipelines of at most 200 KB, the widest N
+    tile, then the deepest pipeline (shared memory of all stages)."""
+    kw = cfg.kwargs
+    bm, bn, bk = kw.get("BLOCK_SIZE_M", 64), kw.get("BLOCK_SIZE_N", 64), kw.get("BLOCK_SIZE_K", 64)
+    smem = (bm + bn) * bk * cfg.num_stages * elem
+    return (cfg.num_warps == (8 if bm >= 128 else 4), smem <= 200 * 1024, bn, smem)
+
+
+def _restrict_mslk_autotune(max_configs: int, fast_timing: bool) -> None:
+    """Keep at most ``max_configs`` of the configs MSLK's own pruning keeps (0: all), and time
+    each for ~20 ms instead of ~125 ms when ``fast_timing``."""
+    try:
+        import mslk.gemm.triton.grouped_gemm as mg  # type: ignore
+        from triton.runtime.autotuner import Autotuner
+        from triton.testing import do_bench
+    except Exception as e:  # noqa: BLE001
+        print(f"  (MSLK autotuning left as is: {type(e).__name__}: {e})")
+        return
+    found = []
+    for name, elem in (("_mslk_grouped_gemm", 2), ("_mslk_grouped_gemm_fp8_rowwise", 1)):
+        tuner = getattr(mg, name, None)
+        if not isinstance(tuner, Autotuner):
+            continue
+        found.append(name)
+        if fast_timing:
+            tuner.do_bench = lambda fn, quantiles: do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+        base = tuner.early_config_prune
+        if max_configs > 0 and base is not None:
+
+            def prune(configs, named_args, _base=base, _elem=elem, **kw):
+                kept = _base(configs, named_args, **kw)
+                ranked = sorted(kept, key=lambda c: _mslk_prefer(c, _elem), reverse=True)
+                return ranked[:max_configs] or kept
+
+            tuner.early_config_prune = prune
+    if max_configs > 0 or fast_timing:
+        print(f"  MSLK autotuners restricted: {found or 'none found (full autotuning)'}")
+
+
+def _mslk_ops(max_configs: int = 0, fast_timing: bool = False) -> dict:
     ops: dict = {}
     if try_import_mslk() is None:
         return ops
@@ -86,6 +141,8 @@ def _mslk_ops() -> dict:
         ops["bf16"], ops["fp8"] = grouped_gemm, grouped_gemm_fp8_rowwise
     except Exception as e:  # noqa: BLE001
         print(f"MSLK grouped_gemm unavailable: {type(e).__name__}: {e}")
+        return ops
+    _restrict_mslk_autotune(max_configs, fast_timing)
     return ops
 
 
@@ -188,8 +245,9 @@ def _mslk_fns(case: Case, mslk: dict):
     if fn is None:
         return None
     if case.fp8:
-        return [lambda s=s: fn(s["x"], s["w"], s["ms"], s["xs"], s["ws"]) for s in case.sets]
-    return [lambda s=s: fn(s["x"], s["w"], s["ms"]) for s in case.sets]
+        return [lambda s=s: fn(s["x"], s["w"], s["ms"], s["xs"], s["ws"], _use_warp_specialization=False)
+                for s in case.sets]  # fmt: skip
+    return [lambda s=s: fn(s["x"], s["w"], s["ms"], _use_warp_specialization=False) for s in case.sets]
 
 
 def _torch_fns(case: Case):
@@ -239,6 +297,8 @@ def _variants(case: Case, cfg):
     """Alternative kernels for --variants: TMA off, flattening off, the other kernel kind."""
     from moekit.ops._triton import grouped_gemm as tri
 
+    if cfg.kind == "gemv":  # the streaming (tensor-core) kernel at its small-M tile
+        return {"stream": tri.GemmConfig("stream", 16, 64, 256 if case.fp8 else 128, 5, 4)}
     out = {"no-tma": replace(cfg, use_tma=False)}
     if cfg.kind == "tiled":
         out["flatten" if not cfg.flatten else "no-flatten"] = replace(cfg, flatten=not cfg.flatten)
@@ -248,7 +308,7 @@ def _variants(case: Case, cfg):
     return out
 
 
-def bench_case(name, G, N, K, M, dtype, mslk, rows, variants=False, replays=20):
+def bench_case(name, G, N, K, M, dtype, mslk, rows, variants=False, replays=20, skip_mslk=False):
     from moekit.ops._triton import grouped_gemm as tri
 
     fp8 = dtype == FP8
@@ -257,7 +317,7 @@ def bench_case(name, G, N, K, M, dtype, mslk, rows, variants=False, replays=20):
     fl = floor_us(case.bytes, case.flops, fp8)
     ours = _time(_moekit_fns(case), replays)
     m_fns = _mslk_fns(case, mslk)
-    peer = _time(m_fns, replays) if m_fns else None
+    peer = ("skipped" if skip_mslk else _time(m_fns, replays)) if m_fns else None
     t_fns = _torch_fns(case)
     tt = _time(t_fns, replays) if t_fns else None
     cfg = tri.select_config(M, N, K, G, fp8, 1 if fp8 else 2, torch.cuda.get_device_properties(0).multi_processor_count)
@@ -279,9 +339,20 @@ def bench_case(name, G, N, K, M, dtype, mslk, rows, variants=False, replays=20):
             v = _time(_moekit_fns(case, vcfg), replays)
             row[f"µs {vname}"] = v
     rows.append(row)
-    print(f"  {name} M={M} {row['dtype']}: moekit {ours} µs, MSLK {peer}, torch {tt}, floor {fl:.1f}", flush=True)
+    print("  " + _row_line(row), flush=True)
     del case
     torch.cuda.empty_cache()
+
+
+def _row_line(row: dict) -> str:
+    def f(v, fmt="{:.1f}"):
+        return fmt.format(v) if isinstance(v, float) else ("—" if v is None else str(v))
+
+    return (
+        f"{row['shape']} M={row['M']} {row['dtype']}: moekit {f(row['moekit µs'])} µs | MSLK {f(row['MSLK µs'])}"
+        f" | torch {f(row['torch µs'])} | floor {f(row['floor µs'])} | {f(row.get('% floor'), '{:.0f}')}% floor"
+        f" | ÷MSLK {f(row.get('÷MSLK'), '{:.2f}')} | ÷torch {f(row.get('÷torch'), '{:.2f}')} | {row['config']}"
+    )
 
 
 def bench_dense(rows, quick):
@@ -317,24 +388,32 @@ def bench_dense(rows, quick):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a subset (about a minute with compilation)")
+    ap.add_argument("--quick", action="store_true", help="one shape per model family at M = 1, 16, 128, 16384 (about 2 min with compilation)")
     ap.add_argument("--dense", action="store_true", help="also the dense FP8 GEMM (Triton vs torch._scaled_mm)")
     ap.add_argument("--variants", action="store_true", help="also time moekit's alternative kernel variants")
     ap.add_argument("--tune", metavar="PATH", help="tune configs on the benchmark shapes, write the JSON table")
     ap.add_argument("--no-mslk", action="store_true", help="skip the MSLK peer")
     ap.add_argument("--dtype", choices=["bf16", "fp8", "both"], default="both")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds; later cells are skipped (quick: 140, full: 240; 0: no limit)")  # fmt: skip
+    ap.add_argument("--mslk-configs", type=int, default=None,
+                    help="MSLK autotuning configs kept per shape (quick: 2, full: 4; 0: all)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_grouped_gemm: needs a CUDA GPU; nothing to do on this machine.")
         return 0
     t0 = time.time()
-    mslk = {} if args.no_mslk else _mslk_ops()
-    print(f"MSLK peers: {sorted(mslk) or 'none'}")
+    budget = args.budget if args.budget is not None else (140.0 if args.quick else 240.0)
+    budget = budget if budget > 0 else float("inf")
+    n_mslk = args.mslk_configs if args.mslk_configs is not None else (2 if args.quick else 4)
+    mslk = {} if args.no_mslk else _mslk_ops(n_mslk, fast_timing=args.quick)
+    print(f"MSLK peers: {sorted(mslk) or 'none'} (non-warp-specialized; autotuning configs kept: "
+          f"{n_mslk or 'all'}); budget {budget:.0f} s")  # fmt: skip
     dtypes = {"bf16": [torch.bfloat16], "fp8": [FP8], "both": [torch.bfloat16, FP8]}[args.dtype]
     plan = []
     if args.quick:
         by_name = {s[0]: s for s in SHAPES}
-        plan = [(by_name[n], m) for n, ms in QUICK for m in ms]
+        plan = [(by_name[n], m) for m in QUICK_MS for n in QUICK_SHAPES]
     else:
         plan = [(s, m) for s in SHAPES for m in MS]
     if args.tune:
@@ -345,9 +424,17 @@ def main() -> int:
         print(f"tuned table written to {args.tune} ({time.time() - t0:.0f} s)")
         return 0
     rows: list[dict] = []
+    skipped = []
     for (name, G, N, K), M in plan:
         for dt in dtypes:
-            bench_case(name, G, N, K, M, dt, mslk, rows, variants=args.variants, replays=10 if M >= 16384 else 20)
+            spent = time.time() - t0
+            if spent > budget:
+                skipped.append(f"{name} M={M} {'fp8' if dt == FP8 else 'bf16'}")
+                continue
+            bench_case(name, G, N, K, M, dt, mslk, rows, variants=args.variants,
+                       replays=10 if M >= 16384 else 20, skip_mslk=spent > 0.85 * budget)  # fmt: skip
+    if skipped:
+        print(f"skipped past the {budget:.0f} s budget: {', '.join(skipped)}")
     print()
     print(f"Grouped GEMM, one GPU; floor = max(bytes / {COPY_TBPS} TB/s, FLOP / {BF16_TFLOPS} (bf16) or "
           f"{FP8_TFLOPS} (fp8) TFLOP/s); ÷peer = moekit µs / peer µs")  # fmt: skip

@@ -13,12 +13,13 @@ import os
 import pytest
 import torch
 
-from moekit.ops import grouped_gemm as gg_ops
 from moekit.ops.grouped_gemm import f8f8bf16_rowwise, grouped_gemm, grouped_gemm_fp8_rowwise
 from moekit.reference.quantize import quantize_fp8_row
 from moekit.testing import assert_close, assert_poisoned, poison, random_m_sizes
 
 ref = importlib.import_module("moekit.reference.grouped_gemm")
+# ``moekit.ops`` re-exports the function ``grouped_gemm``, which shadows the submodule attribute.
+gg_ops = importlib.import_module("moekit.ops.grouped_gemm")
 FP8 = torch.float8_e4m3fn
 TF32_TOL = 2e-3
 
@@ -238,20 +239,125 @@ def test_interp_strided_x_int64_sizes_and_empty():
     assert_poisoned(y, slice(0, 0))
 
 
+GEMV_CASES = [
+    # (M, G, N, K, sizes kind, BLOCK_N, BLOCK_K): full and partial N slices, K tiles that divide
+    # K or not, every group-size pattern
+    (1, 4, 32, 64, "routing", 4, 32),
+    (3, 3, 24, 40, "zeros", 2, 16),
+    (4, 2, 16, 48, "one", 16, 64),
+    (4, 5, 40, 32, "short", 16, 32),
+    (2, 3, 8, 24, "over", 1, 16),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"M{c[0]}-G{c[1]}-N{c[2]}-K{c[3]}-{c[4]}-bn{c[5]}")
+def test_interp_gemv(case, dtype):
+    M, G, N, K, kind, bn, bk = case
+    x, w, _, _ = _inputs(M, G, N, K, dtype, seed=M + N)
+    ms = _sizes(kind, M, G, seed=M + 1)
+    g = _gen(5)
+    bias = torch.randn(G, N, generator=g).to(dtype) if K % 16 == 0 else None
+    tw = torch.rand(M, generator=g) + 0.5 if G % 2 == 1 else None
+    rows = poison(torch.empty(M, N, dtype=dtype))
+    cfg = _tri().GemmConfig("gemv", 1, bn, bk, 3, 4, use_tma=False)
+    _tri()._launch(x, w, ms, None, None, None if bias is None else bias.reshape(-1), tw, None, None, True, cfg,
+                   M, N, K, G, False, dtype, rows_out=rows)  # fmt: skip
+    n = _valid_rows(ms, M)
+    assert_poisoned(rows, slice(0, n), msg="rows past sum(m_sizes)")
+    want = ref.grouped_gemm(x, w, ms, bias, tw)
+    # float32 products and sums: only the output rounding differs from the float32 oracle
+    assert_close(rows[:n].float(), want[:n].float(), tol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.interpreter
+def test_interp_gemv_fp8_and_dense():
+    M, G, N, K = 3, 4, 24, 48
+    xq, wq, xs, ws = _inputs(M, G, N, K, FP8, seed=12)
+    ms = _sizes("routing", M, G, seed=4)
+    tw = torch.rand(M, generator=_gen(6)) + 0.5
+    tri = _tri()
+    cfg = tri.heuristic_config(M, N, K, G, True, 1, 4)
+    assert cfg.kind == "gemv"
+    y = tri.grouped_gemm(xq, wq, ms, x_scale=xs, w_scale=ws, token_weights=tw, config=cfg)
+    want = ref.grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, token_weights=tw)
+    assert y.dtype == torch.bfloat16
+    assert_close(y.float(), want.float(), tol=1e-2)
+    # deterministic scatter (bf16 output: the interpreter has no bf16 atomics)
+    idx = torch.tensor([1, -1, 1], dtype=torch.int32)  # two rows into token 1, one skipped
+    out0 = torch.randn(2, N, generator=_gen(7)).to(torch.bfloat16)
+    out = out0.clone()
+    tri.grouped_gemm(xq, wq, ms, x_scale=xs, w_scale=ws, token_weights=tw, out=out, scatter_indices=idx,
+                     deterministic=True, config=cfg)  # fmt: skip
+    expect = out0.clone()
+    ref.grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, token_weights=tw, _output_tensor=expect, _scatter_add_indices=idx)
+    assert_close(out.float(), expect.float(), tol=2e-2)
+    assert torch.equal(out[0], out0[0])
+    # dense FP8 GEMM of one row: the GEMV path with the single implicit group
+    d = tri.f8f8bf16_rowwise(xq[:1], wq[:N], xs[:1], ws[:N], out0[0])
+    assert_close(d.float(), ref.f8f8bf16_rowwise(xq[:1], wq[:N], xs[:1], ws[:N], out0[0]).float(), tol=1e-2)
+
+
+@pytest.mark.interpreter
+def test_interp_gemv_atomic_scatter():
+    M, G, N, K, T = 4, 3, 16, 32, 3
+    x, w, _, _ = _inputs(M, G, N, K, torch.float32, seed=15)
+    ms = _sizes("short", M, G, seed=1)
+    idx = torch.tensor([2, 0, 2, 5], dtype=torch.int64)  # 5 >= T: skipped
+    tw = torch.rand(M, generator=_gen(8))
+    out0 = torch.randn(T, N, generator=_gen(9))
+    out = out0.clone()
+    cfg = _tri().GemmConfig("gemv", 1, 8, 16, 3, 4, use_tma=False)
+    _tri().grouped_gemm(x, w, ms, token_weights=tw, out=out, scatter_indices=idx, config=cfg)
+    want = out0.clone()
+    ref.grouped_gemm(x, w, ms, None, tw, _output_tensor=want, _scatter_add_indices=idx)
+    assert_close(out, want, tol=1e-5)
+
+
+@pytest.mark.interpreter
+def test_interp_gemv_strided_x_int64_sizes():
+    M, G, N, K = 4, 3, 16, 32
+    base = torch.randn(M, 2 * K, generator=_gen(13)).to(torch.float16)
+    x = base[:, K:]
+    w = (torch.randn(G * N, K, generator=_gen(14)) / K**0.5).to(torch.float16)
+    ms = torch.tensor([1, 0, 2], dtype=torch.int64)  # 3 of the 4 rows routed
+    tri = _tri()
+    y = poison(torch.empty(M, N, dtype=torch.float16))
+    tri._launch(x, w, ms, None, None, None, None, None, None, True, tri.heuristic_config(M, N, K, G, False, 2, 4),
+                M, N, K, G, False, torch.float16, rows_out=y)  # fmt: skip
+    assert_poisoned(y, slice(0, 3))
+    assert_close(y[:3].float(), ref.grouped_gemm(x, w, ms)[:3].float(), tol=2e-3)
+
+
 @pytest.mark.reference
 def test_heuristic_buckets():
     tri = _tri()
     sel = tri.heuristic_config
+    # one token: the GEMV kernel, ~3 programs per SM, K tiles dividing K, ~32 KB in flight each
     c = sel(1, 2048, 5120, 16, False, 2, 132)
-    assert c.kind == "stream" and c.block_m == 16
+    assert (c.kind, c.block_n, c.block_k, c.stages) == ("gemv", 4, 1024, 5)
+    assert sel(4, 2048, 5120, 16, True, 1, 132).kind == "gemv"
+    assert sel(1, 2048, 768, 128, False, 2, 132).block_k == 256  # 768 = 3 * 256: no K mask
+    assert sel(5, 2048, 5120, 16, False, 2, 132).kind == "stream"
+    # 8 rows per expert (Scout TP8, M=128): 128-row warpgroup-MMA slices, one wave of 2 per SM
+    c = sel(128, 2048, 5120, 16, True, 1, 132)
+    assert (c.kind, c.block_m, c.block_n, c.warps) == ("stream", 32, 128, 4)
+    assert (c.block_m + c.block_n) * c.block_k * c.stages <= 110 * 1024
+    # DeepSeek decode keeps its configuration
+    c = sel(16, 7168, 2048, 256, False, 2, 132)
+    assert (c.kind, c.block_m, c.block_n, c.block_k, c.stages, c.warps) == ("stream", 16, 128, 64, 6, 4)
     assert sel(128, 4096, 7168, 256, True, 1, 132).kind == "stream"
     assert sel(16384, 2048, 5120, 16, False, 2, 132).kind == "tiled"
-    for M in (1, 16, 64, 128, 2048, 16384):
-        for (G, N, K) in ((16, 2048, 5120), (256, 7168, 2048), (128, 2048, 768)):
+    for M in (1, 2, 3, 4, 16, 64, 128, 2048, 16384):
+        for (G, N, K) in ((16, 2048, 5120), (256, 7168, 2048), (128, 2048, 768), (128, 1536, 2048), (4, 40, 24)):
             for fp8 in (False, True):
                 cfg = sel(M, N, K, G, fp8, 1 if fp8 else 2, 132)
+                assert (cfg.kind == "gemv") == (M <= tri.GEMV_MAX_M)
+                lo = 1 if cfg.kind == "gemv" else 16
                 for b in (cfg.block_m, cfg.block_n, cfg.block_k):
-                    assert b >= 16 and b & (b - 1) == 0
+                    assert b >= lo and b & (b - 1) == 0
+                assert cfg.block_k >= 16
     assert tri.config_key(100, 2048, 5120, 16, False, 2) == "m128_n2048_k5120_g16_b2"
 
 
@@ -453,6 +559,10 @@ GPU_CASES = [
     (4, 129, 40, 24),
     (4, 16384, 1536, 768),
     (16, 1, 2048, 5120),
+    (16, 2, 2048, 5120),
+    (16, 4, 5120, 1024),
+    (16, 8, 2048, 5120),
+    (16, 128, 2048, 5120),
     (16, 64, 5120, 1024),
     (16, 129, 7168, 768),
     (16, 2048, 2880, 768),
@@ -462,6 +572,7 @@ GPU_CASES = [
     (128, 2048, 768, 1536),
     (128, 16384, 24, 40),
     (256, 1, 768, 7168),
+    (256, 4, 7168, 2048),
     (256, 129, 1536, 768),
     (256, 2048, 40, 24),
     (256, 16384, 768, 768),
@@ -513,9 +624,10 @@ def _all_configs(M, N, K, G, fp8):
     """Every code path the launchers have, at the block sizes the heuristic uses."""
     tri = _tri()
     C = tri.GemmConfig
-    out = []
+    out = [C("gemv", 1, 4, 1024, 5, 4, use_tma=False), C("gemv", 1, 16, 512 if fp8 else 256, 5, 4, use_tma=False)]
     for use_tma in (True, False):
         out.append(C("stream", 16, 16, 512 if fp8 else 256, 4, 2, use_tma=use_tma))
+        out.append(C("stream", 32, 128, 128 if fp8 else 64, 5, 4, use_tma=use_tma))
         out.append(C("stream", 32, 64, 256 if fp8 else 128, 5, 4, use_tma=use_tma))
         out.append(C("stream", 128, 128, 128 if fp8 else 64, 4, 8, use_tma=use_tma))
         for flatten in (True, False):
@@ -528,8 +640,8 @@ def _all_configs(M, N, K, G, fp8):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", [(16, 1000, 2880, 768), (4, 515, 40, 1536)], ids=["big", "narrow"])
 def test_gpu_every_config(shape, dtype, cuda):
-    """Each kernel variant (stream/tiled, TMA/pointers, flattened or not) on one shape, plus the
-    scatter epilogue and the FP8 precise-accumulation variant."""
+    """Each kernel variant (gemv/stream/tiled, TMA/pointers, flattened or not) on one shape, plus
+    the scatter epilogue and the FP8 precise-accumulation variant."""
     G, M, N, K = shape
     fp8 = dtype == FP8
     x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=3, device=cuda)
@@ -614,7 +726,7 @@ def test_gpu_deterministic_bitwise(M, dtype, cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("G,M,N,K", [(16, 64, 2048, 1024), (4, 3000, 1536, 768)])
+@pytest.mark.parametrize("G,M,N,K", [(16, 3, 2048, 1024), (16, 64, 2048, 1024), (4, 3000, 1536, 768)])
 def test_gpu_rows_past_sum_stay_poisoned(G, M, N, K, dtype, cuda):
     x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=1, device=cuda)
     ms_cpu = _sizes("short", M, G, seed=3)
@@ -636,7 +748,7 @@ def test_gpu_rows_past_sum_stay_poisoned(G, M, N, K, dtype, cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("M", [64, 4096])
+@pytest.mark.parametrize("M", [3, 64, 4096])
 @pytest.mark.parametrize("scatter", [False, True], ids=["store", "scatter"])
 def test_gpu_cuda_graph_replay(M, dtype, scatter, cuda):
     G, N, K, T = 16, 1536, 768, 256
@@ -711,11 +823,13 @@ def test_gpu_torch_compile(cuda):
         a = grouped_gemm(x, w, ms)
         b = grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws)
         grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx, deterministic=True)
-        return a, b, out
+        c = grouped_gemm_fp8_rowwise(xq[:3], wq, ms, xs[:3], ws)  # 3 rows: the GEMV kernel
+        return a, b, out, c
 
     torch._dynamo.reset()
-    a, b, out = torch.compile(f, fullgraph=True)(x, w, ms, xq, wq, xs, ws, idx, torch.zeros(64, N, device=cuda,
-                                                                                       dtype=torch.bfloat16))  # fmt: skip
+    a, b, out, c = torch.compile(f, fullgraph=True)(x, w, ms, xq, wq, xs, ws, idx, torch.zeros(64, N, device=cuda,
+                                                                                          dtype=torch.bfloat16))  # fmt: skip
+    assert_close(c.float(), _oracle(xq[:3], wq, ms, x_scale=xs[:3], w_scale=ws), tol=6e-2)
     assert_close(a.float(), _oracle(x, w, ms), tol=1e-2)
     assert_close(b.float(), _oracle(xq, wq, ms, x_scale=xs, w_scale=ws), tol=6e-2)
     assert_close(out.float(), torch.zeros(64, N, device=cuda).index_add_(0, idx, _oracle(x, w, ms)), tol=1e-2)

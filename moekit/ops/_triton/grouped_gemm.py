@@ -1,20 +1,30 @@
 """Triton kernels: grouped GEMM (BF16/FP16/FP32 and FP8 row-wise) with a fused epilogue
 (FP8 scales, bias, token weights, scatter-add), and the dense FP8 row-wise GEMM.
 
-Two kernels share one epilogue:
+Three kernels (the last two share one epilogue):
 
+- ``_gg_gemv_kernel`` (the *GEMV* path, at most ``GEMV_MAX_M`` = 4 rows in all: decode of one
+  token, top-1 or a few). One program = one row and a ``BLOCK_N``-row slice (1..16 rows) of its
+  expert's weights over the whole K, on CUDA cores: an elementwise float32 accumulator that
+  every thread owns (no MMA dependency chain), cp.async-pipelined 16-byte loads, one reduction
+  over K at the end. ``BLOCK_N`` is chosen so that there are about three programs per SM: all
+  of them resident at once, each with ~32 KB of weights in flight, no split-K reduction and no
+  second launch (the tensor-core tile of 16 rows per MMA would leave one or two chained
+  programs per SM streaming at a third of HBM bandwidth).
 - ``_gg_stream_kernel`` (the *streaming* path, rows per expert small: decode, and prefill of
   models with many experts). Operands are swapped: the tile is ``[BLOCK_N, BLOCK_M]`` =
   ``w_g[n-slice] @ x_g.T``, so the expert's N dim fills the MMA's wide side and the few rows of
   the group sit in a 16..128-wide side. One program = one (non-empty group, N slice); the grid is
   ``min(G, M) * cdiv(N, BLOCK_N)`` and programs past the number of non-empty groups exit at once,
   so empty groups cost nothing and every SM streams a slice of the weights that are needed.
-  The program loops over the group's row tiles (usually one).
+  The program loops over the group's row tiles (usually one). Slices are 128 or 64 weight rows
+  (warpgroup MMA, asynchronous, pipelined) whenever that still gives every SM a slice, with
+  pipelines sized so that two programs share an SM (one streams while the other drains).
 - ``_gg_tiled_kernel`` (the *tiled* path, many rows per expert: compute-bound prefill): a
   persistent kernel (one program per SM) walking the output tiles of all groups in a grouped
   (L2-friendly) order, with TMA tensor descriptors for x and w on Hopper when the strides allow.
 
-Both read ``m_sizes`` on the device: every program loads the ``[G]`` sizes, computes the group
+All read ``m_sizes`` on the device: every program loads the ``[G]`` sizes, computes the group
 offsets with a cumulative sum and clips them to ``M`` (so rows past ``M`` are never touched
 when ``sum(m_sizes) > M``, and negative sizes count as 0). No host synchronization anywhere.
 
@@ -27,7 +37,8 @@ buffer and ``_token_reduce_kernel`` adds them to the output token by token in as
 ``use_fast_accum``: FP8 ``tl.dot`` on Hopper accumulates in the tensor core's reduced-precision
 accumulator by default (fast accumulation, Triton's sm_90 default); ``use_fast_accum=False``
 promotes the accumulator to float32 after every ``BLOCK_K`` slice (tiled path only; the streaming
-path has short K slices per dot and always uses the default). Ignored for 16-bit inputs.
+path has short K slices per dot and always uses the default; the GEMV path always accumulates
+exact float32 products). Ignored for 16-bit inputs.
 """
 
 from __future__ import annotations
@@ -200,6 +211,86 @@ def _gg_stream_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
+# GEMV kernel: a handful of rows in all (decode of one or a few tokens)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gg_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    m_sizes_ptr,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    tw_ptr,
+    idx_ptr,
+    M,
+    N,
+    K,
+    G,
+    T_OUT,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_MSIZES: tl.constexpr,
+    FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_TW: tl.constexpr,
+    SCATTER: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """One program = one row of x and ``BLOCK_N`` rows of its expert's weights, over all of K.
+    CUDA-core FMAs into a ``[BLOCK_N, BLOCK_K]`` float32 accumulator (every thread owns its
+    elements: no dependency chain but the K loop), one reduction over K at the end. The grid is
+    ``M * cdiv(N, BLOCK_N)`` (a few hundred short programs, several resident per SM), rows of a
+    same expert run side by side so that their shared weight tiles come from L2."""
+    pid = tl.program_id(0)
+    m = pid % M
+    nb = pid // M
+    gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
+    # The group holding row m (the ranges are disjoint), -1 for rows past sum(m_sizes): those are
+    # left untouched. One reduction: it sits between the sizes load and the first weight load.
+    g = _pick(gi + 1, (m >= starts) & (m < starts + rows)) - 1
+    if g >= 0:
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        col = g.to(tl.int64) * N + offs_n
+        w_rows = w_ptr + col[:, None] * stride_wn
+        x_row = x_ptr + m.to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w_t = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+                x_t = tl.load(x_row + offs_k)
+            else:
+                k_mask = offs_k < K
+                w_t = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                x_t = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+            acc += w_t.to(tl.float32) * x_t.to(tl.float32)[None, :]
+        out = tl.sum(acc, axis=1)
+        if FP8:
+            out = out * tl.load(xs_ptr + m) * tl.load(ws_ptr + col, mask=n_mask, other=0.0)
+        if HAS_BIAS:
+            out = out + tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_TW:
+            out = out * tl.load(tw_ptr + m).to(tl.float32)
+        val = out.to(y_ptr.dtype.element_ty)
+        if SCATTER:
+            dst = tl.load(idx_ptr + m).to(tl.int64)
+            ok = (dst >= 0) & (dst < T_OUT)
+            tl.atomic_add(y_ptr + dst * stride_ym + offs_n, val, mask=n_mask & ok, sem="relaxed")
+        else:
+            tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs_n, val, mask=n_mask)
+
+
+# ----------------------------------------------------------------------------------------------
 # Tiled persistent kernel: many rows per group
 # ----------------------------------------------------------------------------------------------
 
@@ -339,8 +430,9 @@ _FLATTEN_DEFAULT = os.environ.get("MOEKIT_GG_FLATTEN", "1") != "0"
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch configuration. ``kind``: "stream" (swap-AB, per group and N slice) or "tiled"
-    (persistent). ``use_tma``: ask for TMA descriptors (used only when the strides allow)."""
+    """One launch configuration. ``kind``: "gemv" (CUDA cores, per row and N slice; ``block_m``
+    is ignored), "stream" (swap-AB, per group and N slice) or "tiled" (persistent). ``use_tma``:
+    ask for TMA descriptors (used only when the strides allow; never by "gemv")."""
 
     kind: str
     block_m: int
@@ -407,7 +499,33 @@ def select_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int
     return heuristic_config(M, N, K, G, fp8, elem, sms)
 
 
+# Problems of at most this many rows in all run the GEMV kernel ($MOEKIT_GG_GEMV_MAX_M; 0: never).
+GEMV_MAX_M = int(os.environ.get("MOEKIT_GG_GEMV_MAX_M", "4"))
+# Shared memory one streaming program may use: two programs per SM (228 KB per SM, 1 KB each
+# reserved), so that one streams while the other fills or drains its pipeline.
+_STREAM_SMEM = 110 * 1024
+
+
+def gemv_config(M: int, N: int, K: int, elem: int, sms: int) -> GemmConfig:
+    """GEMV kernel: weight slices of ``block_n`` rows (the widest, up to 16, that still gives
+    about three programs per SM), K tiles of about 8 KB of weights (a power of two dividing K
+    when one of at least 128 elements does: no K masks), about 32 KB of them in flight."""
+    block_n = 1
+    for bn in (16, 8, 4, 2):
+        if M * cdiv(N, bn) >= 3 * sms:
+            block_n = bn
+            break
+    target = max(64, 8192 // (block_n * elem))
+    div = K & -K  # the largest power of two dividing K
+    block_k = min(target, div) if div >= 128 else min(target, max(16, next_pow2(K)))
+    # Pipeline depth: about 32 KB of weights in flight per program (num_stages - 1 tiles).
+    stages = 1 + max(2, min(6, (32 * 1024) // (block_n * block_k * elem)))
+    return GemmConfig("gemv", 1, block_n, block_k, stages, 4, use_tma=False)
+
+
 def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> GemmConfig:
+    if M <= GEMV_MAX_M:
+        return gemv_config(M, N, K, elem, sms)
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     rows_per_group = M / hits
     kpow = next_pow2(K)
@@ -415,13 +533,17 @@ def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: 
         # Streaming: the weights of the hit experts are the traffic. Rows tile: room for about
         # twice the mean group size, so a group rarely needs a second pass over its weights.
         block_m = min(128, max(16, next_pow2(int(math.ceil(2 * rows_per_group - 1e-3)))))
-        # N slice: the widest that still gives every SM about four slices (so that the last wave
-        # is short), 16-wide slices at worst.
-        block_n = 16
-        for bn in (128, 64, 32):
-            if bn <= max(16, next_pow2(N)) and hits * cdiv(N, bn) >= 4 * sms:
+        # N slice: 128 or 64 rows (warpgroup MMA tiles, asynchronous and pipelined) when that
+        # still gives every SM a slice: the slices then run in one wave (two programs per SM)
+        # or in many, and the weights stream at the HBM rate. Narrower (synchronous MMA)
+        # slices only when even 64-row slices leave SMs idle.
+        block_n = 0
+        for bn in (128, 64):
+            if bn <= max(16, next_pow2(N)) and hits * cdiv(N, bn) >= sms:
                 block_n = bn
                 break
+        if block_n == 0:
+            block_n = 32 if N > 16 and hits * cdiv(N, 32) >= sms else 16
         # 16x16 tiles: 4 warps would duplicate the MMA work (warps beyond the tile replicate).
         warps = 8 if block_n * block_m >= 128 * 128 else (2 if block_n * block_m <= 256 else 4)
         # K slice: about 16 KB of weights per pipeline stage, x slice at most 16 KB (8 KB for the
@@ -430,7 +552,10 @@ def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: 
         block_k = min(16384 // (block_n * elem), 16384 // (block_m * elem), cap, max(kpow, 16))
         block_k = max(16, block_k)
         stage_bytes = (block_n + block_m) * block_k * elem
-        stages = max(2, min(8 if warps == 2 else 6, (128 * 1024) // stage_bytes))
+        if block_n >= 64 and warps == 4:  # two programs per SM (registers allow it too)
+            stages = max(2, min(6, _STREAM_SMEM // stage_bytes))
+        else:
+            stages = max(2, min(8 if warps == 2 else 6, (128 * 1024) // stage_bytes))
         return GemmConfig("stream", block_m, block_n, block_k, stages, warps)
     # Tiled persistent: compute-bound (or nearly) tiles. Groups of a few hundred rows waste less
     # of their last row tile with 64-row tiles.
@@ -556,6 +681,23 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     if fp8 and not fast_accum and cfg.kind == "tiled" and cfg.block_n > 128:
         cfg = replace(cfg, block_n=128)  # the promoted accumulator needs registers: 128x256 spills
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    out_rows = out.shape[0] if scatter else M
+    if cfg.kind == "gemv":
+        launch(_gg_gemv_kernel)[(M * cdiv(N, bn),)](
+            x, w, y,
+            m_sizes if m_sizes is not None else y,
+            x_scale if x_scale is not None else y,
+            w_scale if w_scale is not None else y,
+            bias if bias is not None else y,
+            token_weights if token_weights is not None else y,
+            scatter_indices if scatter_indices is not None else y,
+            M, N, K, G, out_rows, x.stride(0), w.stride(0), y.stride(0),
+            HAS_MSIZES=m_sizes is not None, FP8=fp8, HAS_BIAS=bias is not None,
+            HAS_TW=token_weights is not None, SCATTER=scatter, G_BLOCK=max(16, next_pow2(G)),
+            BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+        return None if scatter else y
     x_block, w_block = [bm, bk], [bn, bk]
     stream = cfg.kind == "stream"
     # The streaming kernel reads x through masked pointers (only the group's rows move).
@@ -592,7 +734,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         N,
         K,
         G,
-        out.shape[0] if scatter else M,
+        out_rows,
         x.stride(0),
         w.stride(0),
         y.stride(0),
@@ -664,6 +806,14 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
     h = heuristic_config(M, N, K, G, fp8, elem, sms)
     kpow = max(16, next_pow2(K))
     out = [h]
+    if h.kind == "gemv":
+        for bn in sorted({max(1, h.block_n // 2), h.block_n, min(16, h.block_n * 2)}):
+            for bk in sorted({max(16, h.block_k // 2), h.block_k, min(kpow, h.block_k * 2)}):
+                stages = 1 + max(2, min(6, (32 * 1024) // (bn * bk * elem)))
+                out.append(GemmConfig("gemv", 1, bn, bk, stages, 4, use_tma=False))
+        h = replace(h, kind="stream", block_m=16, block_n=64, block_k=max(16, min(kpow, 256 // elem)), stages=5,
+                    use_tma=True)
+        out.append(h)
     if h.kind == "stream":
         for bn in sorted({max(16, h.block_n // 2), h.block_n, min(128, h.block_n * 2)}):
             for bk in sorted({max(16, h.block_k // 2), h.block_k, min(kpow, h.block_k * 2)}):
