@@ -51,6 +51,7 @@ PATHS = [
     ("multi 2-launch", {"force": "multi"}),
     ("multi 3-launch", {"force": "multi3"}),
     ("multi 2-launch gather-rank", {"force": "multi", "pairwise": False}),
+    ("auto, one key tile", {"chunks": 1}),  # E=384: no 3-chunk keys (and 8 programs per SM)
 ]
 
 
@@ -129,7 +130,9 @@ def bench_cell(T, E, K, has_mslk, rows, path_rows):
 
     p = tri.plan(T, E, K, torch.bfloat16, torch.cuda.get_device_properties(0).multi_processor_count)
     fl = floor_us(nbytes)
-    row = {"T": T, "E": E, "top_k": K, "plan": f"{p.path}/{p.launches}", "exact": ok, "moekit µs": ours}
+    plan = f"{p.path}/{p.launches}" + (f" x{p.programs}" if p.path == "multi" else "")
+    plan += " c3" if p.chunks == 3 else ""
+    row = {"T": T, "E": E, "top_k": K, "plan": plan, "exact": ok, "moekit µs": ours}
     if _num(ours):
         row["TB/s"] = nbytes / ours / 1e6
         row["% floor"] = 100.0 * fl / ours
@@ -145,7 +148,7 @@ def bench_cell(T, E, K, has_mslk, rows, path_rows):
     if path_rows is not None:
         prow = {"T": T, "E": E, "top_k": K, "auto": row["plan"], "auto µs": ours}
         for label, kw in PATHS:
-            if kw.get("force") == "single" and T * E > 4 * tri.SINGLE_TILE:
+            if kw.get("force") == "single" and T * E > 32768:
                 prow[label] = "—"
                 continue
             prow[label] = _time(lambda s, kw=kw: (lambda: tri.index_shuffling(s, top_k=K, **kw)), sets)

@@ -5,6 +5,11 @@ All three outputs are integers and must match ``moekit.reference.index_shuffling
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -203,6 +208,205 @@ def test_interp_packing_limits_respected():
     assert tri.plan(1, 512, 16, torch.bfloat16, 132).launches == 1
 
 
+@pytest.mark.interpreter
+def test_interp_plan_thresholds():
+    """The single program stops at SINGLE_TILE elements (2048 bf16 keys, 1024 int64 keys); the
+    chunked kernel takes E <= 3/4 of its power of two and more programs per SM."""
+    tri = _interp()
+    bf, f32 = torch.bfloat16, torch.float32
+    assert tri.plan(128, 16, 4, bf, 132).path == "single"  # 128 x 16 = 2048
+    assert tri.plan(1, 2048, 8, bf, 132).path == "single"
+    assert tri.plan(1, 384, 8, bf, 132).path == "single"
+    assert tri.plan(128, 128, 1, bf, 132).path == "multi"  # was one 16-warp program: 16.3 us
+    assert tri.plan(128, 128, 4, bf, 132).launches == 2
+    assert tri.plan(64, 16, 1, f32, 132).path == "single" and tri.plan(128, 16, 1, f32, 132).path == "multi"
+    p = tri.plan(16384, 384, 8, bf, 132)
+    assert (p.chunks, p.block_c, p.hs, p.bt, p.iters, p.programs) == (3, 128, 384, 4, 3, 1366)
+    assert p.programs <= tri.PROGRAMS_PER_SM_CHUNKED * 132
+    p = tri.plan(16384, 128, 4, bf, 132)
+    assert (p.chunks, p.hs, p.bt, p.iters, p.programs) == (1, 128, 8, 2, 1024)
+    assert tri.plan(4096, 257, 16, bf, 132).chunks == 3 and tri.plan(4096, 400, 8, bf, 132).chunks == 1
+    assert tri.plan(4096, 384, 8, bf, 132, pairwise=False).chunks == 1
+    assert tri.plan(128, 384, 8, bf, 132).launches == 2  # 32 programs x 384 histogram entries
+    with pytest.raises(ValueError, match="chunks"):
+        tri.plan(4096, 400, 8, bf, 132, chunks=3)
+
+
+# Experts / chunk settings of the chunked (three column tiles) multi-program kernel.
+_CHUNK_CASES = [
+    (48, 1, torch.bfloat16),
+    (48, 3, torch.float32),
+    (40, 3, torch.bfloat16),
+    (96, 3, torch.float32),
+    (257, 3, torch.bfloat16),
+    (257, 1, torch.float32),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("E,chunks,dtype", _CHUNK_CASES)
+def test_interp_chunked_keys(E, chunks, dtype):
+    tri = _interp()
+    T = 11
+    s = tie_free_scores(T, E, dtype=dtype, seed=E + chunks)
+    for K, start, end, vtc in ((5, 3, E - 2, 9), (16, 0, E, 40)):
+        v = vtc_tensor(vtc)
+        got = tri.index_shuffling(s, start, end, v, K, force="multi", block_tokens=2, chunks=chunks)
+        assert_same(got, ref_of(s, start, end, v, K), f"E={E} chunks={chunks} K={K}")
+    t = tied_scores(T, E, seed=E, dtype=dtype)
+    got = tri.index_shuffling(t, None, None, None, 7, force="multi3", block_tokens=4, chunks=chunks)
+    assert_same(got, ref_of(t, top_k=7), f"ties E={E} chunks={chunks}")
+
+
+def special_scores(T: int, E: int, seed: int, dtype) -> torch.Tensor:
+    """Rows full of NaN (both signs), +-inf, +-0.0 and subnormals next to ordinary values."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(
+        [float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, -1.0, 0.5, -2.0, 1e-40, -1e-40],
+        dtype=torch.float32,
+    )
+    s = pool[torch.randint(0, len(pool), (T, E), generator=g)].to(dtype)
+    s[0] = -float("inf")  # a row of only -inf: the lowest experts win, never the padding
+    if T > 1:
+        s[1] = float("nan")
+    return s
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "force,bt,chunks,dtype",
+    [
+        (None, None, None, torch.bfloat16),
+        (None, None, None, torch.float32),
+        ("multi", 2, 1, torch.float32),
+        ("multi", 4, 3, torch.bfloat16),
+        ("multi3", 2, 3, torch.float32),
+        ("multi3", 4, 3, torch.float16),
+    ],
+)
+def test_interp_special_values(force, bt, chunks, dtype):
+    """NaN ranks above +inf (every NaN ties), -0.0 ties with +0.0, -inf real experts still beat the
+    -inf padding of the multi-program kernel: exactly the reference's torch.sort order."""
+    tri = _interp()
+    s = special_scores(9, 40, seed=11, dtype=dtype)
+    for K in (1, 40):
+        got = tri.index_shuffling(s, None, None, None, K, force=force, block_tokens=bt, chunks=chunks)
+        assert_same(got, ref_of(s, top_k=K), f"{force}/{chunks} K={K}")
+    got = tri.index_shuffling(s, 5, 33, vtc_tensor(7), 6, force=force, block_tokens=bt, chunks=chunks)
+    assert_same(got, ref_of(s, 5, 33, vtc_tensor(7), 6), f"{force}/{chunks} range")
+
+
+# The CUDA branch of the registered op, traced the way torch.compile / opcheck trace it, on this
+# CPU-only machine: the launchers run as real @triton.jit kernels under wrap_triton (torch's TTIR
+# mutation analysis compiles them for sm_90), and the traced graph and the eager op both execute
+# them in the Triton interpreter. (The first round's failure: an output passed as the stand-in
+# for an absent valid-token count was cloned twice by functionalization and the traced op
+# returned the unwritten clone as token_counts.)
+_TRACE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        import torch
+        import triton.runtime.driver as drv
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime import interpreter as I
+        from triton.runtime.jit import JITFunction
+
+        class _Driver:  # the target torch's TTIR analysis compiles for
+            def get_current_target(self):
+                return GPUTarget("cuda", 90, 32)
+
+            def get_active_torch_device(self):
+                return torch.device("cpu")
+
+            def get_current_device(self):
+                return 0
+
+            def get_current_stream(self, *a):
+                return 0
+
+        drv.set_active(_Driver())
+        _fns, _call = {}, JITFunction.__call__
+
+        def _fn(jf):
+            return _fns.setdefault(id(jf), I.InterpretedFunction(jf.fn))
+
+        def _device_call(self, *a, **kw):  # a @triton.jit helper called inside a kernel
+            f = _fn(self)
+            scope = I._patch_lang(f.fn)
+            try:
+                return f.rewrite()(*a, **kw)
+            finally:
+                scope.restore()
+
+        def _run(self, *a, grid, warmup, **kw):  # a launch: run it in the interpreter
+            JITFunction.__call__ = _device_call
+            try:
+                return _fn(self).run(*a, grid=grid, warmup=warmup, **kw)
+            finally:
+                JITFunction.__call__ = _call
+
+        JITFunction.run = _run
+        import moekit.ops.routing as R
+
+        R.use_triton = lambda t: True  # CPU tensors take the CUDA branch
+    except Exception as e:  # noqa: BLE001
+        print("harness unavailable:", repr(e))
+        sys.exit(77)
+
+    from torch._functorch.aot_autograd import aot_function
+    from moekit.ops._triton import routing as tri
+    from moekit.testing import tie_free_scores
+
+    op = torch.ops.moekit.index_shuffling.default
+    v = lambda n, dt=torch.int32: torch.tensor([n], dtype=dt)
+    s = tie_free_scores(9, 6, dtype=torch.bfloat16, seed=1)
+    m = tie_free_scores(130, 16, dtype=torch.bfloat16, seed=2)
+    c = tie_free_scores(10, 384, dtype=torch.bfloat16, seed=3)
+    f = tie_free_scores(40, 40, dtype=torch.float32, seed=4, column_major=True)
+    # single / multi / chunked multi, with and without a valid-token count
+    samples = [(s,), (m, 3, 12, v(100, torch.int64), 4), (c, None, None, None, 8), (f, 2, 39, v(33), 2)]
+    paths = set()
+    for a in samples:
+        T, E = a[0].shape
+        p = tri.plan(T, E, a[4] if len(a) > 4 else 1, a[0].dtype, 4)
+        paths.add((p.path, p.chunks))
+        torch.library.opcheck(op, a)
+        nodes = []
+
+        def inspect(gm, _):
+            for n in gm.graph.nodes:
+                if n.op == "call_function" and "triton_kernel_wrapper" in str(n.target):
+                    kw = n.kwargs["kwargs"]
+                    tensors = [x for x in kw.values() if isinstance(x, torch.fx.Node)]
+                    assert len(tensors) == len(set(tensors)), f"one tensor passed twice: {kw}"
+                    for name in n.kwargs.get("tensors_to_clone", []):
+                        assert kw[name].op != "placeholder", f"input {name} taken as written"
+                    nodes.append(n)
+            return gm
+
+        traced = aot_function(lambda *t: op(*t), inspect, dynamic=True)(*a)
+        assert nodes, "no Triton launch traced"
+        for x, y in zip(traced, op(*a)):
+            assert torch.equal(x, y)
+    assert paths == {("single", 1), ("multi", 1), ("multi", 3)}, paths
+    print("TRACED OK")
+    """
+)
+
+
+@pytest.mark.interpreter
+def test_interp_traced_cuda_branch_matches_eager():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    if r.returncode == 77:
+        pytest.skip(r.stdout.strip())
+    assert r.returncode == 0 and "TRACED OK" in r.stdout, (r.stdout[-3000:], r.stderr[-6000:])
+
+
 # ----------------------------------------------------------------------------- reference tier: the public op on CPU
 
 @pytest.mark.reference
@@ -335,12 +539,51 @@ def test_gpu_grid(T, E, K, dtype):
 def test_gpu_paths_ranges_valid_count(force, pw, dtype, T, E, K, start, end, vtc):
     from moekit.ops._triton import routing as tri
 
-    if force == "single" and T * E > tri.SINGLE_TILE:
-        pytest.skip("single-program path holds at most one tile")
+    if force == "single" and T * E > 16384:
+        pytest.skip("a forced single program holds at most 16384 scores here")
     s = tie_free_scores(T, E, dtype=dtype, seed=T + E, device="cuda")
     v = vtc_tensor(vtc, "cuda", torch.int64 if (vtc or 0) % 2 else torch.int32)
     got = tri.index_shuffling(s, start, end, v, K, force=force, pairwise=pw)
     assert_same(got, ref_of(s, start, end, v, K), f"{force}/{pw} T={T} E={E} K={K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "T,E,K,start,end,vtc",
+    [
+        (16384, 384, 8, None, None, None),  # the benchmark cell: 3 sub-tiles x 1366 programs
+        (16384, 384, 8, 64, 320, 16000),
+        (5000, 320, 4, 0, 160, 4999),
+        (3000, 257, 16, 1, 257, None),
+        (777, 96, 6, 10, 90, 700),
+    ],
+)
+def test_gpu_chunked_keys(chunks, dtype, T, E, K, start, end, vtc):
+    """The three-chunk multi-program kernel against the reference and the one-tile kernel."""
+    from moekit.ops._triton import routing as tri
+
+    s = tie_free_scores(T, E, dtype=dtype, seed=T + E + K, device="cuda")
+    v = vtc_tensor(vtc, "cuda")
+    got = tri.index_shuffling(s, start, end, v, K, chunks=chunks)
+    assert tri.plan(T, E, K, dtype, 132, chunks=chunks).chunks == chunks
+    assert_same(got, ref_of(s, start, end, v, K), f"chunks={chunks} T={T} E={E} K={K} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("force,chunks", [(None, None), ("single", None), ("multi", 1), ("multi", 3), ("multi3", 3)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_gpu_special_values(force, chunks, dtype):
+    """NaN (both signs) above +inf, -0.0 == +0.0, subnormals, real -inf experts above the
+    multi-program kernel's -inf padding: the compiled integer keys order like torch.sort."""
+    from moekit.ops._triton import routing as tri
+
+    s = special_scores(100, 40, seed=5, dtype=dtype).cuda()
+    for K, start, end, vtc in ((1, None, None, None), (7, 3, 37, 80), (40, None, None, None)):
+        v = vtc_tensor(vtc, "cuda")
+        got = tri.index_shuffling(s, start, end, v, K, force=force, chunks=chunks)
+        assert_same(got, ref_of(s, start, end, v, K), f"{force}/{chunks} K={K} {dtype}")
 
 
 @pytest.mark.gpu
@@ -411,10 +654,21 @@ def test_gpu_cuda_graph_replay(T, E, K):
 
 @pytest.mark.gpu
 def test_gpu_opcheck_and_compile():
-    for args, kwargs in _opcheck_samples("cuda"):
+    samples = _opcheck_samples("cuda")
+    # every launcher path, with and without a valid-token count (single / multi / chunked multi)
+    m = tie_free_scores(300, 16, dtype=torch.bfloat16, seed=6, device="cuda")
+    c = tie_free_scores(700, 384, dtype=torch.bfloat16, seed=7, device="cuda")
+    samples += [
+        ((m, None, None, None, 2), {}),
+        ((c, None, None, None, 8), {}),
+        ((c, 5, 300, vtc_tensor(650, "cuda"), 8), {}),
+    ]
+    for args, kwargs in samples:
         torch.library.opcheck(torch.ops.moekit.index_shuffling.default, args, kwargs)
     torch._dynamo.reset()
     fn = torch.compile(index_shuffling, fullgraph=True)
     s = tie_free_scores(300, 128, dtype=torch.bfloat16, seed=4, device="cuda")
     v = vtc_tensor(250, "cuda")
     assert_same(fn(s, 2, 100, v, 4), ref_of(s, 2, 100, v, 4))
+    for x, k in ((s, 4), (c, 8), (tie_free_scores(9, 6, dtype=torch.bfloat16, seed=1, device="cuda"), 2)):
+        assert_same(fn(x, None, None, None, k), ref_of(x, top_k=k), f"compiled, no valid count, {tuple(x.shape)}")

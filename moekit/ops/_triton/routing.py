@@ -1,12 +1,16 @@
 """Triton kernels: ``index_shuffling`` (fused top-k + per-expert count + stable sort).
 
 Keys. Every score becomes one integer that orders by (value descending, expert ascending): the
-float32 bits made monotone (``-0.0`` folded into ``+0.0``, every NaN above ``+inf``, as
+float32 bits read as sign-magnitude and turned into two's complement (monotone; ``-0.0`` and
+``+0.0`` both 0; every NaN magnitude clamped to one value above ``+inf`` and kept positive, as
 ``torch.sort`` orders them), shifted left by 16 bits, with ``65535 - expert`` in the low 16 bits.
 Keys are unique within a row, so ``K`` rounds of "largest key below the previous round's" give
 the top-k with ties to the lower expert index, and each round's expert comes back out of the low
-bits. bf16 scores fit the key in int32 (a bf16 value is a float32 with 16 zero low bits);
-fp16/fp32 scores use int64 keys.
+bits. A round costs two integer operations per key: the smallest *unsigned* distance
+``thr - 1 - key`` (keys at or above ``thr`` wrap around to huge distances). bf16 scores fit the
+key in int32 (a bf16 value is a float32 with 16 zero low bits); fp16/fp32 scores use int64 keys.
+The multi-program path loads padding (experts >= E, tokens past the valid count) as ``-inf``:
+those keys rank below every real expert, so the keys need no mask.
 
 Ranks. The ``K`` experts of one token are distinct, so a selection's row inside its expert is the
 number of *earlier tokens* that picked the same expert. No atomics decide any order: the outputs
@@ -26,6 +30,16 @@ Paths (chosen by :func:`plan` from the shapes only; no host sync, CUDA-graph saf
   (C) ``NB`` programs place their rows at ``base[e] + offset[b, e] + rank`` and write the ``-1``
   tail (when B is skipped, C scans the few histograms itself). A fallback for (A),
   ``pairwise=False``, ranks with a cumulative sum down the selection tile and ``tl.gather``.
+  When ``E <= 3/4`` of its power of two (E = 384 of 512), (A) keeps a token's keys in three
+  chunks of ``BLOCK_E / 4`` experts, so no key work is spent on the padding.
+
+torch.compile. ``torch.library.triton_op`` traces the launches; functionalization clones every
+tensor argument that torch's TTIR analysis finds written, and that analysis follows a store's
+address back through calls of ``@triton.jit`` helpers, so (1) no output tensor is ever passed as
+a stand-in for an absent input (an absent valid-token count is ``None``): the two clones would
+be different tensors and the traced op would return the unwritten one; (2) helpers never return
+loaded values (they compute pointers; kernels load in their own body), else the scores / count
+would be counted as written and cloned.
 """
 
 from __future__ import annotations
@@ -44,21 +58,28 @@ from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 MAX_KERNEL_E = 4096
 # Elements of one [tokens, experts] tile (halved for int64 keys): the single-program path; the
 # multi-program sub-tile (pairwise ranks: one warp, more elements per thread for wide rows; the
-# tile+gather fallback: MULTI_TILE over several warps).
-SINGLE_TILE = 16384
+# tile+gather fallback: MULTI_TILE over several warps). H200 (bf16): one program took 3.5 us at
+# 128 x 16 = 2048 elements and 16.3 us at 128 x 128 = 16384 (about 1.9 us + 0.85 ns per element),
+# the 2-launch multi path about 4.5 us: single up to 2048 elements.
+SINGLE_TILE = 2048
 PAIR_TILE_NARROW = 1024  # BLOCK_E <= 128
 PAIR_TILE_WIDE = 2048
 MULTI_TILE = 4096
-# Above this many histogram entries (programs x padded experts), a separate scan kernel runs.
-FUSED_SCAN_MAX = 8192
+# Above this many histogram entries (programs x experts rounded up to 16), a separate scan kernel
+# runs. (T=128, E=256, k=8: 32 programs x 256 fused took 8.1 us; E=384: 32 x 512 unfused 11.3.)
+FUSED_SCAN_MAX = 16384
 FUSED_SCAN_TOTAL = 1 << 20  # entries read by all programs together
 # Sub-tile selections (BT * K_PAD) of the pairwise in-program rank (a PAIR_M^2 matrix per warp).
 PAIR_M = 32
 # Programs of the multi-program path per SM before they loop over sub-tiles (one-warp programs
 # of the pairwise kernel need several per SM), and a cap on the histogram entries they write.
+# The chunked one-warp kernel (E <= 3/4 of its power of two, e.g. 384) holds 48 keys per thread
+# in about 153 registers on sm_90 (12 CTAs fit an SM): 11 programs per SM, so T=16384 / E=384
+# takes 3 sub-tiles per program instead of 4 (the kernel is latency-bound at 2 warps/scheduler).
 PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM_CHUNKED = 11
 PROGRAMS_PER_SM_GATHER = 2
-MAX_HIST = 1 << 19
+MAX_HIST = 3 << 18
 # Kernel B tile: SCAN_CB programs' histograms x SCAN_EC experts.
 SCAN_EC = 8
 SCAN_CB = 512
@@ -67,66 +88,66 @@ MAX_TOKENS_PER_PROGRAM = 32767
 
 
 @triton.jit
-def _load_scores(scores_ptr, rows, cols, row_ok, col_ok, stride_t, stride_e, COL64: tl.constexpr):
-    """A [rows, cols] tile of scores in their own dtype (0 where masked)."""
+def _score_ptrs(scores_ptr, rows, cols, stride_t, stride_e, COL64: tl.constexpr):
+    """Pointers of a [rows, cols] tile of scores. (Kernels load in their own body: a helper that
+    returned loaded values would make torch's kernel-mutation analysis, which follows a store's
+    address back through helper calls, count the scores as written.)"""
     row_ptrs = scores_ptr + rows.to(tl.int64) * stride_t
     if COL64:
         col_offs = cols.to(tl.int64) * stride_e
     else:
         col_offs = cols * stride_e
-    return tl.load(row_ptrs[:, None] + col_offs[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    return row_ptrs[:, None] + col_offs[None, :]
 
 
 @triton.jit
-def _score_keys(v, m, cols, KEY64: tl.constexpr):
-    """Unique sortable keys of a score tile; entries outside ``m`` get the type's minimum."""
+def _score_keys(v, cols, KEY64: tl.constexpr):
+    """Unique sortable keys of a score tile (no masking).
+
+    The float32 bits in sign-magnitude become two's complement (monotone; -0.0 and +0.0 both 0)
+    after every NaN magnitude is clamped to one value just above +inf; a NaN of either sign stays
+    positive (only bits <= the bits of -inf, read as int32, are negative non-NaN values)."""
     bits = v.to(tl.float32).to(tl.int32, bitcast=True)  # exact for bf16/fp16 (subnormals too)
-    mag = bits & 0x7FFFFFFF  # integer tests: immune to flush-to-zero
-    bits = tl.where(mag == 0, 0, bits)  # -0.0 ties with +0.0
-    bits = tl.where(mag > 0x7F800000, 0x7FFFFFFF, bits)  # NaN above +inf, like torch.sort
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float value
+    if KEY64:
+        mag = tl.minimum(bits & 0x7FFFFFFF, 0x7F800001)
+    else:
+        mag = tl.minimum(bits & 0x7FFFFFFF, 0x7F810000)  # bf16: the low 16 bits stay 0
+    ordered = tl.where(bits <= -8388608, -mag, mag)  # -8388608 = int32 bits of -inf
     low = (65535 - cols)[None, :]
     if KEY64:
         key = (ordered.to(tl.int64) << 16) | low.to(tl.int64)
-        key = tl.where(m, key, -9223372036854775808)
     else:
-        # bf16 values: the low 16 bits of `ordered` are all 0 (or all 1 once flipped): keep the top.
-        key = (ordered & -65536) | low
-        key = tl.where(m, key, -2147483648)
+        key = ordered | low
     return key
 
 
 @triton.jit
-def _topk_rounds(key, K, BT: tl.constexpr, K_PAD: tl.constexpr, KEY64: tl.constexpr, NEED_IDS: tl.constexpr):
-    """Top-k of each row of unique keys by K rounds of "largest key below the previous one".
-
-    Returns ``picked`` (bool ``[BT, BLOCK_E]``) and, when ``NEED_IDS``, the picked experts per
-    slot ``[BT, K_PAD]`` (slot order = descending score). Rows of only masked keys pick nothing.
-    Only the key tile stays live across rounds (no knocked-out copy).
-    """
-    if KEY64:
-        lowest = -9223372036854775808
+def _row_max(k0, k1, k2, NCH: tl.constexpr):
+    """Largest key of each row over the NCH (1 or 3) key tiles of a row."""
+    if NCH == 3:
+        return tl.max(tl.maximum(tl.maximum(k0, k1), k2), axis=1)
     else:
-        lowest = -2147483648
-    slots = tl.arange(0, K_PAD)[None, :]
-    thr = tl.max(key, axis=1)
-    ids = tl.zeros([BT, K_PAD], dtype=tl.int32)
-    if NEED_IDS:
-        ids = tl.where(slots == 0, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
-    for s in range(1, K):
-        thr = tl.max(tl.where(key < thr[:, None], key, lowest), axis=1)
-        if NEED_IDS:
-            ids = tl.where(slots == s, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
-    picked = (key >= thr[:, None]) & (key != lowest)
-    return picked, ids
+        return tl.max(k0, axis=1)
 
 
 @triton.jit
-def _valid_tokens(vtc_ptr, T, HAS_VTC: tl.constexpr):
-    n = T
-    if HAS_VTC:
-        n = tl.maximum(tl.minimum(tl.load(vtc_ptr), T), 0).to(tl.int32)
-    return n
+def _row_below(k0, k1, k2, thr, NCH: tl.constexpr, KEY64: tl.constexpr):
+    """Largest key below ``thr`` in each row: the smallest unsigned distance ``thr - 1 - key``
+    (keys >= thr wrap around to distances above every key below thr). Two operations per key.
+    A row without a key below thr (only the all-minimum rows of the single path) keeps thr."""
+    t = (thr - 1)[:, None]
+    if KEY64:
+        d = (t - k0).to(tl.uint64, bitcast=True)
+        if NCH == 3:
+            d = tl.minimum(d, (t - k1).to(tl.uint64, bitcast=True))
+            d = tl.minimum(d, (t - k2).to(tl.uint64, bitcast=True))
+        return thr - 1 - tl.min(d, axis=1).to(tl.int64, bitcast=True)
+    else:
+        d = (t - k0).to(tl.uint32, bitcast=True)
+        if NCH == 3:
+            d = tl.minimum(d, (t - k1).to(tl.uint32, bitcast=True))
+            d = tl.minimum(d, (t - k2).to(tl.uint32, bitcast=True))
+        return thr - 1 - tl.min(d, axis=1).to(tl.int32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["T", "K", "start", "end"])
@@ -135,7 +156,7 @@ def _shuffle_single_kernel(
     counts_ptr,
     eidx_ptr,
     tidx_ptr,
-    vtc_ptr,
+    vtc_ptr,  # None without a valid-token count (never a stand-in tensor: see the module doc)
     T,
     E,
     K,
@@ -150,14 +171,25 @@ def _shuffle_single_kernel(
     BLOCK_E: tl.constexpr,
     RB: tl.constexpr,
 ):
-    n_valid = _valid_tokens(vtc_ptr, T, HAS_VTC)
+    n_valid = T
+    if HAS_VTC:
+        n_valid = tl.maximum(tl.minimum(tl.load(vtc_ptr), T), 0).to(tl.int32)
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     # Load every real row (no wait on the valid count), ignore rows past it in the keys.
-    v = _load_scores(scores_ptr, rows, cols, rows < T, col_ok, stride_t, stride_e, COL64)
-    key = _score_keys(v, (rows < n_valid)[:, None] & col_ok[None, :], cols, KEY64)
-    picked, _ids = _topk_rounds(key, K, BT, 1, KEY64, False)
+    ptrs = _score_ptrs(scores_ptr, rows, cols, stride_t, stride_e, COL64)
+    v = tl.load(ptrs, mask=(rows < T)[:, None] & col_ok[None, :], other=0.0)
+    m = (rows < n_valid)[:, None] & col_ok[None, :]
+    if KEY64:
+        key = tl.where(m, _score_keys(v, cols, KEY64), -9223372036854775808)
+    else:
+        key = tl.where(m, _score_keys(v, cols, KEY64), -2147483648)
+    thr = _row_max(key, key, key, 1)
+    for s in range(1, K):
+        thr = _row_below(key, key, key, thr, 1, KEY64)
+    # Rows of only masked keys end with thr = the minimum: they pick nothing.
+    picked = (key >= thr[:, None]) & m
     in_range = (cols >= start) & (cols < end)
     one = (picked & in_range[None, :]).to(tl.int32)
     hist = tl.sum(one, axis=0)
@@ -183,7 +215,7 @@ def _route_blocks_kernel(
     scores_ptr,
     packed_ptr,
     hist_ptr,
-    vtc_ptr,
+    vtc_ptr,  # None without a valid-token count
     T,
     E,
     K,
@@ -192,6 +224,7 @@ def _route_blocks_kernel(
     stride_t,
     stride_e,
     ITERS,
+    HS,
     HAS_VTC: tl.constexpr,
     KEY64: tl.constexpr,
     COL64: tl.constexpr,
@@ -199,51 +232,89 @@ def _route_blocks_kernel(
     BLOCK_E: tl.constexpr,
     K_PAD: tl.constexpr,
     PAIRWISE: tl.constexpr,
+    NCH: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
+    """Top-k of each token over NCH (1 or 3) column chunks of BLOCK_C experts (3 chunks of
+    BLOCK_E / 4 when E <= 3/4 of BLOCK_E: no key work on the padding), ranks, packed rows."""
     pid = tl.program_id(0)
-    n_valid = _valid_tokens(vtc_ptr, T, HAS_VTC)
+    n_valid = T
+    if HAS_VTC:
+        n_valid = tl.maximum(tl.minimum(tl.load(vtc_ptr), T), 0).to(tl.int32)
     cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
     in_range = (cols >= start) & (cols < end)
+    c0 = tl.arange(0, BLOCK_C)
+    c1 = c0 + BLOCK_C
+    c2 = c0 + 2 * BLOCK_C
     slots = tl.arange(0, K_PAD)
     slot_ok = slots < K
-    hist_row = hist_ptr + pid * BLOCK_E
+    hist_row = hist_ptr + pid * HS  # HS: E rounded up to 16 (the histogram row stride)
     M: tl.constexpr = BT * K_PAD
     if PAIRWISE:
         # The running per-expert count lives in this program's own histogram row (global
         # memory, read back by the same CTA after a barrier): no per-expert register tensor.
-        tl.store(hist_row + cols, tl.zeros([BLOCK_E], dtype=tl.int32))
+        tl.store(hist_row + cols, tl.zeros([BLOCK_E], dtype=tl.int32), mask=cols < HS)
         tl.debug_barrier()
-        pos = tl.arange(0, M)
-        tok_i = (pos // K_PAD)[:, None]
-        tok_j = (pos // K_PAD)[None, :]
-        # Pair weights: 1 for an earlier token, 65536 for a later one (two counts, one sum).
-        w = tl.where(tok_j < tok_i, 1, tl.where(tok_j > tok_i, 65536, 0))
+        pos = tl.arange(0, M)  # selection (token pos // K_PAD, slot pos % K_PAD) of a sub-tile
+        pos_tok = pos // K_PAD
+        pos_slot = pos % K_PAD
+        tok_r = pos_tok[:, None]
+        tok_c = pos_tok[None, :]
+        # Pair weights of selection r (row) for selection c (column): 1 when r's token is
+        # earlier, 65536 when later (two counts in one sum, taken down the columns).
+        w = tl.where(tok_r < tok_c, 1, tl.where(tok_r > tok_c, 65536, 0))
     carry = tl.zeros([BLOCK_E], dtype=tl.int32)
+    # Scores outside the tile (padding experts, tokens past the valid count) load as -inf: their
+    # keys sit below every real expert's (ties go to the lower index), so no mask on the keys.
     rows = pid * ITERS * BT + tl.arange(0, BT)
-    v_next = _load_scores(scores_ptr, rows, cols, rows < n_valid, col_ok, stride_t, stride_e, COL64)
+    ld_ok = (rows < n_valid)[:, None]
+    n0 = tl.load(_score_ptrs(scores_ptr, rows, c0, stride_t, stride_e, COL64), mask=ld_ok & (c0 < E)[None, :],
+                 other=float("-inf"))
+    if NCH == 3:
+        n1 = tl.load(_score_ptrs(scores_ptr, rows, c1, stride_t, stride_e, COL64), mask=ld_ok & (c1 < E)[None, :],
+                     other=float("-inf"))
+        n2 = tl.load(_score_ptrs(scores_ptr, rows, c2, stride_t, stride_e, COL64), mask=ld_ok & (c2 < E)[None, :],
+                     other=float("-inf"))
     for it in range(ITERS):
         rows = (pid * ITERS + it) * BT + tl.arange(0, BT)
         tok_ok = rows < n_valid
-        v = v_next
+        k0 = _score_keys(n0, c0, KEY64)
+        if NCH == 3:
+            k1 = _score_keys(n1, c1, KEY64)
+            k2 = _score_keys(n2, c2, KEY64)
+        else:
+            k1 = k0
+            k2 = k0
         # Prefetch the next sub-tile: its load overlaps this one's top-k.
         ahead = rows + BT
-        ahead_ok = (ahead < n_valid) & (it + 1 < ITERS)
-        v_next = _load_scores(scores_ptr, ahead, cols, ahead_ok, col_ok, stride_t, stride_e, COL64)
-        key = _score_keys(v, tok_ok[:, None] & col_ok[None, :], cols, KEY64)
-        picked, ids = _topk_rounds(key, K, BT, K_PAD, KEY64, True)
-        ok = tok_ok[:, None] & slot_ok[None, :] & (ids >= start) & (ids < end)
-        r = rows.to(tl.int64)[:, None] * K + slots[None, :]
-        store_ok = (rows < T)[:, None] & slot_ok[None, :]
+        ld_ok = ((ahead < n_valid) & (it + 1 < ITERS))[:, None]
+        n0 = tl.load(_score_ptrs(scores_ptr, ahead, c0, stride_t, stride_e, COL64), mask=ld_ok & (c0 < E)[None, :],
+                     other=float("-inf"))
+        if NCH == 3:
+            n1 = tl.load(_score_ptrs(scores_ptr, ahead, c1, stride_t, stride_e, COL64),
+                         mask=ld_ok & (c1 < E)[None, :], other=float("-inf"))
+            n2 = tl.load(_score_ptrs(scores_ptr, ahead, c2, stride_t, stride_e, COL64),
+                         mask=ld_ok & (c2 < E)[None, :], other=float("-inf"))
+        # K rounds of "largest key below the previous one"; slot s gets round s's expert.
+        thr = _row_max(k0, k1, k2, NCH)
+        ids = tl.where(slots[None, :] == 0, (65535 - (thr & 65535)).to(tl.int32)[:, None], 0)
+        for s in range(1, K):
+            thr = _row_below(k0, k1, k2, thr, NCH, KEY64)
+            ids = tl.where(slots[None, :] == s, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
         if PAIRWISE:
+            # Everything per selection in the flat [M] layout (one value per lane for M = 32):
+            # only the expert ids change layout.
             # Rank = selections of the same expert in earlier sub-tiles (the histogram row) +
             # in earlier tokens of this sub-tile (pairwise over the BT * K_PAD selections).
             # Invalid selections get unique negative ids, so they match nothing.
-            unique_neg = -1 - (tl.arange(0, BT)[:, None] * K_PAD + slots[None, :])
-            flat_e = tl.reshape(tl.where(ok, ids, unique_neg), [M])
-            flat_r = tl.reshape(r, [M])
-            flat_store = tl.reshape(store_ok, [M])
-            pair = tl.sum(tl.where(flat_e[:, None] == flat_e[None, :], w, 0), axis=1)
+            flat_ids = tl.reshape(ids, [M])
+            row_f = (pid * ITERS + it) * BT + pos_tok
+            ok_f = (row_f < n_valid) & (pos_slot < K) & (flat_ids >= start) & (flat_ids < end)
+            flat_e = tl.where(ok_f, flat_ids, -1 - pos)
+            flat_r = row_f.to(tl.int64) * K + pos_slot
+            flat_store = (row_f < T) & (pos_slot < K)
+            # Summed down the columns: each thread adds up its own column (no cross-lane sum).
+            pair = tl.sum(tl.where(flat_e[:, None] == flat_e[None, :], w, 0), axis=0)
             valid = flat_e >= 0
             e_safe = tl.where(valid, flat_e, 0)
             rank = tl.load(hist_row + e_safe, mask=valid, other=0) + (pair & 65535)
@@ -253,7 +324,11 @@ def _route_blocks_kernel(
             tl.store(hist_row + e_safe, rank + 1, mask=valid & ((pair >> 16) == 0))
             tl.debug_barrier()  # updates visible to the next sub-tile's reads
         else:
-            one = (picked & in_range[None, :]).to(tl.int32)
+            # (NCH == 1 here.) The top-k keys are exactly those >= the last round's threshold.
+            ok = tok_ok[:, None] & slot_ok[None, :] & (ids >= start) & (ids < end)
+            r = rows.to(tl.int64)[:, None] * K + slots[None, :]
+            store_ok = (rows < T)[:, None] & slot_ok[None, :]
+            one = ((k0 >= thr[:, None]) & in_range[None, :] & tok_ok[:, None]).to(tl.int32)
             # Rank inside this program: earlier sub-tiles (carry) + earlier tokens of this sub-tile.
             before = tl.cumsum(one, axis=0) - one + carry[None, :]
             rank = tl.gather(before, tl.where(tok_ok[:, None] & slot_ok[None, :], ids, 0), 1)
@@ -261,19 +336,19 @@ def _route_blocks_kernel(
             tl.store(packed_ptr + r, packed, mask=store_ok)
             carry += tl.sum(one, axis=0)
     if not PAIRWISE:
-        tl.store(hist_row + cols, carry)
+        tl.store(hist_row + cols, carry, mask=cols < HS)
 
 
 @triton.jit(do_not_specialize=["NB"])
-def _scan_blocks_kernel(hist_ptr, counts_ptr, NB, E, BLOCK_E: tl.constexpr, EC: tl.constexpr, CB: tl.constexpr):
-    """Column scan of the [NB, BLOCK_E] histograms, in place, into exclusive per-program offsets;
-    the column totals are the expert counts."""
+def _scan_blocks_kernel(hist_ptr, counts_ptr, NB, E, HS, EC: tl.constexpr, CB: tl.constexpr):
+    """Column scan of the [NB, HS] histograms, in place, into exclusive per-program offsets;
+    the column totals are the expert counts. (HS // EC programs.)"""
     cols = tl.program_id(0) * EC + tl.arange(0, EC)
     carry = tl.zeros([EC], dtype=tl.int32)
     for c0 in range(0, NB, CB):
         rows = c0 + tl.arange(0, CB)
         m = (rows < NB)[:, None]
-        ptrs = hist_ptr + rows[:, None] * BLOCK_E + cols[None, :]
+        ptrs = hist_ptr + rows[:, None] * HS + cols[None, :]
         h = tl.load(ptrs, mask=m, other=0)
         tl.store(ptrs, tl.cumsum(h, axis=0) - h + carry[None, :], mask=m)
         carry += tl.sum(h, axis=0)
@@ -293,6 +368,7 @@ def _place_kernel(
     start,
     NB,
     ROWS_PER_PROG,
+    HS,
     FUSED_SCAN: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CB: tl.constexpr,
@@ -306,14 +382,15 @@ def _place_kernel(
         pre = tl.zeros([BLOCK_E], dtype=tl.int32)
         for c0 in range(0, NB, CB):
             rows = c0 + tl.arange(0, CB)
-            h = tl.load(hist_ptr + rows[:, None] * BLOCK_E + cols[None, :], mask=(rows < NB)[:, None], other=0)
+            h = tl.load(hist_ptr + rows[:, None] * HS + cols[None, :], mask=(rows < NB)[:, None] & col_ok[None, :],
+                        other=0)
             tot += tl.sum(h, axis=0)
             pre += tl.sum(tl.where((rows < pid)[:, None], h, 0), axis=0)
         if pid == 0:
             tl.store(counts_ptr + cols, tot, mask=col_ok)
     else:
         tot = tl.load(counts_ptr + cols, mask=col_ok, other=0)
-        pre = tl.load(hist_ptr + pid * BLOCK_E + cols)
+        pre = tl.load(hist_ptr + pid * HS + cols, mask=col_ok, other=0)
     off = tl.cumsum(tot, axis=0) - tot + pre
     n_rows = tl.sum(tot, axis=0)
     if pid == 0:
@@ -350,12 +427,18 @@ class Plan:
     fused_scan: bool = True
     num_warps: int = 4
     pairwise: bool = True  # in-program ranks: pairwise over a sub-tile's selections, else tile+gather
+    chunks: int = 1  # multi: column chunks of a token's keys (1, or 3 of block_e // 4)
+    hs: int = 16  # multi: histogram row stride (E rounded up to 16)
 
     @property
     def launches(self) -> int:
         if self.path == "single":
             return 1
         return 2 if self.fused_scan else 3
+
+    @property
+    def block_c(self) -> int:
+        return self.block_e // 4 if self.chunks == 3 else self.block_e
 
 
 def _warps(elements: int, key64: bool, most: int) -> int:
@@ -373,11 +456,13 @@ def plan(
     force: Optional[str] = None,
     block_tokens: Optional[int] = None,
     pairwise: Optional[bool] = None,
+    chunks: Optional[int] = None,
 ) -> Plan:
     """Pick the path and tile sizes from the shapes (cheap buckets, no tuning).
 
-    ``force`` ("single" / "multi" / "multi3"), ``block_tokens`` (a power of two) and ``pairwise``
-    override the choice; tests and benchmarks use them to reach every path with small shapes.
+    ``force`` ("single" / "multi" / "multi3"), ``block_tokens`` (a power of two), ``pairwise``
+    and ``chunks`` (1 or 3) override the choice; tests and benchmarks use them to reach every
+    path with small shapes.
     """
     block_e = max(16, next_pow2(E))
     k_pad = next_pow2(top_k)
@@ -392,22 +477,31 @@ def plan(
         bt = max(1, min((tile // shrink) // block_e, PAIR_M // k_pad))
         # One warp, unless a single row is wider than a warp should hold (E > 2048 bf16).
         warps, per_sm = max(1, min(8, bt * block_e * shrink // PAIR_TILE_WIDE)), PROGRAMS_PER_SM
+        # Three chunks of block_e / 4 experts when they hold E: a quarter less key work.
+        if chunks is None:
+            chunks = 3 if block_e >= 64 and 4 * E <= 3 * block_e else 1
+        if chunks == 3 and warps == 1:
+            per_sm = PROGRAMS_PER_SM_CHUNKED
     else:
         bt = max(1, (MULTI_TILE // shrink) // block_e)
         warps, per_sm = _warps(bt * block_e, key64, 8), PROGRAMS_PER_SM_GATHER
+        chunks = 1  # the tile+gather ranks need the whole row in one tile
+    if chunks not in (1, 3) or (chunks == 3 and 4 * E > 3 * block_e):
+        raise ValueError(f"chunks must be 1, or 3 when E <= 3/4 of {block_e}, got {chunks} for E={E}")
     bt = block_tokens or bt
+    hs = cdiv(E, 16) * 16
     subtiles = cdiv(max(T, 1), bt)
-    target = max(1, min(per_sm * sms, MAX_HIST // block_e))
+    target = max(1, min(per_sm * sms, MAX_HIST // hs))
     iters = cdiv(subtiles, target)
     iters = max(1, min(iters, MAX_TOKENS_PER_PROGRAM // bt))
     programs = cdiv(subtiles, iters)
     # Kernel C scans the histograms itself when every program can afford reading all of them.
-    fused = programs * block_e <= FUSED_SCAN_MAX and programs * programs * block_e <= FUSED_SCAN_TOTAL
+    fused = programs * hs <= FUSED_SCAN_MAX and programs * programs * hs <= FUSED_SCAN_TOTAL
     if force == "multi3":
         fused = False
     elif force == "multi":
         fused = True
-    return Plan("multi", block_e, k_pad, key64, bt, iters, programs, fused, warps, pairwise)
+    return Plan("multi", block_e, k_pad, key64, bt, iters, programs, fused, warps, pairwise, chunks, hs)
 
 
 def index_shuffling(
@@ -420,10 +514,13 @@ def index_shuffling(
     force: Optional[str] = None,
     block_tokens: Optional[int] = None,
     pairwise: Optional[bool] = None,
+    chunks: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher (arguments already validated by ``moekit.ops.routing.index_shuffling``).
 
-    The plan needs concrete sizes: under symbolic tracing they are specialized (guarded)."""
+    The plan needs concrete sizes: under symbolic tracing they are specialized (guarded).
+    Every tensor a kernel receives is a distinct tensor (no output doubles as a placeholder for
+    an absent input): see the module docstring."""
     T, E = (int(d) for d in routing_scores.shape)
     start = 0 if expert_index_start is None else expert_index_start
     end = E if expert_index_end is None else expert_index_end
@@ -439,14 +536,16 @@ def index_shuffling(
     eidx = torch.empty(N, dtype=torch.int32, device=device)
     tidx = torch.empty(N, dtype=torch.int32, device=device)
     has_vtc = valid_token_count is not None
-    vtc = valid_token_count if has_vtc else counts
     st, se = (int(d) for d in routing_scores.stride())
     col64 = (E - 1) * se >= 2**31
     sms = num_sms(device)
-    p = plan(T, E, top_k, routing_scores.dtype, sms, force=force, block_tokens=block_tokens, pairwise=pairwise)
+    p = plan(
+        T, E, top_k, routing_scores.dtype, sms,
+        force=force, block_tokens=block_tokens, pairwise=pairwise, chunks=chunks,
+    )  # fmt: skip
     if p.path == "single":
         launch(_shuffle_single_kernel)[(1,)](
-            routing_scores, counts, eidx, tidx, vtc,
+            routing_scores, counts, eidx, tidx, valid_token_count,
             T, E, top_k, start, end, st, se,
             HAS_VTC=has_vtc, KEY64=p.key64, COL64=col64, BT=p.bt, BLOCK_E=p.block_e,
             RB=min(2048, max(16, p.bt * p.k_pad)),
@@ -455,21 +554,21 @@ def index_shuffling(
         return counts, eidx, tidx
 
     packed = torch.empty(N, dtype=torch.int32, device=device)
-    hist = torch.empty(p.programs * p.block_e, dtype=torch.int32, device=device)
+    hist = torch.empty(p.programs * p.hs, dtype=torch.int32, device=device)
     launch(_route_blocks_kernel)[(p.programs,)](
-        routing_scores, packed, hist, vtc,
-        T, E, top_k, start, end, st, se, p.iters,
+        routing_scores, packed, hist, valid_token_count,
+        T, E, top_k, start, end, st, se, p.iters, p.hs,
         HAS_VTC=has_vtc, KEY64=p.key64, COL64=col64, BT=p.bt, BLOCK_E=p.block_e, K_PAD=p.k_pad,
-        PAIRWISE=p.pairwise, num_warps=p.num_warps,
+        PAIRWISE=p.pairwise, NCH=p.chunks, BLOCK_C=p.block_c, num_warps=p.num_warps,
     )  # fmt: skip
     if not p.fused_scan:
-        launch(_scan_blocks_kernel)[(p.block_e // SCAN_EC,)](
-            hist, counts, p.programs, E, BLOCK_E=p.block_e, EC=SCAN_EC, CB=SCAN_CB, num_warps=4
+        launch(_scan_blocks_kernel)[(p.hs // SCAN_EC,)](
+            hist, counts, p.programs, E, p.hs, EC=SCAN_EC, CB=SCAN_CB, num_warps=4
         )
     rows_per_prog = p.iters * p.bt * top_k
     launch(_place_kernel)[(p.programs,)](
         packed, hist, counts, eidx, tidx,
-        T, E, top_k, start, p.programs, rows_per_prog,
+        T, E, top_k, start, p.programs, rows_per_prog, p.hs,
         FUSED_SCAN=p.fused_scan, BLOCK_E=p.block_e, CB=max(1, min(64, 8192 // p.block_e)),
         R=min(1024, max(256, p.bt * p.k_pad)),
         num_warps=4,
