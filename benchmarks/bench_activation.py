@@ -26,6 +26,8 @@ import torch  # noqa: E402
 import torch.nn.functional as Fn  # noqa: E402
 
 from moekit import reference  # noqa: E402
+from moekit.ops._triton import activation as tri_act  # noqa: E402
+from moekit.ops._triton import quantize as tri_q  # noqa: E402
 from moekit.benchmarking import (  # noqa: E402
     COPY_TBPS,
     bench_us,
@@ -134,6 +136,12 @@ def _row(op, T, C, nbytes, ours, mslk, torch_us) -> dict:
     return row
 
 
+def _plans(label: str, **plans) -> None:
+    """Print the launch plan moekit picks for a shape (tiles, stages, warps, persistent grid)."""
+    for name, p in plans.items():
+        print(f"  plan {name} {label}: " + ", ".join(f"{k}={v}" for k, v in p._asdict().items()))
+
+
 def _check(ok: bool, what: str) -> None:
     if not ok:
         print(f"  WARNING: moekit {what} disagrees with moekit.reference / the PyTorch pipeline")
@@ -156,6 +164,7 @@ def bench_silu(T, F, mslk, rows):
     def mk(fn):
         return lambda h: (lambda: fn(*halves(h)))
 
+    _plans(f"T={T} F={F}", silu=tri_act.tile_config(T, F, 2, x0.device), quant=tri_q.pipe_row_config(T, F, 2, 2, x0.device))
     nbytes = in_bytes + T * F * 2
     ours = _time(mk(silu_mul), sets)
     peer = _time(mk(mslk["silu_mul"]), sets) if "silu_mul" in mslk else None
@@ -178,6 +187,7 @@ def bench_quant(T, K, mslk, rows):
     def mk(fn):
         return lambda a: (lambda: fn(a))
 
+    _plans(f"T={T} K={K}", quantize=tri_q.pipe_row_config(T, K, 2, 1, sets[0].device, split=True))
     ours = _time(mk(quantize_fp8_row), sets)
     peer = _time(mk(mslk["quantize_fp8_row"]), sets) if "quantize_fp8_row" in mslk else None
     tq = _time(mk(lambda a: torch_quant_rows(a, 1.0 / 512.0)), sets)

@@ -93,11 +93,41 @@ def test_silu_mul_quant_two_pass_interpreter(dtype, F):
     from moekit.ops._triton import activation as tri
 
     x0, x1 = _inputs(2, F, dtype, pad=8, seed=F)
-    assert not tri.row_config(2, F, x0.element_size(), x0.device).one_pass
+    assert not tri.pipe_row_config(2, F, x0.element_size(), 2, x0.device).one_pass
     q, s = tri.silu_mul_quant(x0, x1)
     rq, rs = ref.silu_mul_quant(x0, x1)
     assert_fp8_close(q, rq)
     assert_scales_close(s, rs)
+
+
+@pytest.mark.interpreter
+def test_persistent_loop_interpreter():
+    """More tiles / row blocks than programs: each program walks several (the GPU grid is
+    ``programs per SM x SMs``; the interpreter counts 4 SMs)."""
+    from moekit.ops._triton import activation as tri
+
+    x0, x1 = _inputs(300, 768, torch.bfloat16, pad=8, seed=11)
+    cfg = tri.tile_config(300, 768, 2, x0.device)
+    n_tiles = -(-300 // cfg.block_t) * -(-768 // cfg.block_f)
+    assert cfg.stages > 1 and cfg.grid < n_tiles
+    assert_close(tri.silu_mul(x0, x1), ref.silu_mul(x0, x1))
+    y = poison(torch.empty(300, 768, dtype=torch.bfloat16))
+    tri.silu_mul(x0, x1, _count(203), out=y)
+    assert_poisoned(y, slice(0, 203))
+    assert_close(y[:203], ref.silu_mul(x0, x1)[:203])
+
+    x0, x1 = _inputs(40, 2048, torch.bfloat16, pad=8, seed=12)
+    x0[37].zero_()
+    cfg = tri.pipe_row_config(40, 2048, 2, 2, x0.device)
+    assert cfg.one_pass and cfg.stages > 1 and cfg.grid < 40
+    ub = torch.tensor([0.75])
+    out = (poison(torch.empty(40, 2048, dtype=torch.float8_e4m3fn)), poison(torch.empty(40)))
+    tri.silu_mul_quant(x0, x1, ub, _count(38), out=out)
+    rq, rs = ref.silu_mul_quant(x0, x1, ub)
+    assert_poisoned(out[0], slice(0, 38))
+    assert_poisoned(out[1], slice(0, 38))
+    assert_fp8_close(out[0][:38], rq[:38])
+    assert_scales_close(out[1][:38], rs[:38])
 
 
 @pytest.mark.interpreter
@@ -152,6 +182,36 @@ def test_compile_fullgraph_cpu():
     assert_close(y, ry)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(s, rs)
+
+
+@pytest.mark.reference
+def test_kernels_compile_for_sm90():
+    """The CUDA path (pipelined loops, inline-PTX sigmoid, every silu_mul_quant variant),
+    compiled on the CPU for sm_90."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import activation as A
+        bf, m = torch.bfloat16, "meta"
+        vc, ub = torch.empty(1, dtype=torch.int32, device=m), torch.empty(1, device=m)
+        for F in (2048, 8192, 16384, 20000):
+            h = torch.empty(2048, 2 * F + 8, dtype=bf, device=m)
+            if F == 2048:
+                A.silu_mul(h[:, :F], h[:, F + 8 :], vc)
+            A.silu_mul_quant(h[:, :F], h[:, F + 8 :], ub, vc if F == 2048 else None)
+        """,
+        ["moekit.ops._triton.activation"],
+    )
+    assert_all_compiled(records, 5)
+    stages = [(r["kernel"], r["constants"]["STAGES"], r["constants"].get("ONE_PASS")) for r in records]
+    assert stages == [
+        ("_silu_mul_kernel", "4", None),
+        ("_silu_mul_quant_kernel", "4", "True"),
+        ("_silu_mul_quant_kernel", "3", "True"),
+        ("_silu_mul_quant_kernel", "1", "True"),
+        ("_silu_mul_quant_kernel", "1", "False"),
+    ]
 
 
 def _bad_cases():
@@ -294,6 +354,24 @@ def test_cuda_graph_replay_gpu(T, F, cuda):
         rq, rs = ref.silu_mul_quant(h[:, :F], h[:, F:], ub)
         assert_fp8_close(q[:n], rq[:n])
         assert_scales_close(s[:n], rs[:n])
+
+
+@pytest.mark.gpu
+def test_fast_sigmoid_extremes_gpu(cuda):
+    """The MUFU ex2/rcp sigmoid (flush-to-zero) against float32 torch at the ends of its range.
+    The relative error grows with |x| through the rounding of x * log2(e) (as in tl.exp), about
+    |x| * 4e-8; silu values below ~1e-36 in magnitude (x < -87) may flush to 0."""
+    v = torch.tensor([-1e4, -100.0, -88.0, -87.0, -30.0, -5.0, -1.0, -1e-3, 0.0])
+    v = torch.cat([v, -v.flip(0)[1:], torch.tensor([1e-30])])
+    x0 = v.repeat(8, 16).to(cuda)
+    x1 = torch.randn(x0.shape, device=cuda)
+    y = silu_mul(x0, x1)
+    want = ref.silu_mul(x0, x1)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-30)
+    for special, expect in ((float("inf"), float("inf")), (float("nan"), float("nan"))):
+        z = silu_mul(torch.full((1, 8), special, device=cuda), torch.ones(1, 8, device=cuda))
+        torch.testing.assert_close(z, torch.full((1, 8), expect, device=cuda), equal_nan=True)
+    assert torch.isnan(silu_mul(torch.full((1, 8), -float("inf"), device=cuda), torch.ones(1, 8, device=cuda))).all()
 
 
 @pytest.mark.gpu

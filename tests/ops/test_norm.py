@@ -89,6 +89,26 @@ def test_opcheck_and_compile_cpu():
     assert torch.equal(f(x, r), rms_norm(x, g, 1e-6, r))
 
 
+@pytest.mark.reference
+def test_kernels_compile_for_sm90():
+    """The CUDA path, compiled on the CPU for sm_90 with ``eps`` typed fp64 as inductor passes it."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import norm as N
+        bf, m = torch.bfloat16, "meta"
+        g = torch.empty(7168, dtype=bf, device=m)
+        N.rms_norm(torch.empty(2048, 7168, dtype=bf, device=m), g, 1e-6, torch.empty(2048, 7168, dtype=bf, device=m))
+        r = torch.empty(7, 4, 7168, dtype=torch.float32, device=m).transpose(0, 1)  # two-level rows
+        N.rms_norm(torch.empty(4, 7, 7168, dtype=bf, device=m), g, 1e-5, r)
+        N.rms_norm(torch.empty(5, 20000, dtype=bf, device=m), torch.empty(20000, dtype=bf, device=m), 1e-6)
+        """,
+        ["moekit.ops._triton.norm"],
+    )
+    assert_all_compiled(records, 3)
+
+
 def _bad_cases():
     x = _rand((4, 16), torch.bfloat16)
     g = _rand((16,), torch.bfloat16)

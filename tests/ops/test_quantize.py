@@ -102,11 +102,70 @@ def test_strided_rows_interpreter():
 
 
 @pytest.mark.interpreter
+def test_persistent_loop_interpreter():
+    """More row blocks than programs (4 interpreter SMs x programs per SM): each program walks
+    several, jagged groups and strided rows included."""
+    from moekit.ops._triton import quantize as tri
+
+    cfg = tri.pipe_row_config(40, 4096, 2, 1, torch.device("cpu"))
+    assert cfg.one_pass and cfg.stages > 1 and cfg.grid < 40
+    a = _rand((40, 4096), torch.bfloat16, seed=5)
+    a[17].zero_()
+    _check(tri.quantize_fp8_row(a, torch.tensor([2.0])), _expected(a, torch.tensor([2.0])))
+    b = _rand((5, 8, 2, 4096), torch.bfloat16, seed=6)[:, :, 1]  # [5, 8, 4096], row stride 8192
+    zsi = torch.tensor([8, 0, 3, 7, 1])
+    _check(tri.quantize_fp8_row(b[..., :4000], None, zsi, DEFAULT_EPS, 4032), _expected(b[..., :4000], zsi=zsi, align=64))
+    c = b.transpose(0, 1)  # leading dims that need two-level row addressing
+    assert tri.row_layout(c).inner != 1 and tri.row_layout(b).inner == 1
+    _check(tri.quantize_fp8_row(c), _expected(c))
+
+
+@pytest.mark.interpreter
+def test_split_row_tiles_interpreter():
+    """Rows covered by two power-of-two tiles (2880 = 2048 + 1024 with a masked tail; 5000
+    padded to 5120 = 4096 + 1024, the padding in the second tile)."""
+    from moekit.ops._triton import quantize as tri
+
+    cpu = torch.device("cpu")
+    cfg = tri.pipe_row_config(6, 2880, 2, 1, cpu, split=True)
+    assert (cfg.block_c, cfg.block_c2, cfg.one_pass) == (2048, 1024, True) and cfg.stages > 1
+    a = _rand((6, 2880), torch.bfloat16, seed=8)
+    a[2, 2100:].mul_(50.0)  # the row max in the tail tile
+    _check(tri.quantize_fp8_row(a), _expected(a))
+    b = _rand((3, 5000), torch.float16, seed=9)
+    zsi = torch.tensor([2])
+    _check(tri.quantize_fp8_row(b, None, zsi, DEFAULT_EPS, 5120), _expected(b, zsi=zsi, align=128))
+
+
+@pytest.mark.reference
+def test_row_configs():
+    """Launch plans: power-of-two blocks covering the row, stage buffers within the shared-memory
+    budget, grids no larger than the work."""
+    from moekit.ops._triton import quantize as tri
+
+    assert tri.row_tiles(5120, 8, True) == (4096, 1024) and tri.row_tiles(7168, 8, True) == (8192, 0)
+    assert tri.row_tiles(2880, 8, True) == (2048, 1024) and tri.row_tiles(5120, 8, False) == (8192, 0)
+    assert tri.row_tiles(768, 8, True) == (1024, 0)
+    pow2 = lambda n: n >= 1 and n & (n - 1) == 0  # noqa: E731
+    for rows in (1, 7, 128, 2048, 16384):
+        for cols in (1, 8, 24, 72, 768, 2880, 5120, 7168, 8192, 10000, 20000):
+            for elem, n_in, split in ((2, 1, True), (4, 1, True), (2, 2, False), (4, 2, False)):
+                cfg = tri.pipe_row_config(rows, cols, elem, n_in, torch.device("cpu"), split)
+                assert pow2(cfg.block_t) and pow2(cfg.block_c) and (cfg.block_c2 == 0 or pow2(cfg.block_c2))
+                assert 1 <= cfg.grid <= -(-rows // cfg.block_t) and pow2(cfg.num_warps) and cfg.num_warps <= 16
+                if cfg.one_pass:
+                    assert cfg.block_c + cfg.block_c2 >= cols
+                if cfg.stages > 1:
+                    stage = n_in * cfg.block_t * (cfg.block_c + cfg.block_c2) * elem
+                    assert (cfg.stages - 1) * stage * 2 <= tri.PIPE_SMEM_BYTES  # two programs per SM fit
+
+
+@pytest.mark.interpreter
 def test_two_pass_and_empty_interpreter():
     from moekit.ops._triton import quantize as tri
 
     a = _rand((2, 8200), torch.float32, seed=4)
-    assert not tri.row_config(2, 8200, 4, a.device).one_pass
+    assert not tri.pipe_row_config(2, 8200, 4, 1, a.device).one_pass
     _check(tri.quantize_fp8_row(a), _expected(a))
     _check(tri.quantize_fp8_row(a, k_out=8208), _expected(a, align=16))
     q, s = tri.quantize_fp8_row(torch.empty(0, 16))
@@ -155,6 +214,27 @@ def test_compile_fullgraph_cpu():
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
 
 
+@pytest.mark.reference
+def test_kernels_compile_for_sm90():
+    """The CUDA path, compiled on the CPU for sm_90 with Python floats typed fp64 as inductor
+    passes them (``eps`` once reached ``div_rn`` as fp64 and failed under torch.compile)."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import quantize as Q
+        bf, i32, m = torch.bfloat16, torch.int32, "meta"
+        Q.quantize_fp8_row(torch.empty(2048, 5120, dtype=bf, device=m))
+        a = torch.empty(130, 4, 5120, dtype=bf, device=m).transpose(0, 1)  # two-level rows
+        Q.quantize_fp8_row(a, torch.empty(1, device=m), torch.empty(4, dtype=i32, device=m), 1e-12, 5248)
+        Q.quantize_fp8_row(torch.empty(64, 20000, dtype=torch.float32, device=m))  # two passes
+        """,
+        ["moekit.ops._triton.quantize"],
+    )
+    assert_all_compiled(records, 3)
+    assert [r["constants"]["STAGES"] for r in records] == ["4", "4", "1"]
+
+
 def _bad_cases():
     a = _rand((4, 16), torch.bfloat16)
     return [
@@ -195,6 +275,7 @@ def _gpu_cases():
     cases = [(torch.bfloat16, (T, K)) for T in T_GPU for K in K_GPU]
     cases += [(d, s) for d in (torch.float16, torch.float32) for s in [(1, 24), (7, 8192), (128, 768), (2048, 5120)]]
     cases += [(torch.bfloat16, (4, 33, 5120)), (torch.bfloat16, (3, 20000)), (torch.float32, (3, 10000))]
+    cases += [(torch.bfloat16, (300, 2880)), (torch.bfloat16, (16384, 5120)), (torch.float16, (1000, 7168))]
     return cases
 
 

@@ -4,12 +4,20 @@
 halves of one ``[T, 2F]`` GEMM output). Math is float32. Rows at or past ``valid_token_count[0]``
 are neither read nor written.
 
-- ``silu_mul``: a tiled elementwise kernel over ``[BLOCK_T, BLOCK_F]`` tiles (1-D grid). Tiles are
-  sized by a shape bucket: wide enough for 16-byte vector accesses, several rows per program when
-  F is small, smaller tiles when the problem is small so every SM gets work.
-- ``silu_mul_quant``: one pass (read x0/x1 once, write fp8 + scale) when a row fits in registers
-  (``ONE_PASS_BYTES`` of input per row: F <= 16384 in bf16/fp16, 8192 in fp32), several rows per
-  program for small F; longer rows take two passes (row max, then quantize).
+Both kernels are persistent and software-pipelined: a grid of up to ``PIPE_MAX_PROGS`` programs
+per SM walks the tiles (``silu_mul``: ``[BLOCK_T, BLOCK_F]`` tiles of 4 KB per input;
+``silu_mul_quant``: blocks of whole rows), and ``tl.range(..., num_stages=S)`` makes the loads
+``cp.async`` copies into shared memory issued ``S - 1`` tiles ahead. Without it, ptxas schedules
+a thread's third and fourth 16-byte load after the math of the first (to stay at 32 registers),
+which costs every program a second DRAM round trip; with it, the bytes in flight per SM come
+from shared memory (about 100-190 KB), not registers, and the reduction and stores of one tile
+overlap the loads of the next.
+
+The sigmoid uses the MUFU ``ex2``/``rcp`` approximations with flush-to-zero (``FAST_MATH``):
+about 6 instructions per value instead of 16 for ``tl.sigmoid`` (which adds denormal and
+overflow fix-ups to ``exp`` and ``/``); the relative error stays within a few float32 ulps.
+``silu_mul_quant`` rows longer than a pipeline stage (bf16 F > 8192) take one row per program
+in registers (F <= 16384) or two passes over the row.
 """
 
 from __future__ import annotations
@@ -21,31 +29,44 @@ import triton
 import triton.language as tl
 
 from moekit._checks import FP8_DTYPE, FP8_MAX
-from moekit.ops._common import launch, next_pow2, num_sms
+from moekit.ops._common import interpreting, launch, next_pow2, num_sms
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
-from moekit.ops._triton.quantize import prev_pow2, row_config, row_scales
+from moekit.ops._triton.quantize import (
+    MAX_ROWS,
+    PIPE_MAX_PROGS,
+    fp8_saturate,
+    pipe_row_config,
+    pipe_stages,
+    prev_pow2,
+    row_scales,
+)
 from moekit.reference.quantize import FUSED_EPS
 
-# Input bytes per program the elementwise kernel aims for, and the least it shrinks to.
-TILE_BYTES = 8192
+# Bytes of each input per silu_mul tile (one pipeline stage holds the x0 and x1 tiles), and the
+# least a tile shrinks to so that small problems still spread over the SMs.
+TILE_BYTES = 4096
 MIN_TILE_BYTES = 1024
-# silu_mul_quant reads two inputs: half the row-tile budget per input.
-QUANT_TILE_BYTES = 8192
+# MUFU approximations (inline PTX) on the GPU; the interpreter runs tl.sigmoid.
+FAST_MATH = not interpreting()
 
 
 class TileConfig(NamedTuple):
     block_t: int
     block_f: int
     num_warps: int
+    stages: int
+    grid: int
 
 
 def tile_config(T: int, F: int, elem_bytes: int, device: torch.device) -> TileConfig:
-    """Tile of the elementwise ``silu_mul`` kernel for ``[T, F]`` (a cheap shape bucket)."""
+    """Tiles and persistent grid of the elementwise ``silu_mul`` kernel for ``[T, F]`` (a cheap
+    shape bucket). bf16 [2048+, 2048]: 1 x 2048 tiles, 4 warps (two 16-byte vectors per thread
+    and input), 4 stages (24 KB of shared memory), 8 programs per SM."""
+    sms = num_sms(device)
     vec = max(1, 16 // elem_bytes)
     tile = TILE_BYTES // elem_bytes
     min_tile = MIN_TILE_BYTES // elem_bytes
-    want = 2 * num_sms(device)
-    while tile > min_tile and (T * F) // tile < want:
+    while tile > min_tile and (T * F) // tile < 2 * sms:
         tile //= 2
     # The widest power-of-two column block that wastes at most 1/8 of its lanes on F's tail;
     # else one masked block covering F (tiny or awkward F).
@@ -56,8 +77,32 @@ def tile_config(T: int, F: int, elem_bytes: int, device: torch.device) -> TileCo
     else:
         block_f = min(max(next_pow2(F), vec), tile)
     block_t = max(1, min(tile // block_f, next_pow2(max(T, 1))))
-    warps = prev_pow2(max(1, (block_t * block_f) // (32 * vec * 2)))
-    return TileConfig(block_t, block_f, int(min(8, warps)))
+    warps = int(min(4, prev_pow2(max(1, (block_t * block_f) // (32 * vec * 2)))))
+    stages, progs = pipe_stages(2 * block_t * block_f * elem_bytes) or (1, PIPE_MAX_PROGS)
+    n_tiles = triton.cdiv(T, block_t) * triton.cdiv(F, block_f)
+    return TileConfig(block_t, block_f, warps, stages, max(1, min(n_tiles, progs * sms)))
+
+
+@triton.jit
+def _silu(a, FAST: tl.constexpr):
+    """``a * sigmoid(a)`` in float32."""
+    if FAST:
+        e = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [a * -1.4426950408889634], dtype=tl.float32, is_pure=True, pack=1
+        )
+        r = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [e + 1.0], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return a * r
+    else:
+        return a * tl.sigmoid(a)
+
+
+@triton.jit
+def _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, cols, mask, EVICT: tl.constexpr, FAST: tl.constexpr):
+    a = tl.load(x0_ptr + r64 * stride_x0 + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    b = tl.load(x1_ptr + r64 * stride_x1 + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    return _silu(a, FAST) * b
 
 
 @triton.jit
@@ -74,32 +119,26 @@ def _silu_mul_kernel(
     HAS_VALID: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    STAGES: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    n_fb = tl.cdiv(F, BLOCK_F)
-    pid_t = pid // n_fb
-    pid_f = pid % n_fb
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    nprog = tl.num_programs(0)
+    n_rows = T
     if HAS_VALID:
-        row_ok = rows < tl.minimum(tl.load(valid_ptr).to(tl.int64), T)
-    else:
-        row_ok = rows < T
-    mask = row_ok[:, None] & (cols < F)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    c = cols[None, :]
-    # Inputs are dead after this kernel: let them leave L2 first (the output feeds the next GEMM).
-    a = tl.load(x0_ptr + r64 * stride_x0 + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    b = tl.load(x1_ptr + r64 * stride_x1 + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    y = a * tl.sigmoid(a) * b
-    tl.store(y_ptr + r64 * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, cols, mask, EVICT: tl.constexpr):
-    a = tl.load(x0_ptr + r64 * stride_x0 + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    b = tl.load(x1_ptr + r64 * stride_x1 + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    return a * tl.sigmoid(a) * b
+        n_rows = tl.minimum(tl.load(valid_ptr).to(tl.int64), T).to(tl.int32)
+    n_fb = tl.cdiv(F, BLOCK_F)
+    n_tiles = tl.cdiv(n_rows, BLOCK_T) * n_fb
+    for tile in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
+        tr = tile // n_fb
+        rows = tr * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = (tile - tr * n_fb) * BLOCK_F + tl.arange(0, BLOCK_F)
+        mask = (rows < n_rows)[:, None] & (cols < F)[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        c = cols[None, :]
+        # Inputs are dead after this kernel: let them leave L2 first (the output feeds the next GEMM).
+        y = _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, c, mask, "evict_first", FAST)
+        tl.store(y_ptr + r64 * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -120,41 +159,54 @@ def _silu_mul_quant_kernel(
     EPS: tl.constexpr,
     MAX_FP8: tl.constexpr,
     EMULATE: tl.constexpr,
+    FAST: tl.constexpr,
     ONE_PASS: tl.constexpr,
+    STAGES: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    nprog = tl.num_programs(0)
+    n_rows = T
     if HAS_VALID:
-        row_ok = rows < tl.minimum(tl.load(valid_ptr).to(tl.int64), T)
-    else:
-        row_ok = rows < T
-    r64 = rows.to(tl.int64)[:, None]
+        n_rows = tl.minimum(tl.load(valid_ptr).to(tl.int64), T).to(tl.int32)
+    ub = 0.0
+    if HAS_UB:
+        ub = tl.load(ub_ptr).to(tl.float32)
     out_ty = y_ptr.dtype.element_ty
-    if ONE_PASS:
-        cols = tl.arange(0, BLOCK_F)[None, :]
-        mask = row_ok[:, None] & (cols < F)
-        y = _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, cols, mask, "evict_first")
-        inv, scale = row_scales(tl.max(tl.abs(y), axis=1), ub_ptr, EPS, HAS_UB, MAX_FP8)
-        tl.store(scale_ptr + rows, scale, mask=row_ok)
-        q = tl.clamp(y * inv[:, None], -MAX_FP8, MAX_FP8)
-        tl.store(y_ptr + r64 * stride_y + cols, to_fp8(q, out_ty, EMULATE), mask=mask)
-    else:
-        acc = tl.zeros((BLOCK_T, BLOCK_F), dtype=tl.float32)
-        for f0 in tl.range(0, F, BLOCK_F):
-            cols = f0 + tl.arange(0, BLOCK_F)[None, :]
+    for blk in tl.range(pid, tl.cdiv(n_rows, BLOCK_T), nprog, num_stages=STAGES):
+        rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < n_rows
+        r64 = rows.to(tl.int64)[:, None]
+        if ONE_PASS:
+            cols = tl.arange(0, BLOCK_F)[None, :]
             mask = row_ok[:, None] & (cols < F)
-            y = _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, cols, mask, "evict_last")  # re-read below
-            acc = tl.maximum(acc, tl.abs(y))
-        inv, scale = row_scales(tl.max(acc, axis=1), ub_ptr, EPS, HAS_UB, MAX_FP8)
-        tl.store(scale_ptr + rows, scale, mask=row_ok)
-        for f0 in tl.range(0, F, BLOCK_F):
-            cols = f0 + tl.arange(0, BLOCK_F)[None, :]
-            mask = row_ok[:, None] & (cols < F)
-            y = _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, cols, mask, "evict_first")
-            q = tl.clamp(y * inv[:, None], -MAX_FP8, MAX_FP8)
+            y = _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, cols, mask, "evict_first", FAST)
+            inv, scale = row_scales(tl.max(tl.abs(y), axis=1), ub, EPS, HAS_UB, MAX_FP8)
+            tl.store(scale_ptr + rows, scale, mask=row_ok)
+            q = fp8_saturate(y * inv[:, None], MAX_FP8, EMULATE)
             tl.store(y_ptr + r64 * stride_y + cols, to_fp8(q, out_ty, EMULATE), mask=mask)
+        else:
+            acc = tl.zeros((BLOCK_T, BLOCK_F), dtype=tl.float32)
+            for f0 in tl.range(0, F, BLOCK_F):
+                cols = f0 + tl.arange(0, BLOCK_F)[None, :]
+                mask = row_ok[:, None] & (cols < F)
+                # The row is read again below: keep it in L2.
+                y = _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, cols, mask, "evict_last", FAST)
+                acc = tl.maximum(acc, tl.abs(y))
+            inv, scale = row_scales(tl.max(acc, axis=1), ub, EPS, HAS_UB, MAX_FP8)
+            tl.store(scale_ptr + rows, scale, mask=row_ok)
+            for f0 in tl.range(0, F, BLOCK_F):
+                cols = f0 + tl.arange(0, BLOCK_F)[None, :]
+                mask = row_ok[:, None] & (cols < F)
+                y = _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, cols, mask, "evict_first", FAST)
+                q = fp8_saturate(y * inv[:, None], MAX_FP8, EMULATE)
+                tl.store(y_ptr + r64 * stride_y + cols, to_fp8(q, out_ty, EMULATE), mask=mask)
+
+
+def _check_rows(T: int) -> None:
+    if T > MAX_ROWS:
+        raise ValueError(f"x0 must have at most {MAX_ROWS} rows, got {T}")
 
 
 def silu_mul(
@@ -169,10 +221,10 @@ def silu_mul(
     y = torch.empty((T, F), dtype=x0.dtype, device=x0.device) if out is None else out
     if T == 0 or F == 0:
         return y
+    _check_rows(T)
     cfg = tile_config(T, F, x0.element_size(), x0.device)
     has_valid = valid_token_count is not None
-    grid = (triton.cdiv(T, cfg.block_t) * triton.cdiv(F, cfg.block_f),)
-    launch(_silu_mul_kernel)[grid](
+    launch(_silu_mul_kernel)[(cfg.grid,)](
         y,
         x0,
         x1,
@@ -185,6 +237,8 @@ def silu_mul(
         HAS_VALID=has_valid,
         BLOCK_T=cfg.block_t,
         BLOCK_F=cfg.block_f,
+        STAGES=cfg.stages,
+        FAST=FAST_MATH,
         num_warps=cfg.num_warps,
     )
     return y
@@ -207,9 +261,10 @@ def silu_mul_quant(
         y, scale = out
     if T == 0:
         return y, scale
-    cfg = row_config(T, max(F, 1), x0.element_size(), x0.device, tile_bytes=QUANT_TILE_BYTES)
+    _check_rows(T)
+    cfg = pipe_row_config(T, max(F, 1), x0.element_size(), 2, x0.device)
     has_valid = valid_token_count is not None
-    launch(_silu_mul_quant_kernel)[(triton.cdiv(T, cfg.block_t),)](
+    launch(_silu_mul_quant_kernel)[(cfg.grid,)](
         y,
         scale,
         x0,
@@ -226,7 +281,9 @@ def silu_mul_quant(
         EPS=FUSED_EPS,
         MAX_FP8=FP8_MAX,
         EMULATE=EMULATE_FP8,
+        FAST=FAST_MATH,
         ONE_PASS=cfg.one_pass,
+        STAGES=cfg.stages,
         BLOCK_T=cfg.block_t,
         BLOCK_F=cfg.block_c,
         num_warps=cfg.num_warps,

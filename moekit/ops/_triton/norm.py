@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moekit.ops._common import launch
-from moekit.ops._triton.quantize import row_config, row_offsets, rows_of
+from moekit.ops._triton.quantize import MAX_ROWS, row_config, row_offsets, rows_of
 
 
 @triton.jit
@@ -36,12 +36,15 @@ def _rms_norm_kernel(
     R,
     H,
     eps,
-    INNER,
+    X_INNER,
     SX_OUTER,
     SX_INNER,
+    R_INNER,
     SR_OUTER,
     SR_INNER,
     HAS_RES: tl.constexpr,
+    X_TWO_LEVEL: tl.constexpr,
+    R_TWO_LEVEL: tl.constexpr,
     ONE_PASS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -49,12 +52,13 @@ def _rms_norm_kernel(
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < R
-    r64 = rows.to(tl.int64)
-    x_rows = row_offsets(r64, INNER, SX_OUTER, SX_INNER)
+    # Python floats arrive as fp64 under torch.compile (inductor), fp32 from Triton's launcher.
+    eps = tl.cast(eps, tl.float32)
+    x_rows = row_offsets(rows, X_INNER, SX_OUTER, SX_INNER, X_TWO_LEVEL)
     res_rows = x_rows
     if HAS_RES:
-        res_rows = row_offsets(r64, INNER, SR_OUTER, SR_INNER)
-    y_rows = (r64 * H)[:, None]
+        res_rows = row_offsets(rows, R_INNER, SR_OUTER, SR_INNER, R_TWO_LEVEL)
+    y_rows = (rows.to(tl.int64) * H)[:, None]
     out_ty = y_ptr.dtype.element_ty
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_H)
@@ -92,10 +96,12 @@ def rms_norm(
     R = y.numel() // H if H else 0
     if R == 0:
         return y
+    if R > MAX_ROWS:
+        raise ValueError(f"x must have at most {MAX_ROWS} rows (prod(x.shape[:-1])), got {R}")
     x, xl = rows_of(x)
     has_res = residual is not None
     rl = xl
-    if has_res:  # same shape as x, hence the same (outer, inner) split of the rows
+    if has_res:  # same shape as x; its rows may still need a different (one- or two-level) layout
         residual, rl = rows_of(residual)
     elem = max(x.element_size(), residual.element_size() if has_res else 1)
     cfg = row_config(R, H, elem, x.device)
@@ -110,9 +116,12 @@ def rms_norm(
         xl.inner,
         xl.s_outer,
         xl.s_inner,
+        rl.inner,
         rl.s_outer,
         rl.s_inner,
         HAS_RES=has_res,
+        X_TWO_LEVEL=xl.inner != 1,
+        R_TWO_LEVEL=rl.inner != 1,
         ONE_PASS=cfg.one_pass,
         BLOCK_T=cfg.block_t,
         BLOCK_H=cfg.block_c,

@@ -1,9 +1,19 @@
 """Triton kernel: FP8 e4m3fn row-wise quantization (``quantize_fp8_row``), and the row-tiling
 helpers shared by moekit's row-wise kernels (activation, quantization, RMSNorm).
 
-Row-wise kernels here hold a whole row in registers when it fits (``ONE_PASS``: one read of
-the input, one write of the output); several rows share a program when rows are short, and
-rows longer than ``ONE_PASS_BYTES`` take two passes (the second read mostly hits L2).
+Streaming row kernels (``quantize_fp8_row``, ``silu_mul_quant``) are persistent: a grid of a few
+programs per SM walks the row blocks, and ``tl.range(..., num_stages=S)`` turns the loads into
+``cp.async`` copies into shared memory issued ``S - 1`` row blocks ahead. Bytes in flight per SM
+then no longer depend on registers (ptxas sinks a thread's third and fourth 16-byte load behind
+the math of the first to stay at 32 registers, which costs a second DRAM round trip), and the
+reduction, division and store of one row block overlap the loads of the next ones. A row that
+is not a power of two long is covered by two power-of-two tiles where that saves lanes (5120 =
+4096 + 1024: shared memory, registers and instructions all shrink by 37%). Rows longer than a
+pipeline stage fall back to one row block per program (``stages == 1``, the whole row in
+registers) or, past ``ONE_PASS_BYTES``, to two passes over the row (the second read mostly hits L2).
+
+Float scalars (``eps``) are cast to float32 inside the kernels: Triton's launcher passes Python
+floats as fp32, torch.compile (inductor) as fp64.
 """
 
 from __future__ import annotations
@@ -22,8 +32,20 @@ from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
 ONE_PASS_BYTES = 32768
 # Chunk of a long row per loop step in the two-pass path (bytes of input).
 TWO_PASS_CHUNK_BYTES = 16384
-# Input bytes a program of a row-wise kernel aims to cover (several short rows per program).
+# Input bytes a program of a (non-pipelined) row-wise kernel aims to cover.
 ROW_TILE_BYTES = 16384
+
+# Pipelined (persistent) kernels. Shared memory an SM gives to their stage buffers (an H100/H200
+# SM has 228 KB; the rest covers reduction scratch and the 1 KB per block the driver keeps).
+PIPE_SMEM_BYTES = 192 * 1024
+# Largest stage (all inputs of one row block, padded to the power-of-two tile) worth pipelining.
+PIPE_MAX_STAGE_BYTES = 32768
+# Input bytes of one row block when rows are short (several rows per stage).
+PIPE_STAGE_BYTES = 16384
+# Programs per SM of a persistent kernel (4-8 warps each).
+PIPE_MAX_PROGS = 8
+# Rows index in int32 inside the kernels (offsets are int64).
+MAX_ROWS = 2**31 - 2**16
 
 
 class RowConfig(NamedTuple):
@@ -33,14 +55,42 @@ class RowConfig(NamedTuple):
     num_warps: int
 
 
+class PipeConfig(NamedTuple):
+    """Launch of a persistent row kernel: ``grid`` programs walk ``cdiv(rows, block_t)`` row blocks;
+    ``stages > 1`` pipelines the loads (``stages - 1`` row blocks ahead). A row is covered by
+    ``block_c`` columns plus, when ``block_c2 > 0``, a second tile of ``block_c2`` columns (a row
+    of 5120 is 4096 + 1024 instead of one 8192-wide tile that leaves 37% of the lanes idle)."""
+
+    block_t: int
+    block_c: int
+    one_pass: bool
+    stages: int
+    num_warps: int
+    grid: int
+    block_c2: int = 0
+
+
 def prev_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n).bit_length() - 1)
+
+
+def pipe_stages(stage_bytes: int) -> Optional[tuple[int, int]]:
+    """``(stages, programs per SM)`` for a pipelined kernel whose stage takes ``stage_bytes`` of
+    shared memory, or None when too few programs would fit. Four stages (three row blocks in
+    flight after each issue, two while a block is reduced) when three programs still fit, else
+    three stages."""
+    for stages in (4, 3):
+        progs = min(PIPE_MAX_PROGS, PIPE_SMEM_BYTES // ((stages - 1) * max(stage_bytes, 1)))
+        if progs >= (3 if stages == 4 else 2):
+            return stages, progs
+    return None
 
 
 def row_config(
     n_rows: int, n_cols: int, elem_bytes: int, device: torch.device, tile_bytes: int = ROW_TILE_BYTES
 ) -> RowConfig:
-    """Tiling of a row-wise reduction kernel over ``[n_rows, n_cols]`` (a cheap shape bucket).
+    """Tiling of a (non-pipelined) row-wise reduction kernel over ``[n_rows, n_cols]`` (RMSNorm,
+    and the fallbacks of the pipelined kernels).
 
     Rows up to ``ONE_PASS_BYTES`` are held whole; short rows are packed ``block_t`` per program,
     keeping at least two programs per SM when there are enough rows. Warps are sized so that
@@ -59,8 +109,61 @@ def row_config(
     return RowConfig(block_t, block_c, one_pass, int(min(16, max(1, prev_pow2(warps)))))
 
 
+def row_tiles(n_cols: int, vec: int, split: bool) -> tuple[int, int]:
+    """Power-of-two column tiles covering a row: ``(next_pow2(n_cols), 0)``, or with ``split`` the
+    largest power of two not above ``n_cols`` plus a power-of-two tail tile when that wastes fewer
+    lanes (5120 -> 4096 + 1024, 2880 -> 2048 + 1024, 7168 -> 8192 + 0). Rows under 1024 values
+    stay one tile (several of them share a row block, and two small tiles cost more registers
+    than the idle lanes)."""
+    full = max(next_pow2(n_cols), vec)
+    head = max(prev_pow2(n_cols), vec)
+    if not split or head >= n_cols or head < 1024:
+        return full, 0
+    tail = max(next_pow2(n_cols - head), vec)
+    return (head, tail) if head + tail < full else (full, 0)
+
+
+def pipe_row_config(
+    n_rows: int, n_cols: int, elem_bytes: int, n_inputs: int, device: torch.device, split: bool = False
+) -> PipeConfig:
+    """Launch of a persistent row-wise quantizing kernel over ``[n_rows, n_cols]`` reading
+    ``n_inputs`` tensors (a cheap shape bucket: one compiled variant per row-length bucket).
+
+    A row block (``block_t`` whole rows, about ``PIPE_STAGE_BYTES`` of input) is one pipeline
+    stage when it takes at most ``PIPE_MAX_STAGE_BYTES`` of shared memory (bf16 rows up to
+    8192 values for two inputs, 16384 for one). Warps are sized for about four 16-byte vectors
+    per thread and input (at least 4 warps when the block has that many vectors, at most 16):
+    the per-block work (index math, reduction, two divisions, barriers) is then spread over
+    enough values to keep the instruction issue well under the SM's rate at full HBM bandwidth.
+    ``grid`` fills the SMs with the programs that fit. ``split`` allows a second column tile
+    (``row_tiles``).
+    """
+    sms = num_sms(device)
+    vec = max(1, 16 // elem_bytes)
+    rows = max(n_rows, 1)
+    c1, c2 = row_tiles(n_cols, vec, split)
+    row_smem = n_inputs * (c1 + c2) * elem_bytes
+    plan = pipe_stages(row_smem) if row_smem <= PIPE_MAX_STAGE_BYTES else None
+    if plan is None:
+        cfg = row_config(n_rows, n_cols, elem_bytes, device, tile_bytes=ROW_TILE_BYTES // n_inputs)
+        return PipeConfig(cfg.block_t, cfg.block_c, cfg.one_pass, 1, cfg.num_warps, triton.cdiv(rows, cfg.block_t))
+    block_t = prev_pow2(max(1, PIPE_STAGE_BYTES // row_smem))
+    # Keep every SM busy when rows are few: at most ceil(rows / SMs) rows per block.
+    block_t = min(block_t, prev_pow2(triton.cdiv(rows, sms)), next_pow2(rows))
+    stages, progs = pipe_stages(block_t * row_smem)
+    # Fewer than 4 row blocks per program (the whole problem is in flight at once): halve the
+    # blocks, down to 8 KB stages, so the last block's math after the last bytes land is short.
+    while block_t > 1 and block_t * row_smem > 8192 and triton.cdiv(rows, block_t) < 4 * progs * sms:
+        block_t //= 2
+        stages, progs = pipe_stages(block_t * row_smem)
+    vectors = block_t * (c1 + c2) // vec  # 16-byte vectors per input and row block
+    warps = min(16, max(prev_pow2(max(1, vectors // (32 * 4))), min(4, prev_pow2(max(1, vectors // 32)))))
+    return PipeConfig(block_t, c1, True, stages, warps, min(triton.cdiv(rows, block_t), progs * sms), c2)
+
+
 class RowLayout(NamedTuple):
-    """Row ``r`` of a ``[..., C]`` tensor starts at ``(r // inner) * s_outer + (r % inner) * s_inner``."""
+    """Row ``r`` of a ``[..., C]`` tensor starts at ``(r // inner) * s_outer + (r % inner) * s_inner``;
+    ``inner == 1`` means one stride: row ``r`` starts at ``r * s_outer``."""
 
     inner: int
     s_outer: int
@@ -68,8 +171,9 @@ class RowLayout(NamedTuple):
 
 
 def row_layout(t: torch.Tensor) -> Optional[RowLayout]:
-    """Two-level row addressing of ``t`` (unit last stride), or None when its leading dims do not
-    collapse to (outer, inner) with one stride each (then the caller makes it contiguous)."""
+    """Row addressing of ``t`` (unit last stride): one stride when its leading dims collapse to
+    one, else two levels (outer, inner), or None when they do not collapse to two either (then
+    the caller makes it contiguous)."""
     lead, st = t.shape[:-1], t.stride()[:-1]
     if len(lead) == 0:
         return RowLayout(1, 0, 0)
@@ -83,7 +187,10 @@ def row_layout(t: torch.Tensor) -> Optional[RowLayout]:
         if expect is None:
             s_outer = int(stride)
         expect = stride * size
-    return RowLayout(max(inner, 1), s_outer, s_inner)
+    if expect is None or s_outer == inner * s_inner or inner == 1:
+        # No outer dim (or it continues the inner stride, or the inner dim is 1): one stride.
+        return RowLayout(1, s_inner if inner > 1 or expect is None else s_outer, 0)
+    return RowLayout(inner, s_outer, s_inner)
 
 
 def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, RowLayout]:
@@ -91,29 +198,57 @@ def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, RowLayout]:
     layout = row_layout(t)
     if layout is None:
         t = t.contiguous()
-        inner = int(t.shape[-2]) if t.dim() >= 2 else 1
-        layout = RowLayout(max(inner, 1), max(inner, 1) * t.shape[-1], t.shape[-1])
+        layout = RowLayout(1, t.shape[-1], 0)
     return t, layout
 
 
 @triton.jit
-def row_offsets(rows64, INNER, S_OUTER, S_INNER):
-    """int64 element offset of each row (``rows64`` int64) under a ``RowLayout``."""
-    return (rows64 // INNER) * S_OUTER + (rows64 % INNER) * S_INNER
+def row_offsets(rows, INNER, S_OUTER, S_INNER, TWO_LEVEL: tl.constexpr):
+    """int64 element offset of each row (``rows`` int32, < 2**31) under a ``RowLayout``. The
+    int32 division only runs for two-level layouts."""
+    if TWO_LEVEL:
+        return (rows // INNER).to(tl.int64) * S_OUTER + (rows % INNER).to(tl.int64) * S_INNER
+    else:
+        return rows.to(tl.int64) * S_OUTER
 
 
 @triton.jit
-def row_scales(amax, ub_ptr, eps, HAS_UB: tl.constexpr, MAX_FP8: tl.constexpr):
+def row_scales(amax, ub, eps, HAS_UB: tl.constexpr, MAX_FP8: tl.constexpr):
     """Per-row ``(inv, dequant scale)`` from the row max: ``amax`` floored at ``eps``, clamped to
-    ``scale_ub``; ``inv = 448 / amax`` and ``scale = 1 / inv``, both correctly rounded float32
-    divisions (``div_rn``, not the approximate ``/``) as in the float32 reference, so scales
-    match it bit for bit."""
+    ``ub`` (the loaded ``scale_ub`` when ``HAS_UB``); ``inv = 448 / amax`` and ``scale = 1 / inv``,
+    both correctly rounded float32 divisions (``div_rn``, not the approximate ``/``) as in the
+    float32 reference, so scales match it bit for bit. ``eps`` must be float32 (or constexpr)."""
     amax = tl.maximum(amax, eps)
     if HAS_UB:
-        amax = tl.minimum(amax, tl.load(ub_ptr).to(tl.float32))
+        amax = tl.minimum(amax, ub)
     inv = tl.div_rn(tl.full(amax.shape, MAX_FP8, tl.float32), amax)
     scale = tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), inv)
     return inv, scale
+
+
+@triton.jit
+def fp8_saturate(v, MAX_FP8: tl.constexpr, EMULATE: tl.constexpr):
+    """``clamp(v, -448, 448)`` ahead of the e4m3 conversion. On the GPU the conversion
+    (``cvt.rn.satfinite.e4m3x2.f32``) already saturates finite and infinite values to +-448 and
+    keeps NaN, so the clamp is skipped (one instruction per value); the interpreter's emulated
+    rounding needs it."""
+    if EMULATE:
+        v = tl.clamp(v, -MAX_FP8, MAX_FP8)
+    return v
+
+
+@triton.jit
+def _load_cols(a_row, cols, live, K):
+    m_in = live[:, None] & (cols < K)[None, :]
+    x = tl.load(a_row[:, None] + cols[None, :], mask=m_in, other=0.0, eviction_policy="evict_first")
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store_fp8(q_row, cols, row_ok, K_OUT, v, MAX_FP8: tl.constexpr, EMULATE: tl.constexpr):
+    m_out = row_ok[:, None] & (cols < K_OUT)[None, :]
+    q = to_fp8(fp8_saturate(v, MAX_FP8, EMULATE), q_row.dtype.element_ty, EMULATE)
+    tl.store(q_row[:, None] + cols[None, :], q, mask=m_out)
 
 
 @triton.jit
@@ -133,50 +268,61 @@ def _quantize_fp8_row_kernel(
     ROWS_PER_GROUP,
     HAS_UB: tl.constexpr,
     JAGGED: tl.constexpr,
+    TWO_LEVEL: tl.constexpr,
     ONE_PASS: tl.constexpr,
+    STAGES: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
     MAX_FP8: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < R
-    r64 = rows.to(tl.int64)
-    a_row = a_ptr + row_offsets(r64, INNER, S_OUTER, S_INNER)
-    q_row = q_ptr + r64 * K_OUT
-    live = row_ok
-    if JAGGED:
-        # Rows at or past zero_start_index_M[group] are quantized as zeros (not read).
-        group = r64 // ROWS_PER_GROUP
-        start = tl.load(zsi_ptr + group, mask=row_ok, other=0)
-        live = row_ok & ((r64 % ROWS_PER_GROUP) < start)
-    if ONE_PASS:
-        cols = tl.arange(0, BLOCK_K)
-        m_in = live[:, None] & (cols < K)[None, :]
-        x = tl.load(a_row[:, None] + cols[None, :], mask=m_in, other=0.0, eviction_policy="evict_first")
-        x = x.to(tl.float32)
-        inv, scale = row_scales(tl.max(tl.abs(x), axis=1), ub_ptr, eps, HAS_UB, MAX_FP8)
-        tl.store(scale_ptr + rows, scale, mask=row_ok)
-        q = tl.clamp(x * inv[:, None], -MAX_FP8, MAX_FP8)
-        m_out = row_ok[:, None] & (cols < K_OUT)[None, :]
-        tl.store(q_row[:, None] + cols[None, :], to_fp8(q, q_ptr.dtype.element_ty, EMULATE), mask=m_out)
-    else:
-        acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            m_in = live[:, None] & (cols < K)[None, :]
-            x = tl.load(a_row[:, None] + cols[None, :], mask=m_in, other=0.0, eviction_policy="evict_last")
-            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))  # the row is read again below
-        inv, scale = row_scales(tl.max(acc, axis=1), ub_ptr, eps, HAS_UB, MAX_FP8)
-        tl.store(scale_ptr + rows, scale, mask=row_ok)
-        for k0 in tl.range(0, K_OUT, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            m_in = live[:, None] & (cols < K)[None, :]
-            x = tl.load(a_row[:, None] + cols[None, :], mask=m_in, other=0.0).to(tl.float32)
-            q = tl.clamp(x * inv[:, None], -MAX_FP8, MAX_FP8)
-            m_out = row_ok[:, None] & (cols < K_OUT)[None, :]
-            tl.store(q_row[:, None] + cols[None, :], to_fp8(q, q_ptr.dtype.element_ty, EMULATE), mask=m_out)
+    nprog = tl.num_programs(0)
+    # Python floats arrive as fp64 under torch.compile (inductor), fp32 from Triton's launcher.
+    eps32 = tl.cast(eps, tl.float32)
+    ub = 0.0
+    if HAS_UB:
+        ub = tl.load(ub_ptr).to(tl.float32)
+    n_blocks = tl.cdiv(R, BLOCK_T)
+    for blk in tl.range(pid, n_blocks, nprog, num_stages=STAGES):
+        rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < R
+        a_row = a_ptr + row_offsets(rows, INNER, S_OUTER, S_INNER, TWO_LEVEL)
+        q_row = q_ptr + rows.to(tl.int64) * K_OUT
+        live = row_ok
+        if JAGGED:
+            # Rows at or past zero_start_index_M[group] are quantized as zeros (not read).
+            start = tl.load(zsi_ptr + rows // ROWS_PER_GROUP, mask=row_ok, other=0)
+            live = row_ok & ((rows % ROWS_PER_GROUP) < start)
+        if ONE_PASS:
+            # Columns [0, BLOCK_K) and, when BLOCK_K2 > 0, [BLOCK_K, BLOCK_K + BLOCK_K2).
+            cols = tl.arange(0, BLOCK_K)
+            x = _load_cols(a_row, cols, live, K)
+            amax = tl.max(tl.abs(x), axis=1)
+            if BLOCK_K2 > 0:
+                cols2 = BLOCK_K + tl.arange(0, BLOCK_K2)
+                x2 = _load_cols(a_row, cols2, live, K)
+                amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=1))
+            inv, scale = row_scales(amax, ub, eps32, HAS_UB, MAX_FP8)
+            tl.store(scale_ptr + rows, scale, mask=row_ok)
+            _store_fp8(q_row, cols, row_ok, K_OUT, x * inv[:, None], MAX_FP8, EMULATE)
+            if BLOCK_K2 > 0:
+                _store_fp8(q_row, cols2, row_ok, K_OUT, x2 * inv[:, None], MAX_FP8, EMULATE)
+        else:
+            acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                m_in = live[:, None] & (cols < K)[None, :]
+                x = tl.load(a_row[:, None] + cols[None, :], mask=m_in, other=0.0, eviction_policy="evict_last")
+                acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))  # the row is read again below
+            inv, scale = row_scales(tl.max(acc, axis=1), ub, eps32, HAS_UB, MAX_FP8)
+            tl.store(scale_ptr + rows, scale, mask=row_ok)
+            for k0 in tl.range(0, K_OUT, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                m_in = live[:, None] & (cols < K)[None, :]
+                x = tl.load(a_row[:, None] + cols[None, :], mask=m_in, other=0.0).to(tl.float32)
+                _store_fp8(q_row, cols, row_ok, K_OUT, x * inv[:, None], MAX_FP8, EMULATE)
 
 
 def quantize_fp8_row(
@@ -198,11 +344,13 @@ def quantize_fp8_row(
     R = scale.numel()
     if R == 0:
         return q, scale
+    if R > MAX_ROWS:
+        raise ValueError(f"a must have at most {MAX_ROWS} rows (prod(a.shape[:-1])), got {R}")
     a, lay = rows_of(a)
     jagged = zero_start_index_M is not None
     zsi = zero_start_index_M.reshape(-1) if jagged else None
-    cfg = row_config(R, max(k_out, 1), a.element_size(), a.device)
-    launch(_quantize_fp8_row_kernel)[(triton.cdiv(R, cfg.block_t),)](
+    cfg = pipe_row_config(R, max(k_out, 1), a.element_size(), 1, a.device, split=True)
+    launch(_quantize_fp8_row_kernel)[(cfg.grid,)](
         q,
         scale,
         a,
@@ -218,9 +366,12 @@ def quantize_fp8_row(
         int(a.shape[-2]) if a.dim() >= 2 else 1,
         HAS_UB=scale_ub is not None,
         JAGGED=jagged,
+        TWO_LEVEL=lay.inner != 1,
         ONE_PASS=cfg.one_pass,
+        STAGES=cfg.stages,
         BLOCK_T=cfg.block_t,
         BLOCK_K=cfg.block_c,
+        BLOCK_K2=cfg.block_c2,
         MAX_FP8=FP8_MAX,
         EMULATE=EMULATE_FP8,
         num_warps=cfg.num_warps,

@@ -1,0 +1,126 @@
+"""CPU-side compile check of moekit's Triton launchers for sm_90 (H100/H200), no GPU needed.
+
+``compile_launches(snippet, modules)`` runs ``snippet`` in a subprocess with
+``TRITON_INTERPRET=0`` (kernels defined under the interpreter cannot be compiled), where the
+``launch`` of each module in ``modules`` is replaced by a recorder and ``num_sms`` returns 132.
+The snippet calls private launchers on ``meta`` tensors; every recorded launch is compiled with
+the real Triton compiler (through ptxas) for ``GPUTarget("cuda", 90, 32)``. Python float
+arguments are typed ``fp64``, as torch.compile (inductor) passes them to user-defined Triton
+kernels; ints equal to 1 are specialized as Triton's launcher does. Returns one dict per launch
+(``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``error`` or None).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_DRIVER = r"""
+import importlib, json, sys, traceback
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+      torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}
+RECORDS = []
+
+
+def compile_one(kernel, args, kwargs):
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    names = kernel.arg_names
+    values = list(args) + [kwargs[n] for n in names[len(args):]]
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, v) in enumerate(zip(names, values)):
+        p = kernel.params[i]
+        if p.is_constexpr or v is None:
+            sig[name] = "constexpr"
+            consts[name] = v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + TY[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            if v == 1 and not p.do_not_specialize:
+                sig[name] = "constexpr"
+                consts[name] = 1
+                continue
+            sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp64"  # what inductor passes for a Python float
+        else:
+            raise TypeError(f"{kernel.__name__}: unsupported argument {name}={v!r}")
+    rec = {"kernel": kernel.__name__, "num_warps": opts.get("num_warps", 4),
+           "constants": {k: repr(v) for k, v in consts.items()}, "shared": None, "error": None}
+    try:
+        k = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=opts)
+        assert k.asm.get("cubin"), "no cubin"
+        rec["shared"] = int(k.metadata.shared)
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {e}"[-2000:]
+    RECORDS.append(rec)
+
+
+class Recorder:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: compile_one(self.kernel, args, dict(kwargs))
+
+
+import moekit.ops._common as common
+for name in json.loads(sys.argv[1]):
+    mod = importlib.import_module(name)
+    mod.launch = Recorder
+    if hasattr(mod, "num_sms"):
+        mod.num_sms = lambda device: 132
+exec(sys.stdin.read())
+print("@@RECORDS@@" + json.dumps(RECORDS))
+"""
+
+
+def _ptxas_available() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    if os.environ.get("TRITON_PTXAS_PATH"):
+        return True
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+def compile_launches(snippet: str, modules: list[str], timeout: int = 600) -> list[dict]:
+    if not _ptxas_available():
+        pytest.skip("triton's NVIDIA backend (ptxas) is not available")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps(modules)],
+        input="import torch\n" + textwrap.dedent(snippet),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    out = [line for line in proc.stdout.splitlines() if line.startswith("@@RECORDS@@")]
+    if proc.returncode != 0 or not out:
+        tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        raise AssertionError(f"compile driver failed (rc {proc.returncode}):\n{tail}")
+    return json.loads(out[-1][len("@@RECORDS@@") :])
+
+
+def assert_all_compiled(records: list[dict], at_least: int) -> None:
+    errors = [f"{r['kernel']} {r['constants']}: {r['error']}" for r in records if r["error"]]
+    assert not errors, "kernels that do not compile for sm_90:\n" + "\n".join(errors)
+    assert len(records) >= at_least, f"expected at least {at_least} launches, recorded {len(records)}"
+    big = [r for r in records if r["shared"] > 227 * 1024]
+    assert not big, f"kernels over the 227 KB shared-memory limit of one block: {big}"
