@@ -48,6 +48,15 @@ if [[ " $PHASES " == *" comm "* ]] && [ "$NGPU" -ge 2 ]; then
   timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf tests/comm > "$RES/tests_comm.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$RES/tests_comm.log" | tail -n 25
 fi
+if [[ " $PHASES " == *" bench "* ]]; then
+  for b in ${BENCHES:-routing gather_scatter shuffling activation grouped_gemm layer collective}; do
+    t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$b"; break; }
+    echo "== bench_$b (limit $((t-10))s)"
+    extra_var="BENCH_ARGS_$b"
+    timeout $((t-10)) python3 benchmarks/bench_$b.py ${QUICK:+--quick} ${!extra_var:-} > "$RES/bench_$b.log" 2>&1
+    echo "rc=$?"; tail -n ${BENCH_TAIL:-30} "$RES/bench_$b.log"
+  done
+fi
 if [[ " $PHASES " == *" lanes "* ]]; then
   # Benchmarks in parallel lanes, one GPU each: LANES="0:routing,activation 1:grouped_gemm".
   pids=()
@@ -67,15 +76,6 @@ if [[ " $PHASES " == *" lanes "* ]]; then
   wait "${pids[@]}"
   cat "$RES"/lane*.txt
   for f in "$RES"/bench_*.log; do echo "-- $f"; grep -E "^\|" "$f" | head -n ${BENCH_TAIL:-40}; done
-fi
-if [[ " $PHASES " == *" bench "* ]]; then
-  for b in ${BENCHES:-routing gather_scatter shuffling activation grouped_gemm layer collective}; do
-    t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$b"; break; }
-    echo "== bench_$b (limit $((t-10))s)"
-    extra_var="BENCH_ARGS_$b"
-    timeout $((t-10)) python3 benchmarks/bench_$b.py ${QUICK:+--quick} ${!extra_var:-} > "$RES/bench_$b.log" 2>&1
-    echo "rc=$?"; tail -n ${BENCH_TAIL:-30} "$RES/bench_$b.log"
-  done
 fi
 tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null
 tar -czf "$OUT/triton.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
