@@ -26,8 +26,13 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# MSLK's autotuning results are kept on disk: a second run in the same machine session skips it.
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+# MSLK's shuffling kernel trips a Triton deprecation warning on every compilation.
+warnings.filterwarnings("ignore", message="Logical operators 'and' and 'or' are deprecated")
 
 import torch  # noqa: E402
 
@@ -160,8 +165,11 @@ def bench_case(layout: str, EP: int, T: int, mslk: dict, rows: list) -> None:
     ro, rc = reference.combine_shuffling(s0["tokens"], s0["counts"], s0["start"], s0["end"], s0["padded"])
     if not (torch.equal(c, rc.to(c.device)) and torch.equal(o[:moved], ro[:moved])):
         print("  WARNING: moekit combine_shuffling disagrees with moekit.reference")
-    back = split_shuffling(o, s0["counts"], s0["start"], s0["end"], s0["padded"], True)
-    if not torch.equal(back, reference.split_shuffling(ro, s0["counts"], s0["start"], s0["end"], s0["padded"])):
+    # Split as timed (no zero fill): compare the rank-major rows the local experts cover.
+    back = split_shuffling(o, s0["counts"], s0["start"], s0["end"], s0["padded"], False)
+    src, valid, _ = shuffle_row_map(s0["counts"], o.shape[0], s0["start"], s0["end"], s0["padded"])
+    covered = src[valid]
+    if not torch.equal(back[covered], s0["tokens"][covered]):
         print("  WARNING: moekit split_shuffling disagrees with moekit.reference")
 
     def mk_c(fn):
@@ -180,7 +188,7 @@ def bench_case(layout: str, EP: int, T: int, mslk: dict, rows: list) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a few shapes (about a minute with compilation)")
+    ap.add_argument("--quick", action="store_true", help="EP in {2, 8}, T in {4096, 16384}")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_shuffling: needs a CUDA GPU; nothing to do on this machine.")
@@ -188,7 +196,7 @@ def main() -> int:
     t0 = time.time()
     mslk = _mslk_ops()
     print(f"MSLK peers: {sorted(mslk) or 'none (mslk not importable)'}")
-    EPs = [8] if args.quick else [2, 8]
+    EPs = [2, 8]
     Ts = [4096, 16384] if args.quick else [1024, 4096, 16384]
     rows: list[dict] = []
     for layout in ("dense", "padded"):

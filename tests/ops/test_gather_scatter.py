@@ -165,6 +165,45 @@ def test_scatter_add_interpreter(T, E, K, D):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("T,K,D,mode", [(9, 3, 16, None), (33, 4, 8, "short"), (17, 1, 8, None)])
+def test_scatter_add_deterministic_interpreter_paths_agree(monkeypatch, T, K, D, mode):
+    """Few rows take the one-launch scan; the sort + segment-sum path (forced here) adds the same
+    rows in the same order: identical bits. Indices repeat (up to K times per token, plus a
+    token hit by many rows), some are -1 or out of range."""
+    tri = _tri()
+    g = torch.Generator().manual_seed(T)
+    tidx = torch.randint(-1, T + 2, (T * K,), generator=g, dtype=torch.int64)
+    tidx[::5] = 2  # a token with many rows: several two-row steps
+    rows = randn(T * K, D, dtype=torch.bfloat16, seed=T)
+    out0 = randn(T, D, dtype=torch.bfloat16, seed=T + 1)
+    v = vtc(_valid_rows(T, K, mode))
+    want = out0.clone()
+    ref.scatter_add_dense_tokens(want, rows, tidx, v)
+    scan = out0.clone()
+    tri.scatter_add_dense_tokens_deterministic(scan, rows, tidx, v)
+    monkeypatch.setattr(tri, "_SCAN_MAX_ROWS", 0)
+    sort = out0.clone()
+    tri.scatter_add_dense_tokens_deterministic(sort, rows, tidx, v)
+    assert torch.equal(scan, sort), "scan and sort paths differ"
+    assert_close(scan, want)
+
+
+@pytest.mark.interpreter
+def test_gather_scale_quant_interpreter_negative_scores():
+    """The row amax is taken as max|x| * |score|: exact for negative scores too."""
+    tri = _tri()
+    T, E, K, D = 6, 4, 2, 40  # D = 32 + an 8-wide tail
+    s, _, eidx, tidx = routing(T, E, K, seed=8)
+    s = -s
+    x = randn(T, D, dtype=torch.bfloat16, seed=8)
+    q, sc = tri.gather_scale_quant_dense_tokens(x, tidx, eidx, s)
+    rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s)
+    w = gather_written(tidx, eidx, None)
+    check_fp8(q, sc, rq, rs, w)
+    assert torch.equal(sc[w], rs[w]), "dequant scales are not bitwise those of the reference"
+
+
+@pytest.mark.interpreter
 def test_scatter_add_interpreter_untouched_rows():
     """Tokens that receive no row keep their exact bits; int64 indices; a row-strided out."""
     tri = _tri()
@@ -205,6 +244,30 @@ def test_scatter_add_padded_interpreter(EP, E, T, K, D):
 # ----------------------------------------------------------------------------------------------
 # reference tier: the public ops on CPU tensors
 # ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.reference
+def test_kernels_compile_for_sm90():
+    """The CUDA launchers changed for the H200 (FP8 gather: one pass with a 1024 tail, masked tail,
+    two passes; deterministic scatter: scan path, sort path with 2 and 4 rows per step), compiled
+    on the CPU for sm_90."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import gather_scatter as G
+        bf, m, i32 = torch.bfloat16, "meta", torch.int32
+        def e(*shape, dtype=bf):
+            return torch.empty(*shape, dtype=dtype, device=m)
+        for D in (5120, 7168, 16384):
+            G.gather_scale_quant_dense_tokens(e(4096, D), e(4096, dtype=i32), e(4096, dtype=i32), e(4096, 128),
+                                              e(1, dtype=torch.float32), e(1, dtype=i32))
+        for A, T in ((512, 128), (4096, 4096), (16384, 4096)):
+            G.scatter_add_dense_tokens_deterministic(e(T, 5120), e(A, 5120), e(A, dtype=i32), e(1, dtype=i32))
+        """,
+        ["moekit.ops._triton.gather_scatter"],
+    )
+    assert_all_compiled(records, 8)
 
 
 @pytest.mark.reference
@@ -405,6 +468,26 @@ def test_scatter_add_gpu(T, E, K, D, dtype, cuda):
         for _ in range(3):
             again = ops.scatter_add_dense_tokens_deterministic(out0.clone(), rows, tidx, v)
             assert torch.equal(again, det), "deterministic scatter-add is not bitwise reproducible"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,K", [(128, 4), (256, 4)])
+def test_scatter_add_deterministic_gpu_paths_agree(monkeypatch, T, K, cuda):
+    """The one-launch scan (few rows) and the sort + segment-sum path give the same bits."""
+    tri = _tri()
+    _, _, _, tidx = routing(T, 16, K, start=1, end=16, seed=T, device=cuda)
+    rows = randn(T * K, 5120, dtype=torch.bfloat16, device=cuda, seed=6)
+    out0 = randn(T, 5120, dtype=torch.bfloat16, device=cuda, seed=7)
+    v = vtc(T * K - 9, cuda)
+    scan = out0.clone()
+    tri.scatter_add_dense_tokens_deterministic(scan, rows, tidx, v)
+    monkeypatch.setattr(tri, "_SCAN_MAX_ROWS", 0)
+    sort = out0.clone()
+    tri.scatter_add_dense_tokens_deterministic(sort, rows, tidx, v)
+    assert torch.equal(scan, sort)
+    want = out0.clone()
+    ref.scatter_add_dense_tokens(want, rows, tidx, v)
+    assert_close(scan, want)
 
 
 @pytest.mark.gpu

@@ -134,6 +134,10 @@ INTERP_CASES = [
     (2, 6, (3, 3), 3, 1, 8, False, torch.bfloat16),  # no local expert
     (4, 6, (0, 6), 0, 1, 8, True, torch.bfloat16),  # T = 0
     (2, 16, (0, 16), 1, 1, 2880, False, torch.bfloat16),
+    # More row units than programs (the interpreter has 4 "SMs"): programs loop over units.
+    (4, 8, (0, 8), 40, 2, 8, False, torch.bfloat16),
+    # Padded buffer larger than the moved rows: programs without a unit, plus the loop.
+    (4, 16, (4, 12), 40, 2, 16, True, torch.float32),
 ]
 
 
@@ -155,6 +159,42 @@ def test_shuffling_interpreter_int64_strided_counts():
     check_combine_split(wide[:, :D], counts64, 2, 6, False, launcher_combine, launcher_split)
 
 
+@pytest.mark.interpreter
+def test_shuffling_interpreter_split_writes_only_moved_rows():
+    """Split walks the expert-major rows that move: rows past the total in its input are never
+    read (NaN there must not leak), rank-major rows of other experts stay poisoned."""
+    EP, E, D = 4, 16, 8
+    tokens, counts = make_case(EP, E, 6, 2, D, True, seed=11)
+    start, end = 4, 8
+    _, rco = ref.combine_shuffling(tokens, counts, start, end, True)
+    total = int(rco[-1])
+    assert 0 < total < tokens.shape[0]
+    x = tokens.clone()
+    x[total:] = float("nan")
+    out = poison(torch.empty_like(x))
+    _tri().split_shuffling(x, counts, start, end, True, False, out=out)
+    w = written_rank_major(counts, x.shape[0], start, end, True)
+    assert_poisoned(out, w)
+    assert torch.equal(out[w], ref.split_shuffling(x, counts, start, end, True)[w])
+    assert not torch.isnan(out[w]).any()
+
+
+@pytest.mark.reference
+def test_config_shape_buckets():
+    """Whole rows per unit: D = 5120 is one 4096-wide chunk plus a 1024-wide tail (no masked
+    lanes); the grid is one program per unit, capped per SM; 8 warps for 2 rows of 10 KB."""
+    tri = _tri()
+    cpu = torch.device("cpu")
+    n = tri.num_sms(cpu)
+    assert tri._config(4096, 5120, 2, 128, cpu)[:3] == (2, 4096, 1024)
+    assert tri._config(4096, 5120, 2, 128, cpu)[3] == min(2048, tri._MAX_PROGRAMS_PER_SM * n)
+    assert tri._config(4096, 5120, 2, 128, cpu)[4] == 8
+    assert tri._config(4096, 4096, 2, 128, cpu)[1:3] == (4096, 0)
+    assert tri._config(64, 5120, 4, 16, cpu)[1:3] == (2048, 1024)  # fp32: 8 KB chunks, two of them
+    assert tri._config(64, 24, 1, 16, cpu)[1:3] == (16, 8)
+    assert tri._config(64, 8, 2, 4096, cpu)[0] == 1  # many segments: one row per unit
+
+
 # ----------------------------------------------------------------------------------------------
 # reference tier
 # ----------------------------------------------------------------------------------------------
@@ -168,6 +208,32 @@ def test_public_ops_cpu(padded):
     tokens8 = tokens.to(FP8)
     out, c = ops.combine_shuffling(tokens8, counts, 4, 12, padded)
     assert out.dtype == FP8 and c.dtype == torch.int32
+
+
+@pytest.mark.reference
+def test_kernels_compile_for_sm90():
+    """The CUDA launcher at the benchmark's shapes (dense and padded, combine, split, split with
+    zero fill, bf16 / fp8 / fp32 rows), compiled on the CPU for sm_90."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import shuffling as S
+        # Rows move as integer views; the shared driver's type table (TY) lacks these two.
+        TY.setdefault(torch.int16, "i16")
+        TY.setdefault(torch.int8, "i8")
+        m, i32 = "meta", torch.int32
+        x = torch.empty(32768, 5120, dtype=torch.bfloat16, device=m)
+        c16, c128 = torch.empty(8, 16, dtype=i32, device=m), torch.empty(8, 128, dtype=i32, device=m)
+        S.combine_shuffling(x[:4096], c16, 0, 16, False)
+        S.split_shuffling(x[:4096], c16, 0, 16, False, False)
+        S.split_shuffling(x, c128, 16, 32, True, True)
+        S.combine_shuffling(torch.empty(4096, 5120, dtype=torch.float8_e4m3fn, device=m), c16, 0, 16, False)
+        S.split_shuffling(torch.empty(1024, 2880, dtype=torch.float32, device=m), c128, 0, 128, False, True)
+        """,
+        ["moekit.ops._triton.shuffling"],
+    )
+    assert_all_compiled(records, 5)
 
 
 def _op_cases():
@@ -247,6 +313,8 @@ GPU_CASES = [
     (8, 128, (0, 128), 7, 2, 24, False),
     (8, 257, (0, 257), 1, 4, 8, False),
     (4, 16, (0, 16), 0, 1, 5120, True),
+    # The benchmark's padded layout: a buffer 8x larger than the rows that move.
+    (8, 128, (16, 32), 512, 1, 5120, True),
 ]
 
 

@@ -11,6 +11,12 @@ the mask stays constant over 8 lanes.
 Rows are skipped (left untouched) when they are at or past ``valid_token_count[0]`` or when an
 index is negative or out of range (the ``-1`` tail of ``index_shuffling``), so nothing is read or
 written out of bounds whatever the index values.
+
+The FP8 gather holds a whole row in registers as two power-of-two chunks (D = 5120 is 4096 +
+1024, no masked lanes) with 2 warps per row, so about ten rows are in flight per SM. The
+deterministic scatter-add is one launch up to ``_SCAN_MAX_ROWS`` rows (every program scans the
+indices); above, a stable sort builds the token -> rows map first. Both add a token's rows in
+ascending row order and give the same bits.
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ def _row_count(valid_ptr, n, HAS_VALID: tl.constexpr):
     if HAS_VALID:
         n = tl.minimum(tl.load(valid_ptr).to(tl.int64), n)
     return n
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
 
 
 def _warps(elems: int) -> int:
@@ -188,7 +198,12 @@ def _gather_scale_quant_kernel(
     ONE_PASS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    W_TAIL: tl.constexpr,
 ):
+    """One pass (``ONE_PASS``): a row is ``[BLOCK_D]`` columns plus ``W_TAIL`` tail columns
+    (``BLOCK_D + W_TAIL >= D``; D = 5120 is 4096 + 1024), all loaded at once and held in
+    registers. Otherwise two passes over ``BLOCK_D`` column blocks (amax, then quantize; the
+    second read mostly hits the L2)."""
     pid = tl.program_id(0)
     n_rows = _row_count(valid_ptr, A, HAS_VALID)
     rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -203,10 +218,19 @@ def _gather_scale_quant_kernel(
     cols = tl.arange(0, BLOCK_D)
 
     if ONE_PASS:
-        # The whole row lives in registers: x is read once.
+        # Both loads are issued before either reduction: a whole row is in flight at once.
         m = ok[:, None] & (cols < d_lim)[None, :]
-        y = tl.load(x_row + cols[None, :], mask=m, other=0.0).to(tl.float32) * s[:, None]
-        amax = tl.max(tl.abs(y), axis=1)
+        v = tl.load(x_row + cols[None, :], mask=m, other=0.0)
+        if W_TAIL > 0:
+            tcols = BLOCK_D + tl.arange(0, W_TAIL)
+            tm = ok[:, None] & (tcols < d_lim)[None, :]
+            tv = tl.load(x_row + tcols[None, :], mask=tm, other=0.0)
+        # max_i |x_i * s| == max_i |x_i| * |s| bit for bit (float32 rounding is monotone and
+        # sign-symmetric), so the row stays in registers in its own dtype until it is quantized.
+        xmax = tl.max(tl.abs(v), axis=1).to(tl.float32)
+        if W_TAIL > 0:
+            xmax = tl.maximum(xmax, tl.max(tl.abs(tv), axis=1).to(tl.float32))
+        amax = xmax * tl.abs(s)
     else:
         acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
         for d0 in tl.range(0, D, BLOCK_D):
@@ -226,8 +250,11 @@ def _gather_scale_quant_kernel(
     tl.store(scale_ptr + rows, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), inv), mask=ok)
 
     if ONE_PASS:
-        q = tl.clamp(y * inv[:, None], -MAX_FP8, MAX_FP8)
+        q = tl.clamp((v.to(tl.float32) * s[:, None]) * inv[:, None], -MAX_FP8, MAX_FP8)
         tl.store(o_row + cols[None, :], to_fp8(q, out_ptr.dtype.element_ty, EMULATE), mask=m)
+        if W_TAIL > 0:
+            tq = tl.clamp((tv.to(tl.float32) * s[:, None]) * inv[:, None], -MAX_FP8, MAX_FP8)
+            tl.store(o_row + tcols[None, :], to_fp8(tq, out_ptr.dtype.element_ty, EMULATE), mask=tm)
     else:
         for d0 in tl.range(0, D, BLOCK_D):
             c = d0 + cols
@@ -239,16 +266,31 @@ def _gather_scale_quant_kernel(
 
 # Rows up to this many elements are quantized from registers in one pass.
 _ONE_PASS_MAX_D = 8192
+# Elements of x one quant program holds at most (several rows when D is small).
+_QUANT_TILE = 8192
 
 
-def _quant_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, bool, int]:
+def _quant_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int, bool, int]:
+    """(BLOCK_R, BLOCK_D, W_TAIL, one_pass, num_warps). One pass: BLOCK_D is the largest power of
+    two <= D and W_TAIL the power of two covering the rest (0 when D is a power of two), so a row
+    of D = 5120 takes 4096 + 1024 lanes, none masked."""
     one_pass = D <= _ONE_PASS_MAX_D
-    block_d = next_pow2(D) if one_pass else 4096
-    block_r = max(1, min(_TILE // block_d, next_pow2(rows)))
+    if one_pass:
+        block_d = _pow2_floor(max(D, 8))
+        rem = D - block_d
+        w_tail = next_pow2(rem) if rem else 0
+    else:
+        block_d, w_tail = 4096, 0
+    width = block_d + w_tail
+    block_r = max(1, min(_QUANT_TILE // width, next_pow2(rows)))
     target = _MIN_PROGRAMS_PER_SM * num_sms(device)
     while block_r > 1 and cdiv(rows, block_r) < target:
         block_r //= 2
-    return block_r, block_d, one_pass, _warps(block_r * block_d)
+    # 2 warps for a row of D = 5120 (80 elements per lane in 16-byte vectors; ~96 registers), so
+    # ~10 rows are in flight per SM; more warps would add a layout conversion through shared
+    # memory for the FP8 store and more instructions per row.
+    warps = _pow2_floor(max(1, min(4, block_r * width // 2048))) if one_pass else _warps(block_r * width)
+    return block_r, block_d, w_tail, one_pass, warps
 
 
 def gather_scale_quant_dense_tokens(
@@ -270,7 +312,7 @@ def gather_scale_quant_dense_tokens(
         out_scale = torch.empty((A,), dtype=torch.float32, device=x.device)
     if A == 0 or T == 0:
         return out, out_scale
-    block_r, block_d, one_pass, warps = _quant_tiles(A, D, x.device)
+    block_r, block_d, w_tail, one_pass, warps = _quant_tiles(A, D, x.device)
     has_valid = valid_token_count is not None
     launch(_gather_scale_quant_kernel)[(cdiv(A, block_r),)](
         out,
@@ -299,6 +341,7 @@ def gather_scale_quant_dense_tokens(
         ONE_PASS=one_pass,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
+        W_TAIL=w_tail,
         num_warps=warps,
     )
     return out, out_scale
@@ -409,6 +452,7 @@ def _segment_sum_kernel(
     stride_out,
     stride_in,
     n_db,
+    STEP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -419,29 +463,107 @@ def _segment_sum_kernel(
     db = pid - tb * n_db
     toks = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tin = toks < T
+    cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = (cols < (D // 8) * 8)[None, :]
     lo = tl.load(bounds_ptr + toks, mask=tin, other=0).to(tl.int64)
     hi = tl.load(bounds_ptr + toks + 1, mask=tin, other=0).to(tl.int64)
     n = hi - lo
-    cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    cm = (cols < (D // 8) * 8)[None, :]
+    # Tokens that receive rows: their output tile is read while the row map is.
+    m = (n > 0)[:, None] & cm
+    o_ptr = out_ptr + (toks * (stride_out // 8) * 8)[:, None] + cols[None, :]
+    o = tl.load(o_ptr, mask=m, other=0.0)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     max_n = tl.max(n, axis=0)
-    # Two rows per step: both loads are in flight together; the additions stay in row order.
-    for k in range(0, max_n, 2):
+    # STEP rows per step (4 when tokens get about 4 rows: a top-4 token in one step): their map
+    # entries, then their data, are all in flight together; the additions stay in row order.
+    for k in range(0, max_n, STEP):
         h0 = k < n
         h1 = k + 1 < n
         r0 = tl.load(perm_ptr + lo + k, mask=h0, other=0).to(tl.int64)
         r1 = tl.load(perm_ptr + lo + k + 1, mask=h1, other=0).to(tl.int64)
-        p0 = in_ptr + (r0 * (stride_in // 8) * 8)[:, None] + cols[None, :]
-        p1 = in_ptr + (r1 * (stride_in // 8) * 8)[:, None] + cols[None, :]
+        if STEP == 4:
+            h2 = k + 2 < n
+            h3 = k + 3 < n
+            r2 = tl.load(perm_ptr + lo + k + 2, mask=h2, other=0).to(tl.int64)
+            r3 = tl.load(perm_ptr + lo + k + 3, mask=h3, other=0).to(tl.int64)
+        v0 = tl.load(in_ptr + (r0 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h0[:, None] & cm,
+                     other=0.0, eviction_policy="evict_first")
+        v1 = tl.load(in_ptr + (r1 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h1[:, None] & cm,
+                     other=0.0, eviction_policy="evict_first")
+        if STEP == 4:
+            v2 = tl.load(in_ptr + (r2 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h2[:, None] & cm,
+                         other=0.0, eviction_policy="evict_first")
+            v3 = tl.load(in_ptr + (r3 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h3[:, None] & cm,
+                         other=0.0, eviction_policy="evict_first")
+        acc += v0.to(tl.float32)
+        acc += v1.to(tl.float32)
+        if STEP == 4:
+            acc += v2.to(tl.float32)
+            acc += v3.to(tl.float32)
+    tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _scan_sum_kernel(
+    out_ptr,
+    in_ptr,
+    tok_ptr,
+    valid_ptr,
+    A,
+    T,
+    D,
+    stride_out,
+    stride_in,
+    stride_tok,
+    n_db,
+    HAS_VALID: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+):
+    """Few rows (``A <= BLOCK_A``): no inverse map. Every program reads all of ``token_indices``
+    (at most a few KB, from the L2), and adds the rows that hit its tokens in ascending row order
+    (two per step): the same float32 additions in the same order as ``_segment_sum_kernel``
+    (masked-off rows add +0.0, an exact no-op), so both paths give the same bits."""
+    pid = tl.program_id(0)
+    tb = pid // n_db
+    db = pid - tb * n_db
+    toks = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tin = toks < T
+    cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = (cols < (D // 8) * 8)[None, :]
+    n_rows = _row_count(valid_ptr, A, HAS_VALID).to(tl.int32)
+    a = tl.arange(0, BLOCK_A)
+    idx = tl.load(tok_ptr + a.to(tl.int64) * stride_tok, mask=a < n_rows, other=-1)
+    # Indices outside [0, T) become -1 (before the narrowing): they never equal a token.
+    idx = tl.where((idx >= 0) & (idx < T), idx, -1).to(tl.int32)
+    hit = (idx[None, :] == toks.to(tl.int32)[:, None]) & tin[:, None]  # [BLOCK_T, BLOCK_A]
+    cnt = tl.sum(hit.to(tl.int32), axis=1)
+    # Tokens that receive rows: their output tile is read while their rows are located.
+    m = (cnt > 0)[:, None] & cm
+    o_ptr = out_ptr + (toks * (stride_out // 8) * 8)[:, None] + cols[None, :]
+    o = tl.load(o_ptr, mask=m, other=0.0)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for _ in range(0, tl.max(cnt, axis=0), 2):
+        r0 = tl.min(tl.where(hit, a[None, :], BLOCK_A), axis=1)
+        hit = hit & (a[None, :] != r0[:, None])
+        r1 = tl.min(tl.where(hit, a[None, :], BLOCK_A), axis=1)
+        hit = hit & (a[None, :] != r1[:, None])
+        h0 = r0 < BLOCK_A
+        h1 = r1 < BLOCK_A
+        p0 = in_ptr + (r0.to(tl.int64) * (stride_in // 8) * 8)[:, None] + cols[None, :]
+        p1 = in_ptr + (r1.to(tl.int64) * (stride_in // 8) * 8)[:, None] + cols[None, :]
         v0 = tl.load(p0, mask=h0[:, None] & cm, other=0.0, eviction_policy="evict_first")
         v1 = tl.load(p1, mask=h1[:, None] & cm, other=0.0, eviction_policy="evict_first")
         acc += v0.to(tl.float32)
         acc += v1.to(tl.float32)
-    m = (n > 0)[:, None] & cm
-    o_ptr = out_ptr + (toks * (stride_out // 8) * 8)[:, None] + cols[None, :]
-    o = tl.load(o_ptr, mask=m, other=0.0).to(tl.float32)
-    tl.store(o_ptr, (o + acc).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=m)
+
+
+# Up to this many rows the deterministic scatter-add is one launch (``_scan_sum_kernel``, which
+# holds all the indices at once); above it, a stable sort builds the inverse map (4 launches
+# plus the sum).
+_SCAN_MAX_ROWS = 1024
 
 
 def scatter_add_dense_tokens_deterministic(
@@ -450,14 +572,36 @@ def scatter_add_dense_tokens_deterministic(
     token_indices: torch.Tensor,
     valid_token_count: Optional[torch.Tensor] = None,
 ) -> None:
-    """Inverse map token -> rows with a stable sort (static shapes, no host sync), then one
-    program per (token block, column block) sums each token's rows in ascending row order."""
+    """Few rows: one launch that scans the indices. Otherwise: inverse map token -> rows with a
+    stable sort (static shapes, no host sync), then one program per (token block, column block)
+    sums each token's rows in ascending row order. Both give the same bits."""
     A, D = in_tokens.shape
     T = out_tokens.shape[0]
     if A == 0 or D == 0 or T == 0:
         return
     device = in_tokens.device
     has_valid = valid_token_count is not None
+    block_t, block_d, n_db, warps = _tiles(T, D, device)
+    if A <= _SCAN_MAX_ROWS:
+        launch(_scan_sum_kernel)[(cdiv(T, block_t) * n_db,)](
+            out_tokens,
+            in_tokens,
+            token_indices,
+            valid_token_count if has_valid else token_indices,
+            A,
+            T,
+            D,
+            out_tokens.stride(0),
+            in_tokens.stride(0),
+            token_indices.stride(0),
+            n_db,
+            HAS_VALID=has_valid,
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+            BLOCK_A=128 if A <= 128 else max(1024, next_pow2(A)),  # two buckets: few compilations
+            num_warps=warps,
+        )
+        return
     keys = torch.empty((A,), dtype=torch.int32, device=device)
     kblock = min(1024, max(16, next_pow2(A)))
     launch(_token_keys_kernel)[(cdiv(A, kblock),)](
@@ -475,7 +619,6 @@ def scatter_add_dense_tokens_deterministic(
     bounds = torch.searchsorted(
         sorted_keys, torch.arange(T + 1, dtype=torch.int32, device=device), out_int32=True
     )
-    block_t, block_d, n_db, warps = _tiles(T, D, device)
     launch(_segment_sum_kernel)[(cdiv(T, block_t) * n_db,)](
         out_tokens,
         in_tokens,
@@ -486,6 +629,7 @@ def scatter_add_dense_tokens_deterministic(
         out_tokens.stride(0),
         in_tokens.stride(0),
         n_db,
+        STEP=4 if A >= 3 * T else 2,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         num_warps=warps,

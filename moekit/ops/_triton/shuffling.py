@@ -1,21 +1,29 @@
 """Triton kernel: expert-parallel shuffling, rank-major <-> expert-major (combine / split).
 
-One launch per op. Every program first turns the small ``[EP, E]`` counts into two tables over the
-``EP x EG`` (rank, local expert) segments: where each segment starts on the rank-major side (dense
-or padded layout) and where it starts on the expert-major side. It then walks the output rows of
-its share (a grid-stride loop over row blocks, one program per SM slot) and, for each row, finds
-its segment with a vectorized compare against the tables and copies the row. Both ops are gathers
-(every output row is written by exactly one program, reads and writes are row-contiguous):
+One launch per op. Every program turns the small ``[EP, E]`` counts into three tables over the
+``EP x EG`` (rank, local expert) segments: their lengths, where each starts on the expert-major
+side and where it starts on the rank-major side (dense or padded layout). Both ops then walk the
+**expert-major** rows ``j < min(total, T)`` (the rows that move, packed from row 0), a unit of
+``BLOCK_R`` rows at a time, find each row's segment with a vectorized compare against the tables
+and copy the row:
 
-- combine: output row ``j`` (expert-major, ``j < total``) reads rank-major row
-  ``rank_major_start[seg] + (j - expert_major_start[seg])``; program 0 also writes ``counts_out``.
-- split: output row ``i`` (rank-major) reads expert-major row
-  ``expert_major_start[seg] + (i - rank_major_start[seg])``; rows no local segment covers are left
-  untouched, or zero-filled with ``init_with_zeros``.
+- combine: ``out[j] = in[rank_major_row(j)]`` (a gather; program 0 also writes ``counts_out``);
+- split:   ``out[rank_major_row(j)] = in[j]`` (a scatter of whole rows; every destination row is
+  written by exactly one source row).
 
-Rows are moved as raw bits (the launcher passes integer views), so any 1/2/4-byte dtype works,
-FP8 included. Rows whose computed source falls outside ``[0, T)`` (inconsistent counts) are
-skipped rather than read out of bounds.
+Walking the moved rows (not the rank-major buffer) keeps the work proportional to the rows that
+move: in the padded layout the buffer is ``EP`` times larger than what the local experts own.
+With ``init_with_zeros``, split then zero-fills the rank-major rows no segment covers (a second,
+store-only walk). Rows move as raw bits (integer views), so any 1/2/4-byte dtype works, FP8
+included. A row whose computed partner falls outside ``[0, T)`` (inconsistent counts) is skipped
+rather than read or written out of bounds.
+
+Each unit moves its rows whole: a ``[BLOCK_R, W_MAIN]`` chunk per loop step (8 KB of a row) plus,
+issued before the loop, a ``[BLOCK_R, W_TAIL]`` chunk for the ``D % W_MAIN`` tail columns, so for
+D = 5120 bf16 (4096 + 1024) all of a unit's bytes are in flight at once with no masked lanes. The
+grid has one program per unit up to ``_MAX_PROGRAMS_PER_SM`` per SM (the hardware schedules the
+waves; a grid-stride loop covers larger buffers); programs left without a unit (the padded
+layout's buffer is larger than what moves) stop after reading the counts of the local experts.
 """
 
 from __future__ import annotations
@@ -29,13 +37,24 @@ import triton.language as tl
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-# Bytes a program moves per tile, and the budget for its [BLOCK_R, segments] lookup tile.
-# The grid is persistent: _PROGRAMS_PER_SM programs of 8 warps per SM, few enough to be
-# co-resident (<= 128 registers per thread), so no program waits for a second wave; each keeps
-# one 32 KB tile in flight.
-_TILE_BYTES = 32768
-_LOOKUP_ELEMS = 8192
-_PROGRAMS_PER_SM = 2
+# Bytes of a row one main chunk covers, and rows per unit.
+_CHUNK_BYTES = 8192
+_ROWS_PER_UNIT = 2
+# Budget for the [BLOCK_R, segments] lookup tile held in registers.
+_LOOKUP_ELEMS = 4096
+# Grid cap (programs per SM); past it, programs loop over units.
+_MAX_PROGRAMS_PER_SM = 16
+
+
+@triton.jit
+def _partner_rows(rows, look, look_end, delta):
+    """For each row, ``row + delta[s]`` of the segment ``s`` with ``look[s] <= row < look_end[s]``,
+    or -1 when no segment covers it. ``rows`` is ``[BLOCK_R]``; the tables are ``[1, EP, EG]``
+    (3-D rather than flattened: reshapes of scanned tensors trip a layout bug in the Triton 3.6
+    scan lowering on some small shapes)."""
+    r3 = rows[:, None, None]
+    hit = (r3 >= look) & (r3 < look_end)
+    return tl.max(tl.max(tl.where(hit, r3 + delta, -1), axis=2), axis=1)
 
 
 # The count strides are never specialized: a unit stride would let the compiler vectorize the
@@ -65,98 +84,121 @@ def _shuffle_kernel(
     BLOCK_EG: tl.constexpr,
     BLOCK_EC: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    W_MAIN: tl.constexpr,
+    W_TAIL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     r = tl.arange(0, BLOCK_EP)
     rm = r < EP
-
-    # Per rank: rows for experts before `start` (offset of the local block inside the rank's
-    # block) and rows over all experts (size of the rank's block in the dense layout).
-    pre = tl.zeros((BLOCK_EP,), dtype=tl.int32)
-    tot = tl.zeros((BLOCK_EP,), dtype=tl.int32)
-    for e0 in range(0, E, BLOCK_EC):
-        e = e0 + tl.arange(0, BLOCK_EC)
-        c = tl.load(
-            counts_ptr + r[:, None] * stride_cr + e[None, :] * stride_ce,
-            mask=rm[:, None] & (e < E)[None, :],
-            other=0,
-        ).to(tl.int32)
-        tot += tl.sum(c, axis=1)
-        pre += tl.sum(tl.where((e < start)[None, :], c, 0), axis=1)
-
     g = tl.arange(0, BLOCK_EG)
     gm = g < EG
     C = tl.load(
         counts_ptr + r[:, None] * stride_cr + (start + g)[None, :] * stride_ce,
         mask=rm[:, None] & gm[None, :],
         other=0,
-    ).to(tl.int32)  # [BLOCK_EP, BLOCK_EG]
-    rank_major = pre[:, None] + tl.cumsum(C, axis=1) - C
-    if PADDED:
-        rank_major += (r * rows_per_rank)[:, None]
-    else:
-        rank_major += (tl.cumsum(tot, axis=0) - tot)[:, None]
+    ).to(tl.int32)  # [BLOCK_EP, BLOCK_EG] rows per (rank, local expert)
     per_expert = tl.sum(C, axis=0)  # [BLOCK_EG]
-    expert_major = (tl.cumsum(per_expert, axis=0) - per_expert)[None, :] + tl.cumsum(C, axis=0) - C
     total = tl.sum(per_expert, axis=0)
     if COMBINE:
         first = pid == 0
         tl.store(counts_out_ptr + g, per_expert, mask=gm & first)
         tl.store(counts_out_ptr + EG, total, mask=first)
 
-    # Lookup tables over the (rank, local expert) segments, broadcast against a block of rows as
-    # [BLOCK_R, BLOCK_EP, BLOCK_EG] (3-D rather than flattened: reshapes of scanned tensors trip
-    # a layout bug in the Triton 3.6 scan lowering on some small shapes).
-    if COMBINE:
-        look = expert_major
-        delta = rank_major - expert_major
-        n_rows = tl.minimum(total, T)
+    n_rows = tl.minimum(total, T)  # expert-major rows that move
+    n_units = tl.cdiv(n_rows, BLOCK_R)
+    if ZERO_FILL:
+        n_work = tl.maximum(n_units, tl.cdiv(T, BLOCK_R))
     else:
-        look = rank_major
-        delta = expert_major - rank_major
-        n_rows = T
-    look_end = (look + C)[None, :, :]
-    look = look[None, :, :]
-    delta = delta[None, :, :]
-    d_lim = (D // 8) * 8
-
-    for rb in range(pid, tl.cdiv(n_rows, BLOCK_R), nprog):
-        rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-        r3 = rows[:, None, None]
-        hit = (r3 >= look) & (r3 < look_end)
-        src = tl.sum(tl.sum(tl.where(hit, r3 + delta, 0), axis=2), axis=1)
-        n_hit = tl.sum(tl.sum(hit.to(tl.int32), axis=2), axis=1)
-        found = (n_hit > 0) & (rows < T) & (src >= 0) & (src < T)
-        if ZERO_FILL:
-            wmask = rows < T
+        n_work = n_units
+    if pid < n_work:
+        # Per rank: rows for experts before `start` (offset of the local block inside the rank's
+        # block) and rows over all experts (size of the rank's block in the dense layout).
+        pre = tl.zeros((BLOCK_EP,), dtype=tl.int32)
+        tot = tl.zeros((BLOCK_EP,), dtype=tl.int32)
+        for e0 in range(0, E, BLOCK_EC):
+            e = e0 + tl.arange(0, BLOCK_EC)
+            c = tl.load(
+                counts_ptr + r[:, None] * stride_cr + e[None, :] * stride_ce,
+                mask=rm[:, None] & (e < E)[None, :],
+                other=0,
+            ).to(tl.int32)
+            tot += tl.sum(c, axis=1)
+            pre += tl.sum(tl.where((e < start)[None, :], c, 0), axis=1)
+        rank_major = pre[:, None] + tl.cumsum(C, axis=1) - C
+        if PADDED:
+            rank_major += (r * rows_per_rank)[:, None]
         else:
-            wmask = found
-        s_off = src.to(tl.int64) * (stride_in // 8) * 8
-        d_off = rows.to(tl.int64) * (stride_out // 8) * 8
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            cm = (cols < d_lim)[None, :]
-            v = tl.load(in_ptr + s_off[:, None] + cols[None, :], mask=found[:, None] & cm, other=0,
-                        eviction_policy="evict_first")
-            tl.store(out_ptr + d_off[:, None] + cols[None, :], v, mask=wmask[:, None] & cm)
+            rank_major += (tl.cumsum(tot, axis=0) - tot)[:, None]
+        expert_major = (tl.cumsum(per_expert, axis=0) - per_expert)[None, :] + tl.cumsum(C, axis=0) - C
+
+        em = expert_major[None, :, :]
+        em_end = (expert_major + C)[None, :, :]
+        e2r = (rank_major - expert_major)[None, :, :]
+        d_lim = (D // 8) * 8
+        d_main = (D // W_MAIN) * W_MAIN
+        for u in range(pid, n_units, nprog):
+            rows = u * BLOCK_R + tl.arange(0, BLOCK_R)  # expert-major rows
+            other = _partner_rows(rows, em, em_end, e2r)  # their rank-major rows
+            ok = (rows < n_rows) & (other >= 0) & (other < T)
+            if COMBINE:
+                src = other
+                dst = rows
+            else:
+                src = rows
+                dst = other
+            s_row = in_ptr + (src.to(tl.int64) * (stride_in // 8) * 8)[:, None]
+            d_row = out_ptr + (dst.to(tl.int64) * (stride_out // 8) * 8)[:, None]
+            if W_TAIL > 0:
+                tc = d_main + tl.arange(0, W_TAIL)
+                tmask = ok[:, None] & (tc < d_lim)[None, :]
+                tv = tl.load(s_row + tc[None, :], mask=tmask, other=0, eviction_policy="evict_first")
+            for d0 in range(0, d_main, W_MAIN):
+                cols = d0 + tl.arange(0, W_MAIN)
+                m = ok[:, None] & (cols < d_lim)[None, :]
+                v = tl.load(s_row + cols[None, :], mask=m, other=0, eviction_policy="evict_first")
+                tl.store(d_row + cols[None, :], v, mask=m)
+            if W_TAIL > 0:
+                tl.store(d_row + tc[None, :], tv, mask=tmask)
+
+        if ZERO_FILL:
+            # Rank-major rows that no moved row lands on.
+            rmj = rank_major[None, :, :]
+            rmj_end = (rank_major + C)[None, :, :]
+            r2e = (expert_major - rank_major)[None, :, :]
+            for u in range(pid, tl.cdiv(T, BLOCK_R), nprog):
+                rows = u * BLOCK_R + tl.arange(0, BLOCK_R)
+                j = _partner_rows(rows, rmj, rmj_end, r2e)
+                empty = (rows < T) & ((j < 0) | (j >= n_rows))
+                d_row = out_ptr + (rows.to(tl.int64) * (stride_out // 8) * 8)[:, None]
+                zdt = out_ptr.dtype.element_ty
+                if W_TAIL > 0:
+                    tc = d_main + tl.arange(0, W_TAIL)
+                    tmask = empty[:, None] & (tc < d_lim)[None, :]
+                    tl.store(d_row + tc[None, :], tl.zeros((BLOCK_R, W_TAIL), dtype=zdt), mask=tmask)
+                for d0 in range(0, d_main, W_MAIN):
+                    cols = d0 + tl.arange(0, W_MAIN)
+                    m = empty[:, None] & (cols < d_lim)[None, :]
+                    tl.store(d_row + cols[None, :], tl.zeros((BLOCK_R, W_MAIN), dtype=zdt), mask=m)
 
 
-def _config(T: int, D: int, elem_size: int, segments: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_R, BLOCK_D, programs, num_warps) from shape buckets."""
-    tile = max(8, _TILE_BYTES // elem_size)
-    block_d = min(max(next_pow2(D), 8), 1024)
-    block_r = max(1, min(tile // block_d, max(1, _LOOKUP_ELEMS // segments), next_pow2(max(T, 1))))
-    # Every program slot gets at least one row block.
-    while block_r > 1 and cdiv(T, block_r) < _PROGRAMS_PER_SM * num_sms(device):
-        block_r //= 2
-    # Few rows per block (small T or many segments): widen the column block instead.
-    block_d = min(max(next_pow2(D), 8), max(block_d, tile // block_r))
-    programs = max(1, min(cdiv(T, block_r), _PROGRAMS_PER_SM * num_sms(device)))
-    # Warps for the data tile (16 B per lane) and for the lookup tables held in registers.
-    warps = max(1, min(8, max(block_r * block_d * elem_size // 2048, block_r * segments // 1024, segments // 128)))
-    return block_r, block_d, programs, warps
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def _config(T: int, D: int, elem_size: int, segments: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_R, W_MAIN, W_TAIL, programs, num_warps) from shape buckets."""
+    w_main = min(_pow2_floor(max(D, 8)), max(8, _CHUNK_BYTES // elem_size))
+    rem = D % w_main
+    w_tail = next_pow2(rem) if rem else 0
+    block_r = max(1, min(_ROWS_PER_UNIT, _LOOKUP_ELEMS // segments))
+    units = cdiv(max(T, 1), block_r)
+    programs = max(1, min(units, _MAX_PROGRAMS_PER_SM * num_sms(device)))
+    tile_bytes = block_r * (w_main + w_tail) * elem_size
+    # Warps for the data tile (16 B vectors, several per lane) and for the lookup tables.
+    warps = max(1, min(8, max(tile_bytes // 2048, block_r * segments // 512, segments // 128)))
+    warps = next_pow2(warps)
+    return block_r, w_main, w_tail, programs, warps
 
 
 def _run(
@@ -185,7 +227,7 @@ def _run(
     else:
         src, dst = tokens.view(int_dtype), out.view(int_dtype)
     block_ep, block_eg = next_pow2(EP), next_pow2(max(EG, 1))
-    block_r, block_d, programs, warps = _config(T, D, tokens.element_size(), block_ep * block_eg, device)
+    block_r, w_main, w_tail, programs, warps = _config(T, D, tokens.element_size(), block_ep * block_eg, device)
     launch(_shuffle_kernel)[(programs,)](
         dst,
         src,
@@ -209,7 +251,8 @@ def _run(
         BLOCK_EG=block_eg,
         BLOCK_EC=min(next_pow2(max(E, 1)), max(16, 4096 // block_ep)),
         BLOCK_R=block_r,
-        BLOCK_D=block_d,
+        W_MAIN=w_main,
+        W_TAIL=w_tail,
         num_warps=warps,
     )
     return out, counts_out
