@@ -29,8 +29,8 @@ from moekit import reference  # noqa: E402
 from moekit.ops._triton import activation as tri_act  # noqa: E402
 from moekit.ops._triton import quantize as tri_q  # noqa: E402
 from moekit.benchmarking import (  # noqa: E402
+    time_call as _time,
     COPY_TBPS,
-    bench_us,
     environment,
     floor_us,
     markdown_table,
@@ -40,7 +40,6 @@ from moekit.benchmarking import (  # noqa: E402
 )
 
 FP8 = torch.float8_e4m3fn
-REFUSALS = (AssertionError, ValueError, NotImplementedError, TypeError)
 
 
 def _mslk_ops() -> dict:
@@ -60,29 +59,6 @@ def _mslk_ops() -> dict:
     except Exception as e:  # noqa: BLE001
         print(f"MSLK triton_quantize_fp8_row unavailable: {type(e).__name__}: {e}")
     return ops
-
-
-def _time(make_call, sets) -> float | str:
-    """µs per call, or "refused"/"error". The first call (compilation, shape checks) runs outside
-    the graph."""
-    fns = [make_call(s) for s in sets]
-    try:
-        fns[0]()
-        torch.cuda.synchronize()
-    except REFUSALS:
-        return "refused"
-    except Exception as e:  # noqa: BLE001
-        print(f"  error: {type(e).__name__}: {str(e)[:200]}")
-        return "error"
-    try:
-        return bench_us(fns)
-    except Exception as e:  # noqa: BLE001
-        print(f"  error while timing: {type(e).__name__}: {str(e)[:200]}")
-        try:
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001
-            pass
-        return "error"
 
 
 # --------------------------------------------------------------------------- plain PyTorch peers

@@ -30,8 +30,9 @@ import torch  # noqa: E402
 
 from moekit import reference  # noqa: E402
 from moekit.benchmarking import (  # noqa: E402
+    number as _num,
+    time_call as _time,
     COPY_TBPS,
-    bench_us,
     environment,
     floor_us,
     markdown_table,
@@ -41,7 +42,6 @@ from moekit.benchmarking import (  # noqa: E402
 )
 
 FP8 = torch.float8_e4m3fn
-REFUSALS = (AssertionError, ValueError, NotImplementedError, TypeError)
 D = 5120
 
 
@@ -58,34 +58,6 @@ def _mslk_ops() -> dict:
     except Exception as e:  # noqa: BLE001
         print(f"MSLK gather_scatter unavailable: {type(e).__name__}: {e}")
     return ops
-
-
-def _time(make_call, sets) -> float | str:
-    """µs per call, or "refused"/"error". The first call (compilation, autotuning, shape checks)
-    runs outside the graph."""
-    fns = [make_call(s) for s in sets]
-    try:
-        fns[0]()
-        torch.cuda.synchronize()
-    except REFUSALS as e:
-        print(f"  refused: {type(e).__name__}: {str(e)[:120]}")
-        return "refused"
-    except Exception as e:  # noqa: BLE001
-        print(f"  error: {type(e).__name__}: {str(e)[:200]}")
-        return "error"
-    try:
-        return bench_us(fns)
-    except Exception as e:  # noqa: BLE001
-        print(f"  error while timing: {type(e).__name__}: {str(e)[:200]}")
-        try:
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001
-            pass
-        return "error"
-
-
-def _num(v):
-    return v if isinstance(v, float) else None
 
 
 def _row(op, T, E, K, nbytes, ours, mslk, torch_us) -> dict:

@@ -31,8 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from moekit.benchmarking import (  # noqa: E402
+    number as _num,
+    time_call as _time,
     COPY_TBPS,
-    bench_us,
     environment,
     floor_us,
     markdown_table,
@@ -41,7 +42,6 @@ from moekit.benchmarking import (  # noqa: E402
     try_import_mslk,
 )
 
-REFUSALS = (AssertionError, ValueError, NotImplementedError, TypeError)
 MSLK_E = (16, 32, 128, 320)
 MSLK_K = (1, 2, 4)
 CELLS = [(16, 1), (16, 2), (16, 4), (128, 1), (128, 2), (128, 4), (256, 8), (384, 8)]
@@ -53,29 +53,6 @@ PATHS = [
     ("multi 2-launch gather-rank", {"force": "multi", "pairwise": False}),
     ("auto, one key tile", {"chunks": 1}),  # E=384: no 3-chunk keys (and 8 programs per SM)
 ]
-
-
-def _time(make_call, sets) -> float | str:
-    """µs per call, or "refused"/"error". The first call (compilation, checks) runs eagerly."""
-    fns = [make_call(s) for s in sets]
-    try:
-        fns[0]()
-        torch.cuda.synchronize()
-    except REFUSALS as e:
-        print(f"  refused: {type(e).__name__}: {str(e)[:160]}")
-        return "refused"
-    except Exception as e:  # noqa: BLE001
-        print(f"  error: {type(e).__name__}: {str(e)[:200]}")
-        return "error"
-    try:
-        return bench_us(fns)
-    except Exception as e:  # noqa: BLE001
-        print(f"  error while timing: {type(e).__name__}: {str(e)[:200]}")
-        try:
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001
-            pass
-        return "error"
 
 
 def torch_index_shuffling(scores: torch.Tensor, k: int):
@@ -91,10 +68,6 @@ def _scores(T: int, E: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     p = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)
     return ((128 + p % 128).float() * torch.pow(2.0, (p // 128).float() - 16)).to(torch.bfloat16)
-
-
-def _num(v):
-    return v if isinstance(v, float) else None
 
 
 def bench_cell(T, E, K, has_mslk, rows, path_rows):

@@ -90,7 +90,6 @@ def mslk_pipeline(mslk, x: torch.Tensor, w: dict, w13_DE_layout: torch.Tensor, w
     from mslk.moe import gather_scale_dense_tokens, silu_mul  # type: ignore
 
     E = w["router_DE"].shape[1]
-    D = x.shape[1]
     F = w["w2_eDF"].shape[2]
     scores = torch.sigmoid(x @ w["router_DE"])
     counts, eidx, tidx = torch.ops.mslk.index_shuffling(scores)

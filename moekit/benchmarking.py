@@ -145,3 +145,38 @@ def environment() -> dict:
     info["mslk"] = getattr(mslk, "__version__", "present") if mslk else None
     info["date"] = time.strftime("%Y-%m-%d")
     return info
+
+
+# What a peer raises when it does not support a case (MSLK asserts on E, top-k, D): such a cell
+# reads "refused"; anything else reads "error".
+REFUSALS = (AssertionError, ValueError, NotImplementedError, TypeError)
+
+
+def time_call(make_call: Callable[[Any], Callable[[], Any]], sets: Sequence[Any]) -> "float | str":
+    """µs per call of ``make_call(s)()`` rotated over the input sets ``sets``, or ``"refused"`` /
+    ``"error"``. The first call (compilation, autotuning, argument checks) runs outside the graph,
+    so a peer that rejects the case is reported, not timed."""
+    fns = [make_call(s) for s in sets]
+    try:
+        fns[0]()
+        torch.cuda.synchronize()
+    except REFUSALS as e:
+        print(f"  refused: {type(e).__name__}: {str(e)[:160]}")
+        return "refused"
+    except Exception as e:  # noqa: BLE001 - a peer's failure must not end the run
+        print(f"  error: {type(e).__name__}: {str(e)[:200]}")
+        return "error"
+    try:
+        return bench_us(fns)
+    except Exception as e:  # noqa: BLE001
+        print(f"  error while timing: {type(e).__name__}: {str(e)[:200]}")
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - the context may be unusable after a launch failure
+            pass
+        return "error"
+
+
+def number(v: Any) -> Optional[float]:
+    """``v`` when it is a time, None for a status string ("refused", "error")."""
+    return v if isinstance(v, float) else None

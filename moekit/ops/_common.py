@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 try:  # Triton is optional: without it every op runs its PyTorch reference.
-    import triton  # noqa: F401
+    import triton  # noqa: F401  (only probing that it imports)
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only on machines without triton

@@ -54,7 +54,7 @@ def quantize_fp8_row(
     """
     check_tensor("a", a, dtype=(torch.bfloat16, torch.float16, torch.float32))
     if a.dim() < 1:
-        raise ValueError(f"a must have at least 1 dim, got a scalar")
+        raise ValueError("a must have at least 1 dim, got a scalar")
     check_optional_scale_ub("scale_ub", scale_ub, a.device)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")

@@ -27,7 +27,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-      torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}
+      torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int16: "i16",
+      torch.int8: "i8"}
 RECORDS = []
 
 

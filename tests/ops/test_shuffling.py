@@ -219,9 +219,6 @@ def test_kernels_compile_for_sm90():
     records = compile_launches(
         """
         from moekit.ops._triton import shuffling as S
-        # Rows move as integer views; the shared driver's type table (TY) lacks these two.
-        TY.setdefault(torch.int16, "i16")
-        TY.setdefault(torch.int8, "i8")
         m, i32 = "meta", torch.int32
         x = torch.empty(32768, 5120, dtype=torch.bfloat16, device=m)
         c16, c128 = torch.empty(8, 16, dtype=i32, device=m), torch.empty(8, 128, dtype=i32, device=m)
