@@ -133,18 +133,17 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
         xs = [torch.randn(T, s.D, generator=g).to(dtype).to(device) for _ in range(2 if cuda else 1)]
         it = iter(range(10**9))
         pick: Callable[[], torch.Tensor] = lambda: xs[next(it) % len(xs)]  # noqa: E731
-        row: dict = {"model": model, "T": T, "dtype": "fp8" if fp8 else "bf16"}
+        row: dict = {"model": model, "T": T, "dtype": "fp8" if fp8 else str(dtype).replace("torch.", "")}
         nbytes = expected_bytes(s, w, xs[0], cfg, fp8)
         flops = 2 * T * s.top_k * 3 * s.D * s.F + (2 * T * 3 * s.D * s.shared_F)
         row["floor_us"] = floor_us(nbytes, flops, fp8=fp8)
         reps = 5 if quick else 20
         row["moekit_us"] = bench_us(lambda: moekit_pipeline(pick(), w, cfg, q), replays=reps)
-        if cuda:
-            try:
-                row["torch_us"] = bench_us(lambda: torch_pipeline(pick(), w, cfg), replays=reps)
-            except Exception as exc:  # torch._grouped_mm needs sm_90+
-                row["torch_us"] = None
-                row["torch_error"] = type(exc).__name__
+        try:
+            row["torch_us"] = bench_us(lambda: torch_pipeline(pick(), w, cfg), replays=reps)
+        except Exception as exc:  # torch._grouped_mm needs sm_90+ on CUDA
+            row["torch_us"] = None
+            row["torch_error"] = type(exc).__name__
         if mslk_ok and not fp8:
             try:
                 w13l = w["w13_e2FD"].reshape(-1, s.D)
