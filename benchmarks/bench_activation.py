@@ -29,10 +29,10 @@ from moekit import reference  # noqa: E402
 from moekit.ops._triton import activation as tri_act  # noqa: E402
 from moekit.ops._triton import quantize as tri_q  # noqa: E402
 from moekit.benchmarking import (  # noqa: E402
+    bandwidth_columns,
     time_call as _time,
     COPY_TBPS,
     environment,
-    floor_us,
     markdown_table,
     rotations,
     save_rows,
@@ -91,25 +91,7 @@ def torch_rms_norm(x, g, eps, r):
 
 
 def _row(op, T, C, nbytes, ours, mslk, torch_us) -> dict:
-    fl = floor_us(nbytes)
-    row = {"op": op, "T": T, "F/K/H": C, "MB": nbytes / 1e6, "floor µs": fl}
-
-    def num(v):
-        return v if isinstance(v, float) else None
-
-    row["moekit µs"] = ours
-    if num(ours):
-        row["moekit TB/s"] = nbytes / ours / 1e6
-        row["% floor"] = 100.0 * fl / ours
-    row["MSLK µs"] = mslk
-    if num(mslk):
-        row["MSLK TB/s"] = nbytes / mslk / 1e6
-    row["torch µs"] = torch_us
-    if num(ours) and num(mslk):
-        row["vs MSLK"] = mslk / ours
-    if num(ours) and num(torch_us):
-        row["vs torch"] = torch_us / ours
-    return row
+    return {"op": op, "T": T, "F/K/H": C, **bandwidth_columns(nbytes, ours, mslk, torch_us)}
 
 
 def _plans(label: str, **plans) -> None:

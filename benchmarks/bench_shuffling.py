@@ -38,11 +38,10 @@ import torch  # noqa: E402
 
 from moekit import reference  # noqa: E402
 from moekit.benchmarking import (  # noqa: E402
-    number as _num,
+    bandwidth_columns,
     time_call as _time,
     COPY_TBPS,
     environment,
-    floor_us,
     markdown_table,
     rotations,
     save_rows,
@@ -71,21 +70,8 @@ def _mslk_ops() -> dict:
 
 def _row(op, layout, EP, T, moved, ours, mslk, torch_us) -> dict:
     nbytes = 2 * moved * D * 2
-    fl = floor_us(nbytes)
-    row = {"op": op, "layout": layout, "EP": EP, "T": T, "rows moved": moved, "MB": nbytes / 1e6,
-           "floor µs": fl, "moekit µs": ours}
-    if _num(ours):
-        row["moekit TB/s"] = nbytes / ours / 1e6
-        row["% floor"] = 100.0 * fl / ours
-    row["MSLK µs"] = mslk
-    if _num(mslk):
-        row["MSLK TB/s"] = nbytes / mslk / 1e6
-    row["torch µs"] = torch_us
-    if _num(ours) and _num(mslk):
-        row["vs MSLK"] = mslk / ours
-    if _num(ours) and _num(torch_us):
-        row["vs torch"] = torch_us / ours
-    return row
+    head = {"op": op, "layout": layout, "EP": EP, "T": T, "rows moved": moved}
+    return {**head, **bandwidth_columns(nbytes, ours, mslk, torch_us)}
 
 
 def _counts(rows_per_rank: int, EP: int, E: int, g: torch.Generator) -> torch.Tensor:

@@ -180,3 +180,23 @@ def time_call(make_call: Callable[[Any], Callable[[], Any]], sets: Sequence[Any]
 def number(v: Any) -> Optional[float]:
     """``v`` when it is a time, None for a status string ("refused", "error")."""
     return v if isinstance(v, float) else None
+
+
+def bandwidth_columns(nbytes: float, ours: Any, mslk: Any, torch_us: Any) -> dict:
+    """The columns every memory-bound benchmark row shares, in table order: MB, floor, moekit's
+    time, TB/s and % of the floor, MSLK's time and TB/s, torch's time, and the speed-up of moekit
+    over each peer (``peer µs / moekit µs``). Times may be status strings ("refused", "error")."""
+    fl = floor_us(nbytes)
+    row: dict = {"MB": nbytes / 1e6, "floor µs": fl, "moekit µs": ours}
+    if number(ours):
+        row["moekit TB/s"] = nbytes / ours / 1e6
+        row["% floor"] = 100.0 * fl / ours
+    row["MSLK µs"] = mslk
+    if number(mslk):
+        row["MSLK TB/s"] = nbytes / mslk / 1e6
+    row["torch µs"] = torch_us
+    if number(ours) and number(mslk):
+        row["vs MSLK"] = mslk / ours
+    if number(ours) and number(torch_us):
+        row["vs torch"] = torch_us / ours
+    return row
