@@ -26,9 +26,9 @@ bench: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
 
-# On a CUDA machine with torch and triton already installed (no network): scripts/gpu_check.sh.
+# On a CUDA machine with torch and triton already installed (no network): GPU tier + benchmarks.
 test-gpu:
-	bash scripts/gpu_check.sh
+	bash scripts/device_session.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache
