@@ -4,6 +4,7 @@
 # whole call ends inside the 10-minute command limit. Writes logs and JSON to $OUT.
 #   PHASES="tests comm bench lanes"   BENCHES="routing gather_scatter ..."   LANES="0:a,b 1:c"
 #   QUICK=1   BUDGET_S=560   BENCH_ARGS_<name>="extra args for benchmarks/bench_<name>.py"
+#   (a name without a bench_<name>.py runs benchmarks/<name>.py: the sweep_*.py tuning aids)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -53,7 +54,8 @@ if [[ " $PHASES " == *" bench "* ]]; then
     t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$b"; break; }
     echo "== bench_$b (limit $((t-10))s)"
     extra_var="BENCH_ARGS_$b"
-    timeout $((t-10)) python3 benchmarks/bench_$b.py ${QUICK:+--quick} ${!extra_var:-} > "$RES/bench_$b.log" 2>&1
+    script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py  # bench_<b>.py or a sweep
+    timeout $((t-10)) python3 "$script" ${QUICK:+--quick} ${!extra_var:-} > "$RES/bench_$b.log" 2>&1
     echo "rc=$?"; tail -n ${BENCH_TAIL:-30} "$RES/bench_$b.log"
   done
 fi
@@ -66,7 +68,8 @@ if [[ " $PHASES " == *" lanes "* ]]; then
       for b in ${list//,/ }; do
         t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$b" >> "$RES/lane$gpu.txt"; break; }
         extra_var="BENCH_ARGS_$b"  # per-benchmark arguments, e.g. BENCH_ARGS_layer="--models llama4-scout"
-        CUDA_VISIBLE_DEVICES=$gpu timeout $((t-10)) python3 benchmarks/bench_$b.py ${QUICK:+--quick} ${!extra_var:-} \
+        script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py
+        CUDA_VISIBLE_DEVICES=$gpu timeout $((t-10)) python3 "$script" ${QUICK:+--quick} ${!extra_var:-} \
           > "$RES/bench_$b.log" 2>&1
         echo "== bench_$b on GPU $gpu rc=$? at $((SECONDS - start))s" >> "$RES/lane$gpu.txt"
       done
