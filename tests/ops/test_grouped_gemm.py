@@ -334,9 +334,11 @@ def test_interp_gemv_strided_x_int64_sizes():
 def test_heuristic_buckets():
     tri = _tri()
     sel = tri.heuristic_config
-    # one token: the GEMV kernel, ~3 programs per SM, K tiles dividing K, ~32 KB in flight each
+    # one token: the GEMV kernel, ~2 programs per SM, K tiles dividing K, ~32 KB in flight each
     c = sel(1, 2048, 5120, 16, False, 2, 132)
-    assert (c.kind, c.block_n, c.block_k, c.stages) == ("gemv", 4, 1024, 5)
+    assert (c.kind, c.block_n, c.block_k, c.stages) == ("gemv", 8, 512, 5)
+    c = sel(1, 5120, 1024, 128, True, 1, 132)
+    assert (c.kind, c.block_n, c.block_k, c.stages) == ("gemv", 16, 512, 5)
     assert sel(4, 2048, 5120, 16, True, 1, 132).kind == "gemv"
     assert sel(1, 2048, 768, 128, False, 2, 132).block_k == 256  # 768 = 3 * 256: no K mask
     assert sel(5, 2048, 5120, 16, False, 2, 132).kind == "stream"
@@ -349,6 +351,15 @@ def test_heuristic_buckets():
     assert (c.kind, c.block_m, c.block_n, c.block_k, c.stages, c.warps) == ("stream", 16, 128, 64, 6, 4)
     assert sel(128, 4096, 7168, 256, True, 1, 132).kind == "stream"
     assert sel(16384, 2048, 5120, 16, False, 2, 132).kind == "tiled"
+    # FP8 decode with 16-row x tiles: 32 KB weight stages (128 x 256), three of them
+    c = sel(16, 5120, 1024, 128, True, 1, 132)
+    assert (c.kind, c.block_m, c.block_n, c.block_k, c.stages) == ("stream", 16, 128, 256, 3)
+    # 64 rows per expert (DeepSeek w2, M=16384): one 128-row tile per group, 256-wide N tiles
+    for fp8 in (False, True):
+        c = sel(16384, 7168, 2048, 256, fp8, 1 if fp8 else 2, 132)
+        assert (c.kind, c.block_m, c.block_n, c.stages, c.flatten) == ("tiled", 128, 256, 3, not fp8)
+    c = sel(16384, 2048, 768, 128, True, 1, 132)  # 128 rows per expert: 64-row tiles
+    assert (c.kind, c.block_m, c.block_n, c.stages) == ("tiled", 64, 256, 4)
     for M in (1, 2, 3, 4, 16, 64, 128, 2048, 16384):
         for (G, N, K) in ((16, 2048, 5120), (256, 7168, 2048), (128, 2048, 768), (128, 1536, 2048), (4, 40, 24)):
             for fp8 in (False, True):
@@ -359,6 +370,38 @@ def test_heuristic_buckets():
                     assert b >= lo and b & (b - 1) == 0
                 assert cfg.block_k >= 16
     assert tri.config_key(100, 2048, 5120, 16, False, 2) == "m128_n2048_k5120_g16_b2"
+
+
+@pytest.mark.reference
+def test_kernels_compile_for_sm90():
+    """The heuristic's configurations for the benchmark's model shapes (GEMV, streaming, tiled;
+    bf16 and FP8; every epilogue feature on), compiled on the CPU for sm_90 through ptxas, within
+    the shared-memory limit (pointer loads: meta tensors take no TMA descriptors)."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import grouped_gemm as GG
+        m = "meta"
+        for fp8 in (False, True):
+            dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            for M, N, K, G in ((1, 2048, 5120, 16), (1, 5120, 1024, 128), (16, 5120, 1024, 128),
+                               (128, 2048, 768, 128), (16384, 7168, 2048, 256), (16384, 2048, 768, 128)):
+                x, w = torch.empty(M, K, dtype=dt, device=m), torch.empty(G * N, K, dtype=dt, device=m)
+                ms = torch.empty(G, dtype=torch.int32, device=m)
+                xs = torch.empty(M, device=m) if fp8 else None
+                ws = torch.empty(G * N, device=m) if fp8 else None
+                tw = torch.empty(M, dtype=torch.bfloat16, device=m)
+                out = torch.empty(64, N, dtype=torch.bfloat16, device=m)
+                idx = torch.empty(M, dtype=torch.int32, device=m)
+                GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, bias=torch.empty(G * N, device=m),
+                                token_weights=tw, out=out, scatter_indices=idx)
+        """,
+        ["moekit.ops._triton.grouped_gemm"],
+    )
+    assert_all_compiled(records, 12)
+    kinds = [r["kernel"] for r in records]
+    assert kinds.count("_gg_gemv_kernel") == 4 and kinds.count("_gg_tiled_kernel") == 4, kinds
 
 
 # ==============================================================================================

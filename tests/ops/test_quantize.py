@@ -102,11 +102,13 @@ def test_strided_rows_interpreter():
 
 
 @pytest.mark.interpreter
-def test_persistent_loop_interpreter():
+def test_persistent_loop_interpreter(monkeypatch):
     """More row blocks than programs (4 interpreter SMs x programs per SM): each program walks
-    several, jagged groups and strided rows included."""
+    several, jagged groups and strided rows included (the persistent path, which inputs over
+    ``PIPE_MIN_BYTES`` take, forced here on small ones)."""
     from moekit.ops._triton import quantize as tri
 
+    monkeypatch.setattr(tri, "PIPE_MIN_BYTES", 0)
     cfg = tri.pipe_row_config(40, 4096, 2, 1, torch.device("cpu"))
     assert cfg.one_pass and cfg.stages > 1 and cfg.grid < 40
     a = _rand((40, 4096), torch.bfloat16, seed=5)
@@ -121,11 +123,12 @@ def test_persistent_loop_interpreter():
 
 
 @pytest.mark.interpreter
-def test_split_row_tiles_interpreter():
+def test_split_row_tiles_interpreter(monkeypatch):
     """Rows covered by two power-of-two tiles (2880 = 2048 + 1024 with a masked tail; 5000
-    padded to 5120 = 4096 + 1024, the padding in the second tile)."""
+    padded to 5120 = 4096 + 1024, the padding in the second tile): the persistent path's."""
     from moekit.ops._triton import quantize as tri
 
+    monkeypatch.setattr(tri, "PIPE_MIN_BYTES", 0)
     cpu = torch.device("cpu")
     cfg = tri.pipe_row_config(6, 2880, 2, 1, cpu, split=True)
     assert (cfg.block_c, cfg.block_c2, cfg.one_pass) == (2048, 1024, True) and cfg.stages > 1
@@ -158,6 +161,10 @@ def test_row_configs():
                 if cfg.stages > 1:
                     stage = n_in * cfg.block_t * (cfg.block_c + cfg.block_c2) * elem
                     assert (cfg.stages - 1) * stage * 2 <= tri.PIPE_SMEM_BYTES  # two programs per SM fit
+                npc = tri.np_row_config(rows, cols, elem, n_in, 512 * n_in, torch.device("cpu"))
+                assert npc.stages == 1 and npc.block_c2 == 0 and pow2(npc.block_t) and pow2(npc.block_c)
+                assert npc.grid == -(-rows // npc.block_t) and pow2(npc.num_warps) and npc.num_warps <= 16
+                assert npc.block_c >= cols if npc.one_pass else npc.block_t == 1
 
 
 @pytest.mark.interpreter
@@ -224,15 +231,20 @@ def test_kernels_compile_for_sm90():
         """
         from moekit.ops._triton import quantize as Q
         bf, i32, m = torch.bfloat16, torch.int32, "meta"
-        Q.quantize_fp8_row(torch.empty(2048, 5120, dtype=bf, device=m))
+        Q.quantize_fp8_row(torch.empty(2048, 5120, dtype=bf, device=m))  # one row per program
+        Q.quantize_fp8_row(torch.empty(16384, 5120, dtype=bf, device=m))  # persistent, pipelined
         a = torch.empty(130, 4, 5120, dtype=bf, device=m).transpose(0, 1)  # two-level rows
+        Q.quantize_fp8_row(a, torch.empty(1, device=m), torch.empty(4, dtype=i32, device=m), 1e-12, 5248)
+        a = torch.empty(4000, 4, 5120, dtype=bf, device=m).transpose(0, 1)
         Q.quantize_fp8_row(a, torch.empty(1, device=m), torch.empty(4, dtype=i32, device=m), 1e-12, 5248)
         Q.quantize_fp8_row(torch.empty(64, 20000, dtype=torch.float32, device=m))  # two passes
         """,
         ["moekit.ops._triton.quantize"],
     )
-    assert_all_compiled(records, 3)
-    assert [r["constants"]["STAGES"] for r in records] == ["4", "4", "1"]
+    assert_all_compiled(records, 5)
+    got = [(r["constants"]["STAGES"], r["constants"]["BLOCK_K"], r["constants"]["BLOCK_K2"]) for r in records]
+    assert got == [("1", "8192", "0"), ("3", "4096", "1024"), ("1", "8192", "0"), ("3", "4096", "2048"),
+                   ("1", "4096", "0")], got
 
 
 def _bad_cases():

@@ -4,20 +4,20 @@
 halves of one ``[T, 2F]`` GEMM output). Math is float32. Rows at or past ``valid_token_count[0]``
 are neither read nor written.
 
-Both kernels are persistent and software-pipelined: a grid of up to ``PIPE_MAX_PROGS`` programs
-per SM walks the tiles (``silu_mul``: ``[BLOCK_T, BLOCK_F]`` tiles of 4 KB per input;
-``silu_mul_quant``: blocks of whole rows), and ``tl.range(..., num_stages=S)`` makes the loads
-``cp.async`` copies into shared memory issued ``S - 1`` tiles ahead. Without it, ptxas schedules
-a thread's third and fourth 16-byte load after the math of the first (to stay at 32 registers),
-which costs every program a second DRAM round trip; with it, the bytes in flight per SM come
-from shared memory (about 100-190 KB), not registers, and the reduction and stores of one tile
-overlap the loads of the next.
+Both kernels run one tile per program (``silu_mul``: ``[BLOCK_T, BLOCK_F]`` tiles of about 1024
+values; ``silu_mul_quant``: blocks of whole rows, about 2048 values of each input). Their loop is
+a grid-stride loop (``tl.range(pid, n, num_programs, num_stages=STAGES)``) that runs once per
+program unless the grid is capped; ``STAGES > 1`` would turn it into a persistent kernel with
+``cp.async`` loads issued ``STAGES - 1`` tiles ahead. That variant was measured on the H200 and
+lost at every size tried ([2048..16384] x [2048, 8192]): with one tile per program the hardware
+keeps enough programs resident to cover the DRAM latency, and no program waits to fill a
+pipeline before its first store.
 
 The sigmoid uses the MUFU ``ex2``/``rcp`` approximations with flush-to-zero (``FAST_MATH``):
 about 6 instructions per value instead of 16 for ``tl.sigmoid`` (which adds denormal and
 overflow fix-ups to ``exp`` and ``/``); the relative error stays within a few float32 ulps.
-``silu_mul_quant`` rows longer than a pipeline stage (bf16 F > 8192) take one row per program
-in registers (F <= 16384) or two passes over the row.
+``silu_mul_quant`` rows up to 16384 bf16 values are held in registers; longer rows take two
+passes over the row (the second mostly from L2).
 """
 
 from __future__ import annotations
@@ -29,23 +29,22 @@ import triton
 import triton.language as tl
 
 from moekit._checks import FP8_DTYPE, FP8_MAX
-from moekit.ops._common import interpreting, launch, next_pow2, num_sms
+from moekit.ops._common import interpreting, launch, next_pow2
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
 from moekit.ops._triton.quantize import (
+    MAX_GRID,
     MAX_ROWS,
-    PIPE_MAX_PROGS,
     fp8_saturate,
-    pipe_row_config,
-    pipe_stages,
+    np_row_config,
     prev_pow2,
     row_scales,
 )
 from moekit.reference.quantize import FUSED_EPS
 
-# Bytes of each input per silu_mul tile (one pipeline stage holds the x0 and x1 tiles), and the
-# least a tile shrinks to so that small problems still spread over the SMs.
-TILE_BYTES = 4096
-MIN_TILE_BYTES = 1024
+# Values of each input per silu_mul tile (one program each, 4 warps: one 16-byte vector per thread
+# and input). Measured on the H200 against the persistent pipelined variant and other tiles: [2048,
+# 2048] 7.8 µs vs 8.1, [2048, 8192] 25.8 vs 26.8, [16384, 2048] 50.7 vs 51.3.
+TILE_ELEMS = 1024
 # MUFU approximations (inline PTX) on the GPU; the interpreter runs tl.sigmoid.
 FAST_MATH = not interpreting()
 
@@ -59,15 +58,11 @@ class TileConfig(NamedTuple):
 
 
 def tile_config(T: int, F: int, elem_bytes: int, device: torch.device) -> TileConfig:
-    """Tiles and persistent grid of the elementwise ``silu_mul`` kernel for ``[T, F]`` (a cheap
-    shape bucket). bf16 [2048+, 2048]: 1 x 2048 tiles, 4 warps (two 16-byte vectors per thread
-    and input), 4 stages (24 KB of shared memory), 8 programs per SM."""
-    sms = num_sms(device)
+    """Tiles of the elementwise ``silu_mul`` kernel for ``[T, F]`` (a cheap shape bucket): about
+    ``TILE_ELEMS`` values, one tile per program (``stages == 1``; the grid is capped at
+    ``MAX_GRID`` programs, which then stride over the tiles)."""
     vec = max(1, 16 // elem_bytes)
-    tile = TILE_BYTES // elem_bytes
-    min_tile = MIN_TILE_BYTES // elem_bytes
-    while tile > min_tile and (T * F) // tile < 2 * sms:
-        tile //= 2
+    tile = TILE_ELEMS
     # The widest power-of-two column block that wastes at most 1/8 of its lanes on F's tail;
     # else one masked block covering F (tiny or awkward F).
     for cand in (tile, tile // 2, tile // 4, tile // 8, tile // 16, tile // 32, tile // 64):
@@ -77,10 +72,9 @@ def tile_config(T: int, F: int, elem_bytes: int, device: torch.device) -> TileCo
     else:
         block_f = min(max(next_pow2(F), vec), tile)
     block_t = max(1, min(tile // block_f, next_pow2(max(T, 1))))
-    warps = int(min(4, prev_pow2(max(1, (block_t * block_f) // (32 * vec * 2)))))
-    stages, progs = pipe_stages(2 * block_t * block_f * elem_bytes) or (1, PIPE_MAX_PROGS)
+    warps = int(min(4, prev_pow2(max(1, (block_t * block_f) // (32 * vec)))))
     n_tiles = triton.cdiv(T, block_t) * triton.cdiv(F, block_f)
-    return TileConfig(block_t, block_f, warps, stages, max(1, min(n_tiles, progs * sms)))
+    return TileConfig(block_t, block_f, warps, 1, max(1, min(n_tiles, MAX_GRID)))
 
 
 @triton.jit
@@ -262,7 +256,7 @@ def silu_mul_quant(
     if T == 0:
         return y, scale
     _check_rows(T)
-    cfg = pipe_row_config(T, max(F, 1), x0.element_size(), 2, x0.device)
+    cfg = np_row_config(T, max(F, 1), x0.element_size(), 2, 512, x0.device)
     has_valid = valid_token_count is not None
     launch(_silu_mul_quant_kernel)[(cfg.grid,)](
         y,

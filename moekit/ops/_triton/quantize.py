@@ -1,16 +1,14 @@
 """Triton kernel: FP8 e4m3fn row-wise quantization (``quantize_fp8_row``), and the row-tiling
 helpers shared by moekit's row-wise kernels (activation, quantization, RMSNorm).
 
-Streaming row kernels (``quantize_fp8_row``, ``silu_mul_quant``) are persistent: a grid of a few
-programs per SM walks the row blocks, and ``tl.range(..., num_stages=S)`` turns the loads into
-``cp.async`` copies into shared memory issued ``S - 1`` row blocks ahead. Bytes in flight per SM
-then no longer depend on registers (ptxas sinks a thread's third and fourth 16-byte load behind
-the math of the first to stay at 32 registers, which costs a second DRAM round trip), and the
-reduction, division and store of one row block overlap the loads of the next ones. A row that
-is not a power of two long is covered by two power-of-two tiles where that saves lanes (5120 =
-4096 + 1024: shared memory, registers and instructions all shrink by 37%). Rows longer than a
-pipeline stage fall back to one row block per program (``stages == 1``, the whole row in
-registers) or, past ``ONE_PASS_BYTES``, to two passes over the row (the second read mostly hits L2).
+``quantize_fp8_row`` on inputs over ``PIPE_MIN_BYTES`` is persistent: a grid of a few programs
+per SM walks the row blocks, and ``tl.range(..., num_stages=S)`` turns the loads into ``cp.async``
+copies into shared memory issued ``S - 1`` row blocks ahead. Bytes in flight per SM then no
+longer depend on registers, and the reduction, division and store of one row block overlap the
+loads of the next ones. A row that is not a power of two long is covered by two power-of-two
+tiles where that saves lanes (5120 = 4096 + 1024). Smaller inputs, and ``silu_mul_quant``, run one
+row block per program (``np_row_config``): measured faster there. Rows longer than
+``ONE_PASS_BYTES`` take two passes over the row (the second read mostly hits L2).
 
 Float scalars (``eps``) are cast to float32 inside the kernels: Triton's launcher passes Python
 floats as fp32, torch.compile (inductor) as fp64.
@@ -42,8 +40,13 @@ PIPE_SMEM_BYTES = 192 * 1024
 PIPE_MAX_STAGE_BYTES = 32768
 # Input bytes of one row block when rows are short (several rows per stage).
 PIPE_STAGE_BYTES = 16384
-# Programs per SM of a persistent kernel (4-8 warps each).
-PIPE_MAX_PROGS = 8
+# Programs per SM of a persistent kernel (2-4 warps each): measured on the H200, four programs of
+# three stages beat six of four (fp8 quantization of [16384, 5120]: 63 vs 68 µs).
+PIPE_MAX_PROGS = 4
+# Inputs up to this many bytes take one row block per program, no pipelining (``np_row_config``):
+# at these sizes the persistent kernel's ramp (every program filling its pipeline before the
+# first store) costs more than it saves ([2048, 5120] fp8 quantization: 9.1 vs 11.2 µs).
+PIPE_MIN_BYTES = 64 * 1024 * 1024
 # Rows index in int32 inside the kernels (offsets are int64).
 MAX_ROWS = 2**31 - 2**16
 
@@ -76,14 +79,10 @@ def prev_pow2(n: int) -> int:
 
 def pipe_stages(stage_bytes: int) -> Optional[tuple[int, int]]:
     """``(stages, programs per SM)`` for a pipelined kernel whose stage takes ``stage_bytes`` of
-    shared memory, or None when too few programs would fit. Four stages (three row blocks in
-    flight after each issue, two while a block is reduced) when three programs still fit, else
-    three stages."""
-    for stages in (4, 3):
-        progs = min(PIPE_MAX_PROGS, PIPE_SMEM_BYTES // ((stages - 1) * max(stage_bytes, 1)))
-        if progs >= (3 if stages == 4 else 2):
-            return stages, progs
-    return None
+    shared memory, or None when fewer than two programs would fit: three stages (two row blocks
+    in flight while one is reduced), up to ``PIPE_MAX_PROGS`` programs."""
+    progs = min(PIPE_MAX_PROGS, PIPE_SMEM_BYTES // (2 * max(stage_bytes, 1)))
+    return (3, progs) if progs >= 2 else None
 
 
 def row_config(
@@ -121,6 +120,34 @@ def row_tiles(n_cols: int, vec: int, split: bool) -> tuple[int, int]:
         return full, 0
     tail = max(next_pow2(n_cols - head), vec)
     return (head, tail) if head + tail < full else (full, 0)
+
+
+def np_row_config(
+    n_rows: int, n_cols: int, elem_bytes: int, n_inputs: int, warp_elems: int, device: torch.device
+) -> PipeConfig:
+    """One row block per program, no pipelining (``stages == 1``): whole rows of ``n_cols`` held
+    in registers as one power-of-two tile (rows up to ``ONE_PASS_BYTES``; longer rows take the
+    two-pass ``row_config``). About 2048 values of each input per program (one row when rows are
+    that long), one warp per ``warp_elems`` values of one input, at most 8 warps. Measured on the
+    H200: silu_mul_quant [2048, 2048] 7.0 µs (4 warps) vs 8.5 for the persistent kernel, [2048,
+    8192] 20.9 (8 warps) vs 26.0, [16384, 2048] 41.8 vs 46.8; quantize_fp8_row [2048, 5120] 9.1
+    (one 8192-wide tile, 4 warps) vs 11.2."""
+    vec = max(1, 16 // elem_bytes)
+    full = max(next_pow2(n_cols), vec)
+    if full * elem_bytes > ONE_PASS_BYTES:
+        cfg = row_config(n_rows, n_cols, elem_bytes, device, tile_bytes=ROW_TILE_BYTES // n_inputs)
+        return PipeConfig(cfg.block_t, cfg.block_c, cfg.one_pass, 1, cfg.num_warps, _grid(n_rows, cfg.block_t))
+    block_t = min(max(1, 2048 // full), next_pow2(max(n_rows, 1)))
+    warps = int(min(8, max(1, prev_pow2(block_t * full // warp_elems))))
+    return PipeConfig(block_t, full, True, 1, warps, _grid(n_rows, block_t))
+
+
+# Grid cap of the one-block-per-program kernels (past it, programs stride over the blocks).
+MAX_GRID = 1 << 22
+
+
+def _grid(n_rows: int, block_t: int) -> int:
+    return max(1, min(triton.cdiv(max(n_rows, 1), block_t), MAX_GRID))
 
 
 def pipe_row_config(
@@ -349,7 +376,10 @@ def quantize_fp8_row(
     a, lay = rows_of(a)
     jagged = zero_start_index_M is not None
     zsi = zero_start_index_M.reshape(-1) if jagged else None
-    cfg = pipe_row_config(R, max(k_out, 1), a.element_size(), 1, a.device, split=True)
+    if R * max(K, k_out) * a.element_size() <= PIPE_MIN_BYTES:
+        cfg = np_row_config(R, max(k_out, 1), a.element_size(), 1, 2048, a.device)
+    else:
+        cfg = pipe_row_config(R, max(k_out, 1), a.element_size(), 1, a.device, split=True)
     launch(_quantize_fp8_row_kernel)[(cfg.grid,)](
         q,
         scale,
