@@ -65,13 +65,16 @@ if [[ " $PHASES " == *" lanes "* ]]; then
   for lane in ${LANES:-"0:routing,gather_scatter,shuffling,activation,layer 1:grouped_gemm"}; do
     gpu=${lane%%:*}; list=${lane#*:}
     (
-      for b in ${list//,/ }; do
-        t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$b" >> "$RES/lane$gpu.txt"; break; }
-        extra_var="BENCH_ARGS_$b"  # per-benchmark arguments, e.g. BENCH_ARGS_layer="--models llama4-scout"
+      for entry in ${list//,/ }; do
+        # "name" or "name@tag": the same script twice with BENCH_ARGS_<name>_<tag> (e.g. a sweep split
+        # over both GPUs); logs go to bench_<name>[_<tag>].log.
+        b=${entry%%@*}; tag=${entry#*@}; [ "$tag" = "$entry" ] && tag=""
+        t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$entry" >> "$RES/lane$gpu.txt"; break; }
+        extra_var="BENCH_ARGS_$b${tag:+_$tag}"  # per-benchmark arguments, e.g. BENCH_ARGS_layer="--models llama4-scout"
         script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py
         CUDA_VISIBLE_DEVICES=$gpu timeout $((t-10)) python3 "$script" ${QUICK:+--quick} ${!extra_var:-} \
-          > "$RES/bench_$b.log" 2>&1
-        echo "== bench_$b on GPU $gpu rc=$? at $((SECONDS - start))s" >> "$RES/lane$gpu.txt"
+          > "$RES/bench_$b${tag:+_$tag}.log" 2>&1
+        echo "== bench_$entry on GPU $gpu rc=$? at $((SECONDS - start))s" >> "$RES/lane$gpu.txt"
       done
     ) &
     pids+=($!)

@@ -205,10 +205,12 @@ def test_kernels_compile_for_sm90():
             if F == 2048:
                 A.silu_mul(h[:, :F], h[:, F + 8 :], vc)
             A.silu_mul_quant(h[:, :F], h[:, F + 8 :], ub, vc if F == 2048 else None)
+        h = torch.empty(16384, 2 * 8192, dtype=bf, device=m)  # long rows, large: persistent
+        A.silu_mul_quant(h[:, :8192], h[:, 8192:], ub, vc)
         """,
         ["moekit.ops._triton.activation"],
     )
-    assert_all_compiled(records, 5)
+    assert_all_compiled(records, 6)
     stages = [(r["kernel"], r["constants"]["STAGES"], r["constants"].get("ONE_PASS")) for r in records]
     assert stages == [
         ("_silu_mul_kernel", "1", None),
@@ -216,6 +218,7 @@ def test_kernels_compile_for_sm90():
         ("_silu_mul_quant_kernel", "1", "True"),
         ("_silu_mul_quant_kernel", "1", "True"),
         ("_silu_mul_quant_kernel", "1", "False"),
+        ("_silu_mul_quant_kernel", "3", "True"),
     ]
     warps = [r["num_warps"] for r in records]
     assert warps[1:3] == [4, 8], warps  # F = 2048, 8192: the measured best

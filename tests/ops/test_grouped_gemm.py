@@ -673,6 +673,8 @@ def _all_configs(M, N, K, G, fp8):
         out.append(C("stream", 32, 128, 128 if fp8 else 64, 5, 4, use_tma=use_tma))
         out.append(C("stream", 32, 64, 256 if fp8 else 128, 5, 4, use_tma=use_tma))
         out.append(C("stream", 128, 128, 128 if fp8 else 64, 4, 8, use_tma=use_tma))
+        out.append(C("stream", 128, 64, 128 if fp8 else 64, 4, 4, use_tma=use_tma))
+        out.append(C("stream", 16, 128, 256 if fp8 else 64, 3, 4, use_tma=use_tma))
         for flatten in (True, False):
             out.append(C("tiled", 128, 128, 128 if fp8 else 64, 4, 8, use_tma=use_tma, flatten=flatten))
         out.append(C("tiled", 128, 256, 128 if fp8 else 64, 3, 8, use_tma=use_tma, flatten=not fp8))

@@ -7,11 +7,12 @@ are neither read nor written.
 Both kernels run one tile per program (``silu_mul``: ``[BLOCK_T, BLOCK_F]`` tiles of about 1024
 values; ``silu_mul_quant``: blocks of whole rows, about 2048 values of each input). Their loop is
 a grid-stride loop (``tl.range(pid, n, num_programs, num_stages=STAGES)``) that runs once per
-program unless the grid is capped; ``STAGES > 1`` would turn it into a persistent kernel with
-``cp.async`` loads issued ``STAGES - 1`` tiles ahead. That variant was measured on the H200 and
-lost at every size tried ([2048..16384] x [2048, 8192]): with one tile per program the hardware
-keeps enough programs resident to cover the DRAM latency, and no program waits to fill a
-pipeline before its first store.
+program unless the grid is capped; ``STAGES > 1`` turns it into a persistent kernel with
+``cp.async`` loads issued ``STAGES - 1`` tiles ahead. Measured on the H200, one tile per program
+wins at every size tried ([2048..16384] x [2048, 8192]: the hardware keeps enough programs
+resident to cover the DRAM latency, and no program waits to fill a pipeline before its first
+store) except ``silu_mul_quant`` on long rows of large problems ([16384, 8192]), which keeps the
+persistent kernel.
 
 The sigmoid uses the MUFU ``ex2``/``rcp`` approximations with flush-to-zero (``FAST_MATH``):
 about 6 instructions per value instead of 16 for ``tl.sigmoid`` (which adds denormal and
@@ -36,9 +37,15 @@ from moekit.ops._triton.quantize import (
     MAX_ROWS,
     fp8_saturate,
     np_row_config,
+    pipe_row_config,
     prev_pow2,
     row_scales,
 )
+
+# silu_mul_quant rows at least this long, on inputs (both halves) over this many bytes, take the
+# persistent kernel ([2048, 8192], 64 MB, measured 20.9 µs one row per program vs 25.2).
+PIPE_MIN_ROW = 4096
+PIPE_MIN_BYTES_SILU = 256 * 1024 * 1024
 from moekit.reference.quantize import FUSED_EPS
 
 # Values of each input per silu_mul tile (one program each, 4 warps: one 16-byte vector per thread
@@ -256,7 +263,12 @@ def silu_mul_quant(
     if T == 0:
         return y, scale
     _check_rows(T)
-    cfg = np_row_config(T, max(F, 1), x0.element_size(), 2, 512, x0.device)
+    if F >= PIPE_MIN_ROW and 2 * T * F * x0.element_size() > PIPE_MIN_BYTES_SILU:
+        # Long rows, large problem: the persistent pipelined kernel (measured [16384, 8192]: 168
+        # µs vs 181 for one row per program; at F = 2048 one row per program wins at any T).
+        cfg = pipe_row_config(T, F, x0.element_size(), 2, x0.device)
+    else:
+        cfg = np_row_config(T, max(F, 1), x0.element_size(), 2, 512, x0.device)
     has_valid = valid_token_count is not None
     launch(_silu_mul_quant_kernel)[(cfg.grid,)](
         y,

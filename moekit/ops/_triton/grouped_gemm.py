@@ -206,10 +206,6 @@ def _gg_stream_kernel(
         for m0 in range(m_begin, m_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_mask = offs_m < m_end
-            xs, ws, b, tw, dst = _epilogue_operands(
-                offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, FP8, HAS_BIAS,
-                HAS_TW, SCATTER,
-            )  # fmt: skip
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
             for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -226,8 +222,10 @@ def _gg_stream_kernel(
                 # x through pointers: masked rows (other groups, past M) cost no traffic.
                 x_t = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 acc = tl.dot(w_t, tl.trans(x_t), acc)
-            _epilogue_apply(tl.trans(acc), m_mask, offs_n, n_mask, xs, ws, b, tw, dst, y_ptr, stride_ym, T_OUT,
-                            FP8, HAS_BIAS, HAS_TW, SCATTER)  # fmt: skip
+            _epilogue(
+                tl.trans(acc), offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
+                xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER,
+            )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -863,11 +861,12 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
                 for tma in (True, False):
                     out.append(GemmConfig("stream", h.block_m, bn, bk, stages, warps, use_tma=tma))
     bk = 128 if elem == 1 else (64 if elem == 2 else 32)
-    for bm, bn, stages in ((128, 128, 4), (128, 256, 3), (64, 256, 3), (64, 128, 4)):
+    for bm, bn, k, stages in ((128, 128, bk, 4), (128, 128, 2 * bk, 3), (128, 256, bk, 3), (64, 256, bk, 3),
+                              (64, 256, bk, 4), (64, 128, bk, 4)):
         for flatten in (True, False):
             if flatten and elem == 1 and bm * bn >= 128 * 256:
                 continue  # spills
-            out.append(GemmConfig("tiled", bm, bn, bk, stages, 8, flatten=flatten))
+            out.append(GemmConfig("tiled", bm, bn, k, stages, 8, flatten=flatten))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
@@ -880,7 +879,7 @@ def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "c
     """Time ``candidate_configs`` for each ``(M, N, K, G, dtype)`` in ``shapes`` (rows spread by
     a random routing) and return {config_key: best config}; written as JSON to ``path`` when
     given (point $MOEKIT_GG_TUNED at it, or save it as ``grouped_gemm_tuned.json`` here)."""
-    from moekit.benchmarking import bench_us
+    from moekit.benchmarking import bench_us, rotations
     from moekit.testing import random_m_sizes
 
     table = {}
@@ -889,13 +888,16 @@ def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "c
         fp8 = dtype == FP8_DTYPE
         x = torch.randn(M, K, device=device).to(dtype)
         w = (torch.randn(G * N, K, device=device) / K**0.5).to(dtype)
-        ms = random_m_sizes(M, G, top_k=1, device=device)
+        # Several routings, cycled: the weights one call touches must not all sit in the L2.
+        touched = expected_groups_hit(M, G) * N * K * x.element_size()
+        ms_sets = [random_m_sizes(M, G, top_k=1, device=device, seed=i) for i in range(rotations(touched))]
         xs = torch.rand(M, device=device) if fp8 else None
         ws = torch.rand(G * N, device=device) if fp8 else None
         best = None
         for cfg in candidate_configs(M, N, K, G, fp8, x.element_size(), sms):
+            calls = [lambda ms=ms: grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, config=cfg) for ms in ms_sets]
             try:
-                t = bench_us(lambda: grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, config=cfg), replays=10)
+                t = bench_us(calls, replays=10)
             except Exception as e:  # a config that does not compile or launch is skipped
                 log(f"  skip {cfg}: {type(e).__name__}")
                 continue
