@@ -354,10 +354,14 @@ def test_heuristic_buckets():
     # FP8 decode with 16-row x tiles: 32 KB weight stages (128 x 256), three of them
     c = sel(16, 5120, 1024, 128, True, 1, 132)
     assert (c.kind, c.block_m, c.block_n, c.block_k, c.stages) == ("stream", 16, 128, 256, 3)
-    # 64 rows per expert (DeepSeek w2, M=16384): one 128-row tile per group, 256-wide N tiles
+    # 64 rows per expert (DeepSeek w2, M=16384): the tiled kernel, 64 x 256 tiles, four stages
     for fp8 in (False, True):
         c = sel(16384, 7168, 2048, 256, fp8, 1 if fp8 else 2, 132)
-        assert (c.kind, c.block_m, c.block_n, c.stages, c.flatten) == ("tiled", 128, 256, 3, not fp8)
+        assert (c.kind, c.block_m, c.block_n, c.stages, c.flatten) == ("tiled", 64, 256, 4, True)
+    # one token, short rows: 16 KB of weights per program (DeepSeek w2 FP8: 8 rows of 2 KB)
+    assert sel(1, 7168, 2048, 256, True, 1, 132).block_n == 8
+    assert sel(1, 5120, 1024, 128, False, 2, 132).block_n == 8
+    assert sel(1, 5120, 8192, 16, True, 1, 132).block_n == 16  # long rows: the widest
     c = sel(16384, 2048, 768, 128, True, 1, 132)  # 128 rows per expert: 64-row tiles
     assert (c.kind, c.block_m, c.block_n, c.stages) == ("tiled", 64, 256, 4)
     for M in (1, 2, 3, 4, 16, 64, 128, 2048, 16384):

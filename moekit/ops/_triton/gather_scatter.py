@@ -322,7 +322,7 @@ def gather_scale_quant_dense_tokens(
         expert_indices,
         scores,
         valid_token_count if has_valid else token_indices,
-        scale_ub if scale_ub is not None else out_scale,
+        scale_ub if scale_ub is not None else x,  # unused placeholder: an input, never an output
         A,
         T,
         scores.shape[1],
