@@ -35,7 +35,9 @@ RECORDS = []
 def compile_one(kernel, args, kwargs):
     opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     names = kernel.arg_names
-    values = list(args) + [kwargs[n] for n in names[len(args):]]
+    # Parameters left out take their default (e.g. an optional constexpr flag).
+    values = list(args) + [kwargs[n] if n in kwargs else kernel.params[len(args) + j].default
+                           for j, n in enumerate(names[len(args):])]
     sig, consts, attrs = {}, {}, {}
     for i, (name, v) in enumerate(zip(names, values)):
         p = kernel.params[i]
