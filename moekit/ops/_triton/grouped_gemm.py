@@ -545,9 +545,9 @@ _STREAM_SMEM = 110 * 1024
 
 
 def gemv_config(M: int, N: int, K: int, elem: int, sms: int) -> GemmConfig:
-    """GEMV kernel: weight slices of ``block_n`` rows, K tiles of about 8 KB of weights (a power
-    of two dividing K when one of at least 128 elements does: no K masks), about 32 KB of them in
-    flight. ``block_n``: the widest (up to 16) that still gives about two programs per SM; on
+    """GEMV kernel: weight slices of ``block_n`` rows, K tiles of about 8 KB of weights (at most
+    512 FP8 values; a power of two dividing K when one of at least 128 elements does: no K masks),
+    about 32 KB of them in flight. ``block_n``: the widest (up to 16) that still gives about two programs per SM; on
     short rows (K under 4 KB of weights) no wider than 16 KB of weights per program. Measured on
     the H200 (one row, routings rotated past the L2): Scout TP8 w13 bf16 8 rows 5.5 µs vs 6.2 at
     4; Maverick TP8 w2 16 KB programs (bf16 8 rows 5.9 vs 6.4 at 16; FP8 16 rows 4.1 vs 4.6 at
@@ -558,7 +558,11 @@ def gemv_config(M: int, N: int, K: int, elem: int, sms: int) -> GemmConfig:
         if M * cdiv(N, bn) >= (9 * sms) // 5 and (row_bytes >= 4096 or bn * row_bytes <= 16384):
             block_n = bn
             break
+    # K tiles of ~8 KB of weights, at most 512 wide for FP8 (run 6: DeepSeek w2 8 x 512 7.8 µs vs
+    # 8 x 1024 8.9; Maverick / Qwen3 / Llama 4 at or within 5% of their best with 512).
     target = max(64, 8192 // (block_n * elem))
+    if elem == 1:
+        target = min(target, 512)
     div = K & -K  # the largest power of two dividing K
     block_k = min(target, div) if div >= 128 else min(target, max(16, next_pow2(K)))
     # Pipeline depth: about 32 KB of weights in flight per program (num_stages - 1 tiles).
@@ -746,16 +750,12 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     # helper (the epilogue) as written; an output passed twice then gets two functionalized
     # copies, and the untouched one is written back over the result.
     ph = torch.empty((1,), dtype=torch.int32, device=x.device)
+    optional = [
+        t if t is not None else ph for t in (m_sizes, x_scale, w_scale, bias, token_weights, scatter_indices)
+    ]
     if cfg.kind == "gemv":
         launch(_gg_gemv_kernel)[(M * cdiv(N, bn),)](
-            x, w, y,
-            m_sizes if m_sizes is not None else ph,
-            x_scale if x_scale is not None else ph,
-            w_scale if w_scale is not None else ph,
-            bias if bias is not None else ph,
-            token_weights if token_weights is not None else ph,
-            scatter_indices if scatter_indices is not None else ph,
-            M, N, K, G, out_rows, x.stride(0), w.stride(0), y.stride(0),
+            x, w, y, *optional, M, N, K, G, out_rows, x.stride(0), w.stride(0), y.stride(0),
             HAS_MSIZES=m_sizes is not None, FP8=fp8, HAS_BIAS=bias is not None,
             HAS_TW=token_weights is not None, SCATTER=scatter, G_BLOCK=max(16, next_pow2(G)),
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages,
@@ -787,12 +787,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         x_arg,
         w_arg,
         y,
-        m_sizes if m_sizes is not None else ph,
-        x_scale if x_scale is not None else ph,
-        w_scale if w_scale is not None else ph,
-        bias if bias is not None else ph,
-        token_weights if token_weights is not None else ph,
-        scatter_indices if scatter_indices is not None else ph,
+        *optional,
         M,
         N,
         K,
