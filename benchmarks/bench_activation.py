@@ -122,7 +122,8 @@ def bench_silu(T, F, mslk, rows):
     def mk(fn):
         return lambda h: (lambda: fn(*halves(h)))
 
-    _plans(f"T={T} F={F}", silu=tri_act.tile_config(T, F, 2, x0.device), quant=tri_q.pipe_row_config(T, F, 2, 2, x0.device))
+    _plans(f"T={T} F={F}", silu=tri_act.tile_config(T, F, 2, x0.device),
+           quant=tri_act.silu_mul_quant_config(T, F, 2, x0.device))
     nbytes = in_bytes + T * F * 2
     ours = _time(mk(silu_mul), sets)
     peer = _time(mk(mslk["silu_mul"]), sets) if "silu_mul" in mslk else None
@@ -145,7 +146,7 @@ def bench_quant(T, K, mslk, rows):
     def mk(fn):
         return lambda a: (lambda: fn(a))
 
-    _plans(f"T={T} K={K}", quantize=tri_q.pipe_row_config(T, K, 2, 1, sets[0].device, split=True))
+    _plans(f"T={T} K={K}", quantize=tri_q.quantize_config(T, K, 2, sets[0].device))
     ours = _time(mk(quantize_fp8_row), sets)
     peer = _time(mk(mslk["quantize_fp8_row"]), sets) if "quantize_fp8_row" in mslk else None
     tq = _time(mk(lambda a: torch_quant_rows(a, 1.0 / 512.0)), sets)

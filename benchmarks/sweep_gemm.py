@@ -48,6 +48,7 @@ def parse(spec: str) -> list:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=DEFAULT)
+    ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh (QUICK=1); no effect")
     ap.add_argument("--out", default=os.path.join(os.environ.get("MOEKIT_BENCH_DIR", "."), "gg_tuned.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():

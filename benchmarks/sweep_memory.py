@@ -115,7 +115,7 @@ def sweep_silu_mul_quant(shapes) -> None:
         sets = [(torch.randn(T, F, device="cuda", dtype=torch.bfloat16),
                  torch.randn(T, F, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
         cands = _pipe_cands(q, T, F, triton.next_power_of_2(F), 0, sms)
-        sweep(f"silu_mul_quant T={T} F={F}", nbytes, act, "pipe_row_config", cands,
+        sweep(f"silu_mul_quant T={T} F={F}", nbytes, act, "silu_mul_quant_config", cands,
               lambda s: (lambda: silu_mul_quant(s[0], s[1])), sets)
 
 
@@ -131,7 +131,7 @@ def sweep_quantize(shapes) -> None:
         c1, c2 = q.row_tiles(K, 8, True)
         cands = _pipe_cands(q, T, K, c1, c2, sms) + _pipe_cands(q, T, K, triton.next_power_of_2(K), 0, sms,
                                                                 block_ts=(1, 2), warps=(4, 8))
-        sweep(f"quantize_fp8_row T={T} K={K}", nbytes, q, "pipe_row_config", cands,
+        sweep(f"quantize_fp8_row T={T} K={K}", nbytes, q, "quantize_config", cands,
               lambda s: (lambda: quantize_fp8_row(s)), sets)
 
 
@@ -210,6 +210,7 @@ ALL = {
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default=",".join(ALL), help=f"comma list of {sorted(ALL)}")
+    ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh (QUICK=1); no effect")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("sweep_memory: needs a CUDA GPU; nothing to do on this machine.")

@@ -33,7 +33,7 @@ RECORDS = []
 
 
 def compile_one(kernel, args, kwargs):
-    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     names = kernel.arg_names
     # Parameters left out take their default (e.g. an optional constexpr flag).
     values = list(args) + [kwargs[n] if n in kwargs else kernel.params[len(args) + j].default
@@ -61,7 +61,7 @@ def compile_one(kernel, args, kwargs):
             sig[name] = "fp64"  # what inductor passes for a Python float
         else:
             raise TypeError(f"{kernel.__name__}: unsupported argument {name}={v!r}")
-    rec = {"kernel": kernel.__name__, "num_warps": opts.get("num_warps", 4),
+    rec = {"kernel": kernel.__name__, "num_warps": opts.get("num_warps", 4), "launch_pdl": opts.get("launch_pdl", False),
            "constants": {k: repr(v) for k, v in consts.items()}, "shared": None, "error": None}
     try:
         k = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),

@@ -124,7 +124,7 @@ def test_grid_stride_loop_interpreter(monkeypatch, stages):
     x0[37].zero_()
     cfg = tri.np_row_config(40, 2048, 2, 2, 512, x0.device)
     assert cfg.one_pass and cfg.stages == 1 and cfg.grid == 40
-    monkeypatch.setattr(tri, "np_row_config", lambda *a: PipeConfig(2, 2048, True, stages, 4, 3))
+    monkeypatch.setattr(tri, "silu_mul_quant_config", lambda *a: PipeConfig(2, 2048, True, stages, 4, 3))
     ub = torch.tensor([0.75])
     out = (poison(torch.empty(40, 2048, dtype=torch.float8_e4m3fn)), poison(torch.empty(40)))
     tri.silu_mul_quant(x0, x1, ub, _count(38), out=out)
@@ -311,6 +311,27 @@ def test_silu_mul_quant_gpu(case, cuda):
     rq, rs = ref.silu_mul_quant(x0, x1, ub)
     assert_fp8_close(q, rq)
     assert_scales_close(s, rs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,F,n", [(3000, 8192, 2999), (600, 4096, 600)])
+def test_silu_mul_quant_persistent_gpu(T, F, n, cuda, monkeypatch):
+    """The persistent cp.async-pipelined silu_mul_quant (long rows of problems over 256 MB take
+    it; forced here on smaller ones): values, scales, the valid count, poisoned tails."""
+    from moekit.ops._triton import activation as tri
+
+    monkeypatch.setattr(tri, "PIPE_MIN_BYTES_SILU", 0)
+    cfg = tri.silu_mul_quant_config(T, F, 2, torch.device(cuda))
+    assert cfg.stages > 1 and cfg.grid < -(-T // cfg.block_t)
+    x0, x1 = _inputs(T, F, torch.bfloat16, cuda, seed=F, pad=8)
+    x0[T // 3].zero_()
+    out = (poison(torch.empty(T, F, dtype=torch.float8_e4m3fn, device=cuda)), poison(torch.empty(T, device=cuda)))
+    tri.silu_mul_quant(x0, x1, None, _count(n, cuda), out=out)
+    rq, rs = ref.silu_mul_quant(x0, x1)
+    assert_poisoned(out[0], slice(0, n))
+    assert_poisoned(out[1], slice(0, n))
+    assert_fp8_close(out[0][:n], rq[:n])
+    assert_scales_close(out[1][:n], rs[:n])
 
 
 @pytest.mark.gpu

@@ -35,18 +35,20 @@ from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
 from moekit.ops._triton.quantize import (
     MAX_GRID,
     MAX_ROWS,
+    PipeConfig,
     fp8_saturate,
     np_row_config,
     pipe_row_config,
     prev_pow2,
     row_scales,
 )
+from moekit.reference.quantize import FUSED_EPS
 
 # silu_mul_quant rows at least this long, on inputs (both halves) over this many bytes, take the
-# persistent kernel ([2048, 8192], 64 MB, measured 20.9 µs one row per program vs 25.2).
+# persistent kernel ([16384, 8192], 512 MB: 168 µs vs 181; [2048, 8192], 64 MB, stays one row per
+# program: 20.9 µs vs 25.2).
 PIPE_MIN_ROW = 4096
 PIPE_MIN_BYTES_SILU = 256 * 1024 * 1024
-from moekit.reference.quantize import FUSED_EPS
 
 # Values of each input per silu_mul tile (one program each, 4 warps: one 16-byte vector per thread
 # and input). Measured on the H200 against the persistent pipelined variant and other tiles: [2048,
@@ -205,6 +207,18 @@ def _silu_mul_quant_kernel(
                 tl.store(y_ptr + r64 * stride_y + cols, to_fp8(q, out_ty, EMULATE), mask=mask)
 
 
+def silu_mul_quant_config(T: int, F: int, elem_bytes: int, device: torch.device) -> PipeConfig:
+    """Launch of ``silu_mul_quant`` over ``[T, F]`` (a cheap shape bucket): one row block per
+    program, except long rows of large problems, which take the persistent pipelined kernel
+    when a pipeline stage fits (measured [16384, 8192]: 168 µs vs 181 for one row per program;
+    at F = 2048 one row per program wins at any T)."""
+    if F >= PIPE_MIN_ROW and 2 * T * F * elem_bytes > PIPE_MIN_BYTES_SILU:
+        cfg = pipe_row_config(T, F, elem_bytes, 2, device)
+        if cfg.stages > 1:
+            return cfg
+    return np_row_config(T, max(F, 1), elem_bytes, 2, 512, device)
+
+
 def _check_rows(T: int) -> None:
     if T > MAX_ROWS:
         raise ValueError(f"x0 must have at most {MAX_ROWS} rows, got {T}")
@@ -263,12 +277,7 @@ def silu_mul_quant(
     if T == 0:
         return y, scale
     _check_rows(T)
-    if F >= PIPE_MIN_ROW and 2 * T * F * x0.element_size() > PIPE_MIN_BYTES_SILU:
-        # Long rows, large problem: the persistent pipelined kernel (measured [16384, 8192]: 168
-        # µs vs 181 for one row per program; at F = 2048 one row per program wins at any T).
-        cfg = pipe_row_config(T, F, x0.element_size(), 2, x0.device)
-    else:
-        cfg = np_row_config(T, max(F, 1), x0.element_size(), 2, 512, x0.device)
+    cfg = silu_mul_quant_config(T, F, x0.element_size(), x0.device)
     has_valid = valid_token_count is not None
     launch(_silu_mul_quant_kernel)[(cfg.grid,)](
         y,

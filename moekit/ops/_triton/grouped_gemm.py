@@ -7,9 +7,9 @@ Three kernels (the last two share one epilogue):
   token, top-1 or a few). One program = one row and a ``BLOCK_N``-row slice (1..16 rows) of its
   expert's weights over the whole K, on CUDA cores: an elementwise float32 accumulator that
   every thread owns (no MMA dependency chain), cp.async-pipelined 16-byte loads, one reduction
-  over K at the end. ``BLOCK_N`` is chosen so that there are about three programs per SM: all
-  of them resident at once, each with ~32 KB of weights in flight, no split-K reduction and no
-  second launch (the tensor-core tile of 16 rows per MMA would leave one or two chained
+  over K at the end. ``BLOCK_N`` is chosen so that there are about two programs per SM (and,
+  on short rows, about 16 KB of weights per program): all of them resident at once, each with
+  ~32 KB of weights in flight, no split-K reduction and no second launch (the tensor-core tile of 16 rows per MMA would leave one or two chained
   programs per SM streaming at a third of HBM bandwidth).
 - ``_gg_stream_kernel`` (the *streaming* path, rows per expert small: decode, and prefill of
   models with many experts). Operands are swapped: the tile is ``[BLOCK_N, BLOCK_M]`` =
@@ -84,67 +84,52 @@ def _pick(vec, sel):
 
 
 @triton.jit
-def _epilogue_operands(
-    offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr,
-    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TW: tl.constexpr, SCATTER: tl.constexpr,
-):  # fmt: skip
-    """The epilogue's loads for rows ``offs_m`` and expert columns ``offs_n`` of group ``g``:
-    ``(x_scale [BM], w_scale [BN], bias [BN], token weight [BM], destination row [BM])`` (ones,
-    zeros or the row itself where the feature is off). A kernel may load them before its K loop
-    so their latency hides under the weight stream."""
+def _epilogue(
+    acc,
+    offs_m,
+    m_mask,
+    offs_n,
+    n_mask,
+    g,
+    N,
+    y_ptr,
+    stride_ym,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    tw_ptr,
+    idx_ptr,
+    T_OUT,
+    FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_TW: tl.constexpr,
+    SCATTER: tl.constexpr,
+):
+    """``acc`` [BM, BN] float32 for rows ``offs_m`` and expert columns ``offs_n`` of group ``g``:
+    scale (FP8), add bias, weight by token, then store or scatter-add. One helper on purpose:
+    inductor's mutation analysis (torch.compile) follows pointers into called @triton.jit
+    functions coarsely; computing the store address from values loaded in another helper made it
+    count every input pointer of the kernel as written (tests/ops/test_grouped_gemm.py checks)."""
     col = g.to(tl.int64) * N + offs_n
-    xs = tl.full(offs_m.shape, 1.0, tl.float32)
-    ws = tl.full(offs_n.shape, 1.0, tl.float32)
     if FP8:
         xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
         ws = tl.load(ws_ptr + col, mask=n_mask, other=0.0)
-    b = tl.zeros(offs_n.shape, tl.float32)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
-    tw = tl.full(offs_m.shape, 1.0, tl.float32)
-    if HAS_TW:
-        tw = tl.load(tw_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
-    dst = offs_m.to(tl.int64)
-    if SCATTER:
-        dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
-    return xs, ws, b, tw, dst
-
-
-@triton.jit
-def _epilogue_apply(
-    acc, m_mask, offs_n, n_mask, xs, ws, b, tw, dst, y_ptr, stride_ym, T_OUT,
-    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TW: tl.constexpr, SCATTER: tl.constexpr,
-):  # fmt: skip
-    """``acc`` [BM, BN] float32 with the operands of ``_epilogue_operands``: scale (FP8), add
-    bias, weight by token, then store row ``dst`` or scatter-add into it."""
-    if FP8:
         acc = acc * xs[:, None] * ws[None, :]
     if HAS_BIAS:
+        b = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc + b[None, :]
     if HAS_TW:
+        tw = tl.load(tw_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
         acc = acc * tw[:, None]
     val = acc.to(y_ptr.dtype.element_ty)
     if SCATTER:
+        dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
         ok = m_mask & (dst >= 0) & (dst < T_OUT)
         ptrs = y_ptr + dst[:, None] * stride_ym + offs_n[None, :]
         tl.atomic_add(ptrs, val, mask=ok[:, None] & n_mask[None, :], sem="relaxed")
     else:
-        ptrs = y_ptr + dst[:, None] * stride_ym + offs_n[None, :]
+        ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(ptrs, val, mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _epilogue(
-    acc, offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym, xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr,
-    T_OUT, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TW: tl.constexpr, SCATTER: tl.constexpr,
-):  # fmt: skip
-    """Loads then applies the epilogue (``_epilogue_operands`` + ``_epilogue_apply``)."""
-    xs, ws, b, tw, dst = _epilogue_operands(
-        offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, FP8, HAS_BIAS, HAS_TW,
-        SCATTER,
-    )  # fmt: skip
-    _epilogue_apply(acc, m_mask, offs_n, n_mask, xs, ws, b, tw, dst, y_ptr, stride_ym, T_OUT, FP8, HAS_BIAS,
-                    HAS_TW, SCATTER)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -576,7 +561,11 @@ def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: 
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     rows_per_group = M / hits
     kpow = next_pow2(K)
-    if rows_per_group < 48:
+    # 48+ rows per group take the tiled kernel (64 x 256 tiles), unless it would leave SMs idle
+    # (few groups: e.g. one group of 64 rows is 2 x cdiv(N, 256) tiles) where the streaming
+    # kernel still spreads the weights over every SM.
+    tiled_tiles = (M / 64 + hits) * cdiv(N, 256)
+    if rows_per_group < 48 or (rows_per_group <= 64 and tiled_tiles < sms):
         # Streaming: the weights of the hit experts are the traffic. Rows tile: room for about
         # twice the mean group size, so a group rarely needs a second pass over its weights.
         block_m = min(128, max(16, next_pow2(int(math.ceil(2 * rows_per_group - 1e-3)))))
@@ -619,8 +608,14 @@ def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: 
         block_n = 128
     stage_bytes = (block_m + block_n) * block_k * elem
     stages = max(2, min(4, (176 * 1024) // stage_bytes))
-    # The fused (flattened) loop keeps a second epilogue buffer: FP8 128x256 would spill with it.
-    flatten = _FLATTEN_DEFAULT and not (elem == 1 and block_m * block_n >= 128 * 256)
+    # The fused (flattened) loop keeps a second epilogue buffer: FP8 128x256 would spill with it,
+    # and with float32 tiles the stages plus that buffer pass the 227 KB a block may use.
+    out_elem = 4 if elem == 4 else 2
+    flatten = (
+        _FLATTEN_DEFAULT
+        and not (elem == 1 and block_m * block_n >= 128 * 256)
+        and stages * stage_bytes + block_m * block_n * out_elem <= 220 * 1024
+    )
     return GemmConfig("tiled", block_m, block_n, block_k, stages, 8, flatten=flatten)
 
 
@@ -714,10 +709,13 @@ def grouped_gemm(
 
 
 def _pdl_kwargs(x: torch.Tensor) -> dict:
-    """Launch options for programmatic dependent launch: only when enabled, on a Hopper or newer
-    GPU (never under the interpreter or for fake tensors)."""
+    """Launch arguments for programmatic dependent launch: on only when enabled, on a Hopper or
+    newer GPU, and never for fake tensors (torch.compile tracing): the kernel's ``griddepcontrol``
+    inline asm is not pure, and inductor's mutation analysis would then count every argument,
+    weights included, as written. ``USE_PDL`` is always passed: inductor's analysis rejects a
+    launch that leaves a parameter to its default (and then assumes every input is written)."""
     if not PDL or not x.is_cuda or _is_fake(x) or _capability_major(x.device.index or 0) < 9:
-        return {}
+        return {"USE_PDL": False}
     return {"USE_PDL": True, "launch_pdl": True}
 
 

@@ -6,8 +6,9 @@ per SM walks the row blocks, and ``tl.range(..., num_stages=S)`` turns the loads
 copies into shared memory issued ``S - 1`` row blocks ahead. Bytes in flight per SM then no
 longer depend on registers, and the reduction, division and store of one row block overlap the
 loads of the next ones. A row that is not a power of two long is covered by two power-of-two
-tiles where that saves lanes (5120 = 4096 + 1024). Smaller inputs, and ``silu_mul_quant``, run one
-row block per program (``np_row_config``): measured faster there. Rows longer than
+tiles where that saves lanes (5120 = 4096 + 1024). Smaller inputs, and ``silu_mul_quant`` except
+on long rows of large problems, run one row block per program (``np_row_config``): measured
+faster there. Rows longer than
 ``ONE_PASS_BYTES`` take two passes over the row (the second read mostly hits L2).
 
 Float scalars (``eps``) are cast to float32 inside the kernels: Triton's launcher passes Python
@@ -40,8 +41,8 @@ PIPE_SMEM_BYTES = 192 * 1024
 PIPE_MAX_STAGE_BYTES = 32768
 # Input bytes of one row block when rows are short (several rows per stage).
 PIPE_STAGE_BYTES = 16384
-# Programs per SM of a persistent kernel (2-4 warps each): measured on the H200, four programs of
-# three stages beat six of four (fp8 quantization of [16384, 5120]: 63 vs 68 µs).
+# Programs per SM of a persistent kernel: measured on the H200, four programs of three stages beat
+# six of four (fp8 quantization of [16384, 5120]: 63 vs 68 µs).
 PIPE_MAX_PROGS = 4
 # Inputs up to this many bytes take one row block per program, no pipelining (``np_row_config``):
 # at these sizes the persistent kernel's ramp (every program filling its pipeline before the
@@ -127,8 +128,9 @@ def np_row_config(
 ) -> PipeConfig:
     """One row block per program, no pipelining (``stages == 1``): whole rows of ``n_cols`` held
     in registers as one power-of-two tile (rows up to ``ONE_PASS_BYTES``; longer rows take the
-    two-pass ``row_config``). About 2048 values of each input per program (one row when rows are
-    that long), one warp per ``warp_elems`` values of one input, at most 8 warps. Measured on the
+    two-pass ``row_config``, up to 16 warps). About 2048 values of each input per program (one
+    row when rows are that long), one warp per ``warp_elems`` values of one input, at most 8
+    warps. Measured on the
     H200: silu_mul_quant [2048, 2048] 7.0 µs (4 warps) vs 8.5 for the persistent kernel, [2048,
     8192] 20.9 (8 warps) vs 26.0, [16384, 2048] 41.8 vs 46.8; quantize_fp8_row [2048, 5120] 9.1
     (one 8192-wide tile, 4 warps) vs 11.2."""
@@ -352,6 +354,15 @@ def _quantize_fp8_row_kernel(
                 _store_fp8(q_row, cols, row_ok, K_OUT, x * inv[:, None], MAX_FP8, EMULATE)
 
 
+def quantize_config(R: int, C: int, elem_bytes: int, device: torch.device) -> PipeConfig:
+    """Launch of ``quantize_fp8_row`` over ``R`` rows of ``C`` output columns (a cheap shape
+    bucket): one row block per program up to ``PIPE_MIN_BYTES`` of input, else the persistent
+    pipelined kernel with split row tiles."""
+    if R * C * elem_bytes <= PIPE_MIN_BYTES:
+        return np_row_config(R, C, elem_bytes, 1, 2048, device)
+    return pipe_row_config(R, C, elem_bytes, 1, device, split=True)
+
+
 def quantize_fp8_row(
     a: torch.Tensor,
     scale_ub: Optional[torch.Tensor] = None,
@@ -376,10 +387,7 @@ def quantize_fp8_row(
     a, lay = rows_of(a)
     jagged = zero_start_index_M is not None
     zsi = zero_start_index_M.reshape(-1) if jagged else None
-    if R * max(K, k_out) * a.element_size() <= PIPE_MIN_BYTES:
-        cfg = np_row_config(R, max(k_out, 1), a.element_size(), 1, 2048, a.device)
-    else:
-        cfg = pipe_row_config(R, max(k_out, 1), a.element_size(), 1, a.device, split=True)
+    cfg = quantize_config(R, max(k_out, 1), a.element_size(), a.device)
     launch(_quantize_fp8_row_kernel)[(cfg.grid,)](
         q,
         scale,
