@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import tempfile
+import traceback
 
 import pytest
 import torch
@@ -388,6 +390,7 @@ def _ep_worker(rank: int, world: int, port: int, outdir: str, backend: str, conf
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     dist.init_process_group(backend, rank=rank, world_size=world)
+    code = 1
     try:
         for i, (case, prec, T) in enumerate(configs):
             args = _args(case, prec, ep_size=world, ep_rank=rank)
@@ -395,8 +398,19 @@ def _ep_worker(rank: int, world: int, port: int, outdir: str, backend: str, conf
             assert m.routed_experts.w13_e2FD.shape[0] == args.num_experts // world
             x = _x((world * T, 64), args.dtype, seed=i, device=device)[rank * T : (rank + 1) * T]
             torch.save(m(x).cpu(), os.path.join(outdir, f"out{i}_{rank}.pt"))
+        code = 0
+    except BaseException:  # noqa: BLE001 - shown in the test output; the exit code fails mp.spawn
+        traceback.print_exc()
     finally:
-        dist.destroy_process_group()
+        # Leave together, without C++ teardown (see tests/comm/_dist.py: a gloo rank once aborted
+        # at exit after its work was done).
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - the parent sees the missing output files
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _run_ep(backend: str, configs: list, device: str) -> None:
