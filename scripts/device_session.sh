@@ -46,7 +46,10 @@ fi
 if [[ " $PHASES " == *" comm "* ]] && [ "$NGPU" -ge 2 ]; then
   t=$(( $(left) * ${COMM_SHARE:-45} / 100 ))
   echo "== comm gpu tests (limit ${t}s)"
+  # The collective's tier, then the layers' multi-GPU tests (expert parallelism over NCCL).
   timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf tests/comm > "$RES/tests_comm.log" 2>&1
+  timeout $(( $(left) > 60 ? 60 : 10 )) python3 -m pytest -q -m multigpu -p no:cacheprovider --timeout 120 -rf tests/layers \
+    >> "$RES/tests_comm.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$RES/tests_comm.log" | tail -n 25
 fi
 if [[ " $PHASES " == *" bench "* ]]; then

@@ -8,7 +8,8 @@
 - ``MetaShufflingMoE`` runs the sort-based, padding-free, host-sync-free forward of
   ``moekit.layers.functional.moe_forward`` (CUDA-graph capturable, ``torch.compile``-able), with
   the shared expert on a side CUDA stream; with ``ep_size > 1`` the static-shape expert-parallel
-  path (all-gather tokens, local experts, reduce-scatter back).
+  path (all-gather tokens, local experts, reduce-scatter back) or, with ``ep_comm="dynamic"``,
+  the all-to-all path (only routed rows travel; one host sync per layer).
 
 Weights follow DESIGN §3: ``router_DE [D, E]``; routed ``w13_e2FD [e, 2F, D]`` (gate rows over up
 rows) and ``w2_eDF [e, D, F]``; shared ``w13_2FD [2Fs, D]`` and ``w2_DF [D, Fs]``. FP8 row-wise
@@ -33,6 +34,7 @@ from moekit.reference.routing import SCORE_FUNCS, routing_weights
 
 __all__ = [
     "PRECISIONS",
+    "EP_COMMS",
     "MoEArgs",
     "ScaledParameter",
     "RoutedExperts",
@@ -42,6 +44,7 @@ __all__ = [
 ]
 
 PRECISIONS = ("bf16", "fp8_rowwise")
+EP_COMMS = ("static", "dynamic")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -74,6 +77,10 @@ class MoEArgs:
     Parallelism (defaults: one GPU): ``ep_size``/``ep_rank`` split the experts into contiguous
     blocks of ``num_experts // ep_size``; ``tp_size``/``tp_rank`` shard every expert's hidden dim
     (the layer then returns this shard's partial sum: the caller all-reduces over the TP group).
+    ``ep_comm`` picks the expert-parallel communication of ``MetaShufflingMoE`` (ignored when
+    ``ep_size == 1``): "static" (default; all-gather tokens, reduce-scatter back; static shapes, no
+    host sync, CUDA-graph capturable; every rank must hold the same T) or "dynamic" (all-to-all of
+    only the routed rows; one host sync per layer to size the buffers; T may differ per rank).
     """
 
     dim: int
@@ -98,6 +105,7 @@ class MoEArgs:
     ep_rank: int = 0
     tp_size: int = 1
     tp_rank: int = 0
+    ep_comm: str = "static"
 
     def __post_init__(self) -> None:
         check_int("dim", self.dim, lo=1)
@@ -157,6 +165,10 @@ class MoEArgs:
         check_int("ep_rank", self.ep_rank, lo=0, hi=self.ep_size - 1)
         if self.num_experts % self.ep_size:
             raise ValueError(f"ep_size must divide num_experts ({self.num_experts}), got ep_size={self.ep_size}")
+        if not isinstance(self.ep_comm, str):
+            raise TypeError(f"ep_comm must be a str, one of {EP_COMMS}, got {type(self.ep_comm).__name__}")
+        if self.ep_comm not in EP_COMMS:
+            raise ValueError(f"ep_comm must be one of {EP_COMMS}, got {self.ep_comm!r}")
         check_int("tp_size", self.tp_size, lo=1)
         check_int("tp_rank", self.tp_rank, lo=0, hi=self.tp_size - 1)
         if self.hidden_dim % self.tp_size:
@@ -865,7 +877,8 @@ class MetaShufflingMoE(BaselineMoE):
     first and the routed rows are scatter-added into its output. CUDA-graph capturable;
     ``torch.compile(fullgraph=True)``-clean (on CUDA the side stream is skipped while compiling).
 
-    ``ep_size > 1``: the static-shape expert-parallel path (see ``_ep_forward``).
+    ``ep_size > 1``: the static-shape expert-parallel path (``args.ep_comm == "static"``, see
+    ``_ep_forward``) or the dynamic all-to-all path (``"dynamic"``, see ``_ep_dynamic_forward``).
     """
 
     def __init__(self, args: MoEArgs, **kwargs: Any) -> None:
@@ -916,6 +929,8 @@ class MetaShufflingMoE(BaselineMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = self._flatten(x)
         if self.args.ep_size > 1:
+            if self.args.ep_comm == "dynamic":
+                return self._ep_dynamic_forward(x_TD).reshape(x.shape)
             return self._ep_forward(x_TD).reshape(x.shape)
         if x_TD.shape[0] == 0:  # static shape: nothing to route
             return torch.zeros_like(x)
@@ -951,7 +966,7 @@ class MetaShufflingMoE(BaselineMoE):
            zero ``[R*T, D]`` partial output;
         4. reduce-scatter (sum over ranks) back to this rank's ``[T, D]``, + the shared expert.
 
-        The dynamic all-to-all path (one host sync per layer) is not implemented.
+        The dynamic all-to-all path (one host sync per layer) is ``_ep_dynamic_forward``.
         """
         import torch.distributed as dist
 
@@ -1015,3 +1030,135 @@ class MetaShufflingMoE(BaselineMoE):
         if shared is not None:
             out = out + shared
         return out.to(a.dtype)
+
+    # Expert parallelism (dynamic shapes) --------------------------------------------------------
+    def _ep_dynamic_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Dynamic-shape expert parallelism: every rank sends only the rows its tokens routed to
+        each other rank (``args.ep_comm == "dynamic"``; T may differ between ranks, even be 0).
+
+        1. route this rank's T tokens over all E experts; ``index_shuffling`` sorts the T*K rows
+           by expert, hence by destination rank (rank r holds experts ``[r*e, (r+1)*e)``);
+        2. all-to-all of the per-expert counts (``[E]`` -> ``[R, e]`` received), then **one host
+           sync** (the documented exception, DESIGN §4) to size the receive buffers;
+        3. gather the rows (scaled by the router weight when ``apply_router_weight_on_input``;
+           FP8: quantized row-wise here, exactly as on one GPU, so half the bytes travel) and
+           all-to-all them, with a float32 side-band per row (FP8 dequant scale, router weight
+           when it applies on the output); the shared expert runs while they travel;
+        4. ``combine_shuffling`` rank-major -> expert-major, grouped GEMM -> SwiGLU (+ quant) ->
+           grouped GEMM (router weight in its epilogue when on the output), ``split_shuffling``
+           back to rank-major and all-to-all back;
+        5. scatter-add the returned rows into the shared expert's output (or zeros) at their
+           tokens (``deterministic``: the atomics-free, bitwise-reproducible sum).
+
+        Not CUDA-graph capturable and not ``torch.compile(fullgraph=True)``-clean (the host sync and
+        the data-dependent buffer sizes are the point of this path); use ``ep_comm="static"`` there.
+        """
+        import torch.distributed as dist
+
+        from moekit.layers.functional import route
+        from moekit.ops import (
+            combine_shuffling,
+            gather_scale_dense_tokens,
+            gather_scale_quant_dense_tokens,
+            grouped_gemm,
+            grouped_gemm_fp8_rowwise,
+            index_shuffling,
+            scatter_add_dense_tokens,
+            silu_mul,
+            silu_mul_quant,
+            split_shuffling,
+        )
+
+        a, re = self.args, self.routed_experts
+        R, (T, D), E, e, K = a.ep_size, x_TD.shape, a.num_experts, a.num_local_experts, a.top_k
+        F = re.hidden_dim
+        dev, group = x_TD.device, self.ep_group
+        fp8 = re.is_fp8_rowwise
+        on_input = a.apply_router_weight_on_input
+        side_band = fp8 or not on_input  # per-row float32 metadata travels with the rows
+        out_dtype = torch.bfloat16 if fp8 else x_TD.dtype
+        x_TD = x_TD.contiguous()
+        N = T * K
+
+        # 1. Local routing: rows sorted by global expert (all E in range: every row is valid).
+        if T:
+            sel, weights = route(self.router_logits(x_TD), self.cfg, self.e_score_correction_bias_E)
+            counts, expert_ids, token_ids = index_shuffling(sel, top_k=K)
+            send_counts_E = counts[:E]
+        else:  # a rank without tokens still takes part in every collective
+            weights = torch.zeros(0, E, dtype=torch.float32, device=dev)
+            send_counts_E = torch.zeros(E, dtype=torch.int32, device=dev)
+            expert_ids = token_ids = torch.zeros(0, dtype=torch.int32, device=dev)
+
+        # 2. Counts: send_counts_E[r*e + j] rows go to rank r's local expert j; recv_counts_Re[r, j]
+        #    rows come from rank r for this rank's local expert j. Then the one host sync.
+        recv_counts_E = torch.empty_like(send_counts_E)
+        dist.all_to_all_single(recv_counts_E, send_counts_E, group=group)
+        recv_counts_Re = recv_counts_E.view(R, e)
+        per_rank = torch.stack([send_counts_E.view(R, e), recv_counts_Re]).sum(dim=-1)
+        send_splits, recv_splits = per_rank.cpu().tolist()  # host sync (the documented exception)
+        N_recv = sum(recv_splits)
+
+        # 3. Send rows (+ side band), all-to-all; the shared expert overlaps the exchange.
+        gather_scores = weights if on_input else torch.ones((1, 1), dtype=torch.float32, device=dev).expand(T, E)
+        meta_N8 = torch.zeros(N, 8, dtype=torch.float32, device=dev) if side_band else None
+        if fp8:
+            if T:
+                send_x, x_scale = gather_scale_quant_dense_tokens(x_TD, token_ids, expert_ids, gather_scores)
+                meta_N8[:, 0] = x_scale
+            else:
+                send_x = torch.empty(0, D, dtype=FP8_DTYPE, device=dev)
+        else:
+            send_x = gather_scale_dense_tokens(x_TD, token_ids, expert_ids, gather_scores) if T else x_TD[:0]
+        if not on_input and T:
+            meta_N8[:, 1] = weights[token_ids.long(), expert_ids.long()]
+        recv_x = torch.empty(N_recv, D, dtype=send_x.dtype, device=dev)
+        works = [_all_to_all_rows(recv_x, send_x, recv_splits, send_splits, group)]
+        recv_meta = None
+        if side_band:
+            recv_meta = torch.empty(N_recv, 8, dtype=torch.float32, device=dev)
+            works.append(_all_to_all_rows(recv_meta, meta_N8, recv_splits, send_splits, group))
+        shared = self.shared_forward(x_TD) if self.shared_experts is not None and T else None
+        for w in works:
+            w.wait()
+
+        # 4. Local experts on the received rows, expert-major, then back to rank-major.
+        if N_recv:
+            xe, counts_out = combine_shuffling(recv_x, recv_counts_Re)
+            m_sizes = counts_out[:e]
+            me = combine_shuffling(recv_meta, recv_counts_Re)[0] if side_band else None
+            token_weights = None if on_input else me[:, 1].contiguous()
+            if fp8:
+                h = grouped_gemm_fp8_rowwise(xe, re.w13.data.view(-1, D), m_sizes, me[:, 0].contiguous(),
+                                             re.w13_scale.reshape(-1), a.use_fast_accum)  # fmt: skip
+                zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
+                y = grouped_gemm_fp8_rowwise(zq, re.w2.data.view(-1, F), m_sizes, zs, re.w2_scale.reshape(-1),
+                                             a.use_fast_accum, token_weights=token_weights)  # fmt: skip
+            else:
+                h = grouped_gemm(xe, re.w13.data.view(-1, D), m_sizes)
+                z = silu_mul(h[:, :F], h[:, F:])
+                y = grouped_gemm(z, re.w2.data.view(-1, F), m_sizes, token_weights=token_weights)
+            back = split_shuffling(y, recv_counts_Re)
+        else:
+            back = torch.empty(0, D, dtype=out_dtype, device=dev)
+        y_N = torch.empty(N, D, dtype=out_dtype, device=dev)
+        _all_to_all_rows(y_N, back, send_splits, recv_splits, group).wait()
+
+        # 5. Rows back onto their tokens (same row order as this rank's index_shuffling).
+        out = shared if shared is not None else torch.zeros(T, D, dtype=out_dtype, device=dev)
+        if N:
+            scatter_add_dense_tokens(out, y_N, token_ids, deterministic=a.deterministic)
+        return out.to(a.dtype)
+
+
+def _all_to_all_rows(
+    out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+) -> Any:
+    """Asynchronous ``all_to_all_single`` of row blocks (``in_splits[r]`` rows of ``inp`` to rank
+    r, ``out_splits[r]`` rows from rank r into ``out``), moved as raw bytes so that FP8 and bf16
+    travel on any backend. Returns the work handle."""
+    import torch.distributed as dist
+
+    return dist.all_to_all_single(
+        out.view(torch.uint8), inp.contiguous().view(torch.uint8), out_splits, in_splits, group=group, async_op=True
+    )

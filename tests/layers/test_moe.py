@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import sys
-import tempfile
-import traceback
 
 import pytest
 import torch
@@ -379,59 +375,34 @@ EP_CONFIGS = [("llama4-k1", "fp32", 5), ("deepseek-k8", "fp32", 4), ("qwen-k8", 
 NCCL_EP_CONFIGS = [("llama4-k1", "bf16", 33), ("deepseek-k8", "bf16", 64), ("deepseek-k8", "fp8", 17)]
 
 
-def _ep_worker(rank: int, world: int, port: int, outdir: str, backend: str, configs: list) -> None:
+def _ep_rank_outputs(rank: int, world: int, backend: str, configs: list) -> list:
+    """One rank's static-EP outputs (run by ``tests.comm._dist.run_distributed``)."""
     import torch.distributed as dist
 
-    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ[k] = "0" if k == "NCCL_NVLS_ENABLE" else "1"  # never NVLink multicast (DESIGN §7)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    device = "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    code = 1
-    try:
-        for i, (case, prec, T) in enumerate(configs):
-            args = _args(case, prec, ep_size=world, ep_rank=rank)
-            m = MetaShufflingMoE(args, seed=9, ep_group=dist.group.WORLD, device=device)
-            assert m.routed_experts.w13_e2FD.shape[0] == args.num_experts // world
-            x = _x((world * T, 64), args.dtype, seed=i, device=device)[rank * T : (rank + 1) * T]
-            torch.save(m(x).cpu(), os.path.join(outdir, f"out{i}_{rank}.pt"))
-        code = 0
-    except BaseException:  # noqa: BLE001 - shown in the test output; the exit code fails mp.spawn
-        traceback.print_exc()
-    finally:
-        # Leave together, without C++ teardown (see tests/comm/_dist.py: a gloo rank once aborted
-        # at exit after its work was done).
-        try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - the parent sees the missing output files
-            pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    outs = []
+    for i, (case, prec, T) in enumerate(configs):
+        args = _args(case, prec, ep_size=world, ep_rank=rank)
+        m = MetaShufflingMoE(args, seed=9, ep_group=dist.group.WORLD, device=device)
+        assert m.routed_experts.w13_e2FD.shape[0] == args.num_experts // world
+        x = _x((world * T, 64), args.dtype, seed=i, device=device)[rank * T : (rank + 1) * T]
+        outs.append(m(x).cpu())
+    return outs
 
 
 def _run_ep(backend: str, configs: list, device: str) -> None:
-    import socket
-
-    import torch.multiprocessing as mp
+    from tests.comm._dist import run_distributed
 
     world = 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_ep_worker, args=(world, port, d, backend, configs), nprocs=world, join=True)
-        for i, (case, prec, T) in enumerate(configs):
-            args = _args(case, prec)
-            single = MetaShufflingMoE(args, seed=9, device=device)
-            x = _x((world * T, 64), args.dtype, seed=i, device=device)
-            got = torch.cat([torch.load(os.path.join(d, f"out{i}_{r}.pt")) for r in range(world)]).to(device)
-            assert got.shape == x.shape
-            assert_close(got.float(), single(x).float(), tol=PRECISIONS[prec][3], msg=case)
-            assert_close(got.float(), _oracle(single, x), tol=PRECISIONS[prec][2], msg=case)
+    results = run_distributed(_ep_rank_outputs, world, backend, args=(backend, configs), timeout_s=300.0)
+    for i, (case, prec, T) in enumerate(configs):
+        args = _args(case, prec)
+        single = MetaShufflingMoE(args, seed=9, device=device)
+        x = _x((world * T, 64), args.dtype, seed=i, device=device)
+        got = torch.cat([results[r][i] for r in range(world)]).to(device)
+        assert got.shape == x.shape
+        assert_close(got.float(), single(x).float(), tol=PRECISIONS[prec][3], msg=case)
+        assert_close(got.float(), _oracle(single, x), tol=PRECISIONS[prec][2], msg=case)
 
 
 @pytest.mark.reference
@@ -439,6 +410,7 @@ def test_expert_parallel_static_path_matches_single_process():
     _run_ep("gloo", EP_CONFIGS, "cpu")
 
 
+@pytest.mark.gpu
 @pytest.mark.multigpu
 def test_expert_parallel_static_path_nccl_matches_single_gpu():
     _run_ep("nccl", NCCL_EP_CONFIGS, "cuda:0")
