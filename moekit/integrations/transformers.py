@@ -1,0 +1,472 @@
+"""Hugging Face transformers integration: moekit as an experts implementation.
+
+transformers 5 dispatches the routed experts of most MoE models (the classes decorated with
+``@use_experts_implementation``: Qwen2/Qwen3-MoE, Mixtral, DeepSeek-V2/V3, OLMoE, GPT-OSS, ...)
+through ``ExpertsInterface``: the model computes its routing (top-k ids and weights) and calls
+``experts_forward(module, hidden_states [T, D], top_k_index [T, K], top_k_weights [T, K])``.
+``register()`` adds moekit there under the name ``"moekit"``; then either
+
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moekit")
+
+or ``enable(model)`` on a loaded model. ``enable`` also patches Llama 4 text MoE blocks, whose
+experts do not go through the interface.
+
+The moekit forward (host-sync free, static shapes, CUDA-graph capturable) runs the MetaShuffling
+pipeline on the routing the model already computed:
+
+1. a ``[T, E]`` selection tensor holding ``K - k`` at ``(t, top_k_index[t, k])`` and 0 elsewhere,
+   whose top-k is exactly the model's choice, goes through ``index_shuffling`` (fused count +
+   sort, no host sync);
+2. ``gather_scale_dense_tokens`` (unit scale: these models weight the expert *outputs*);
+3. ``grouped_gemm`` on the fused gate|up weights (+ the model's bias, if any);
+4. ``silu_mul`` when the model's gate is the standard concatenated SwiGLU, otherwise the model's
+   own ``_apply_gate`` / ``act_fn`` on the GEMM output (e.g. GPT-OSS's clamped, interleaved
+   SwiGLU);
+5. ``grouped_gemm`` on the down weights with the router weights as ``token_weights`` and the
+   fused scatter-add into the output (or, with a post-expert norm, GEMM -> norm -> weight ->
+   ``scatter_add_dense_tokens``).
+
+Weights: the usual ``[E, N, K]`` layout (``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``) is
+already moekit's ``w [E * N, K]``: a view, no copy. Transposed layouts (``[E, D, 2F]``, GPT-OSS,
+Llama 4) are repacked once into a cached contiguous copy (extra memory: one copy of the experts),
+keyed on the parameter's storage pointer, version counter, shape, strides, dtype and device, so a
+load, an in-place update or ``.to()`` refreshes it on the next call (``enable`` makes the copies;
+under ``torch.compile`` the cached copy is used as is: re-run ``enable`` after changing weights).
+``repack_count()`` counts the repacks; ``release_cache(model)`` frees the copies.
+
+Inference only: the moekit ops have no autograd formula. When autograd would need one (grad mode
+on and the input or an expert weight requires grad, e.g. a forward outside ``torch.no_grad()``),
+the call falls back to transformers' ``"grouped_mm"`` experts (Llama 4: the model's own forward)
+with a warning, so gradients stay correct; ``generate`` and ``torch.no_grad()`` run moekit.
+Not supported (clear ``TypeError``/``ValueError``): expert parallelism (``_is_expert_parallel``),
+quantized (e.g. FP8) expert weights, ``D`` or ``F`` not multiples of 8.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+__all__ = [
+    "IMPLEMENTATION",
+    "SUPPORTED_MODELS",
+    "disable",
+    "enable",
+    "experts_modules",
+    "moekit_experts_forward",
+    "register",
+    "release_cache",
+    "repack_count",
+]
+
+IMPLEMENTATION = "moekit"
+
+#: Model families tested end to end (CPU reference tier; CUDA in the gpu tier). Any other
+#: ``@use_experts_implementation`` experts class with the standard attributes works too.
+SUPPORTED_MODELS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4 (text)")
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_CACHE_ATTR = "_moekit_weight_cache"
+_DET_ATTR = "_moekit_deterministic"
+_ORIG_FWD_ATTR = "_moekit_original_forward"
+_repacks = [0]
+
+
+def _interface():
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as e:  # transformers < 5, or not installed
+        raise ImportError(
+            "moekit.integrations.transformers needs transformers >= 5 (transformers.integrations.moe."
+            "ExpertsInterface); install it with `pip install 'moekit[hf]'`"
+        ) from e
+    return ExpertsInterface
+
+
+def register() -> None:
+    """Register ``moekit_experts_forward`` as ``experts_implementation="moekit"`` (idempotent)."""
+    iface = _interface()
+    if iface._global_mapping.get(IMPLEMENTATION) is not moekit_experts_forward:
+        iface.register(IMPLEMENTATION, moekit_experts_forward)
+
+
+def repack_count() -> int:
+    """How many expert weights were repacked (copied into moekit's layout) in this process."""
+    return _repacks[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Module inspection
+# ----------------------------------------------------------------------------------------------
+
+
+def _uses_interface(module: torch.nn.Module) -> bool:
+    """Experts classes decorated with ``@use_experts_implementation`` get these attributes."""
+    attrs = ("has_gate", "is_transposed", "_is_expert_parallel", "config")
+    return all(hasattr(module, a) for a in attrs)
+
+
+def _is_llama4_moe(module: torch.nn.Module) -> bool:
+    experts = getattr(module, "experts", None)
+    return type(module).__name__ == "Llama4TextMoe" and type(experts).__name__ == "Llama4TextExperts"
+
+
+def _looks_like_experts(module: torch.nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith("Experts") and any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(qualified name, module)`` of every experts module moekit can run in ``model``:
+    ``ExpertsInterface`` experts and Llama 4 text MoE blocks."""
+    return [(n, m) for n, m in model.named_modules() if _uses_interface(m) or _is_llama4_moe(m)]
+
+
+class _Plan(NamedTuple):
+    w13: torch.Tensor  # [E * N1, D], N1 = 2F (gated) or F
+    b13: Optional[torch.Tensor]  # [E, N1]
+    w2: torch.Tensor  # [E * D, F]
+    b2: Optional[torch.Tensor]  # [E, D]
+    E: int
+    D: int
+    F: int
+    fast_swiglu: bool
+
+
+def _where(module: torch.nn.Module) -> str:
+    return type(module).__name__
+
+
+def _weight(module: torch.nn.Module, attr: str, transposed: bool) -> torch.Tensor:
+    """``getattr(module, attr)`` ``[E, N, K]`` (``[E, K, N]`` when transposed) as a 2-D
+    ``[E * N, K]`` moekit weight: a view when the layout allows, else a cached repacked copy."""
+    p = getattr(module, attr)
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{_where(module)}.{attr} must be a tensor of stacked expert weights, got {type(p).__name__}")
+    if p.dim() != 3:
+        raise ValueError(f"{_where(module)}.{attr} must be 3-D [experts, out, in], got shape {tuple(p.shape)}")
+    if p.dtype not in _FLOATS:
+        raise TypeError(
+            f"moekit's experts implementation supports bfloat16 / float16 / float32 expert weights, got "
+            f"{_where(module)}.{attr} of dtype {p.dtype} (quantized experts are not supported)"
+        )
+    t = p.detach()
+    if not transposed and t.is_contiguous():
+        return t.view(-1, t.shape[-1])
+    cache = module.__dict__.setdefault(_CACHE_ATTR, {})
+    hit = cache.get(attr)
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the storage-pointer check: trust a copy made eagerly (``enable``
+        # makes them), else repack inside the graph (a copy per call: call ``enable`` first).
+        if hit is not None:
+            return hit[1]
+        src = t.transpose(1, 2) if transposed else t
+        return src.contiguous().view(-1, src.shape[-1])
+    key = (t.data_ptr(), p._version, tuple(t.shape), t.stride(), t.dtype, t.device)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.no_grad():
+        src = t.transpose(1, 2) if transposed else t
+        packed = src.contiguous().view(-1, src.shape[-1])
+    _repacks[0] += 1
+    cache[attr] = (key, packed)
+    return packed
+
+
+def _bias(module: torch.nn.Module, attr: str, E: int, N: int) -> Optional[torch.Tensor]:
+    b = getattr(module, attr, None)
+    if b is None:
+        return None
+    if tuple(b.shape) != (E, N):
+        raise ValueError(f"{_where(module)}.{attr} must have shape ({E}, {N}), got {tuple(b.shape)}")
+    return b.detach()
+
+
+def _is_silu(act: Any) -> bool:
+    if isinstance(act, torch.nn.SiLU):
+        return True
+    return type(act).__name__ == "SiLUActivation" and type(act).__module__.startswith("transformers")
+
+
+def _plan(module: torch.nn.Module) -> _Plan:
+    """Validate an ``ExpertsInterface`` experts module and return its weights in moekit layout."""
+    if getattr(module, "_is_expert_parallel", False):
+        raise ValueError(
+            f"moekit's experts implementation does not support expert parallelism, got {_where(module)} with "
+            "_is_expert_parallel=True (use a non-distributed load, or experts_implementation='grouped_mm')"
+        )
+    gated = bool(module.has_gate)
+    transposed = bool(module.is_transposed)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    w13 = _weight(module, up_name, transposed)
+    w2 = _weight(module, "down_proj", transposed)
+    up = getattr(module, up_name)
+    E = up.shape[0]
+    N1, D = (up.shape[2], up.shape[1]) if transposed else (up.shape[1], up.shape[2])
+    if gated and N1 % 2:
+        raise ValueError(f"{_where(module)}.{up_name} must have an even gate|up width, got shape {tuple(up.shape)}")
+    F = N1 // 2 if gated else N1
+    down = module.down_proj
+    want_down = (E, F, D) if transposed else (E, D, F)
+    if tuple(down.shape) != want_down:
+        raise ValueError(f"{_where(module)}.down_proj must have shape {want_down}, got {tuple(down.shape)}")
+    if down.dtype != up.dtype:
+        raise TypeError(f"{_where(module)}: {up_name} is {up.dtype} but down_proj is {down.dtype}; they must match")
+    if D % 8 or F % 8:
+        raise ValueError(
+            f"moekit's experts implementation needs the hidden size and the expert intermediate size to be "
+            f"multiples of 8, got D={D}, F={F} in {_where(module)}"
+        )
+    b13 = b2 = None
+    if getattr(module, "has_bias", False):
+        b13 = _bias(module, f"{up_name}_bias", E, N1)
+        b2 = _bias(module, "down_proj_bias", E, D)
+    if getattr(module, "has_post_expert_norm", False) and not isinstance(
+        getattr(module, "post_expert_norm", None), torch.nn.Module
+    ):
+        raise TypeError(f"{_where(module)} has has_post_expert_norm=True but no post_expert_norm module")
+    fast = False
+    if gated and getattr(module, "is_concatenated", True) and _is_silu(getattr(module, "act_fn", None)):
+        from transformers.integrations import moe as _hf_moe
+
+        default_gate = getattr(_hf_moe, "_default_apply_gate", None)
+        fast = default_gate is not None and getattr(type(module), "_apply_gate", None) is default_gate
+    return _Plan(w13, b13, w2, b2, E, D, F, fast)
+
+
+# ----------------------------------------------------------------------------------------------
+# The forward
+# ----------------------------------------------------------------------------------------------
+
+
+def _routing(top_k_index: torch.Tensor, E: int, K: int):
+    """``(counts, expert_ids [T*K], token_ids [T*K])`` of the given top-k choice, via
+    ``index_shuffling`` on a ``[T, E]`` tensor whose top-k is exactly that choice (no host sync)."""
+    from moekit.ops import index_shuffling
+
+    T = top_k_index.shape[0]
+    dev = top_k_index.device
+    rank = torch.arange(K, 0, -1, dtype=torch.float32, device=dev).expand(T, K)
+    sel = torch.zeros((T, E), dtype=torch.float32, device=dev).scatter_(1, top_k_index.long(), rank)
+    return index_shuffling(sel, top_k=K)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """Token rows as the gather op wants them (unit last stride, row stride a multiple of 8)."""
+    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8):
+        return x.contiguous()
+    return x
+
+
+def _needs_autograd(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        return True
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _warn_autograd_fallback(what: str) -> None:
+    warnings.warn(
+        f"moekit experts are inference-only: grad mode is on and the input or the expert weights require "
+        f"grad, so this call runs {what}. Run under torch.no_grad() / torch.inference_mode() (generate "
+        "does) to use moekit.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def moekit_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The ``ExpertsInterface`` function: ``[T, D]`` routed-experts output of ``hidden_states``
+    ``[T, D]`` for the model's routing ``top_k_index`` / ``top_k_weights`` ``[T, K]``."""
+    from moekit.ops import gather_scale_dense_tokens, grouped_gemm, scatter_add_dense_tokens, silu_mul
+
+    if _needs_autograd(self, hidden_states, top_k_weights):
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        _warn_autograd_fallback("transformers' grouped_mm experts")
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    plan = _plan(self)
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != plan.D:
+        raise ValueError(f"hidden_states must have shape (T, {plan.D}), got {tuple(hidden_states.shape)}")
+    T = hidden_states.shape[0]
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T or tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(
+            f"top_k_index and top_k_weights must both have shape ({T}, K), got {tuple(top_k_index.shape)} and "
+            f"{tuple(top_k_weights.shape)}"
+        )
+    K = top_k_index.shape[1]
+    if T == 0 or K == 0:
+        return torch.zeros_like(hidden_states)
+    dtype = plan.w13.dtype
+    deterministic = bool(getattr(self, _DET_ATTR, False))
+    x = _rows(hidden_states.to(dtype))
+    E, F = plan.E, plan.F
+
+    counts, expert_ids, token_ids = _routing(top_k_index, E, K)
+    m_sizes = counts[:E]
+    dense_w = torch.zeros((T, E), dtype=top_k_weights.dtype, device=x.device)
+    dense_w.scatter_(1, top_k_index.long(), top_k_weights)
+    token_weights = dense_w[token_ids.clamp(min=0).long(), expert_ids.clamp(min=0).long()]
+
+    unit = torch.ones((1, 1), dtype=torch.float32, device=x.device).expand(T, E)
+    xg = gather_scale_dense_tokens(x, token_ids, expert_ids, unit)
+    h = grouped_gemm(xg, plan.w13, m_sizes, bias=plan.b13)
+    if plan.fast_swiglu:
+        z = silu_mul(h[:, :F], h[:, F:])
+    else:
+        z = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        z = z.to(dtype)
+        if z.stride(-1) != 1:
+            z = z.contiguous()
+
+    out = torch.zeros((T, plan.D), dtype=dtype, device=x.device)
+    if not getattr(self, "has_post_expert_norm", False):
+        grouped_gemm(
+            z, plan.w2, m_sizes, bias=plan.b2, token_weights=token_weights, _output_tensor=out,
+            _scatter_add_indices=token_ids, deterministic=deterministic,
+        )  # fmt: skip
+    else:
+        y = self.post_expert_norm(grouped_gemm(z, plan.w2, m_sizes, bias=plan.b2))
+        y = (y * token_weights.unsqueeze(-1)).to(dtype)
+        scatter_add_dense_tokens(out, y, token_ids, deterministic=deterministic)
+    return out.to(hidden_states.dtype)
+
+
+def _llama4_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
+    """moekit replacement of ``Llama4TextMoe.forward``: the router's dense sigmoid scores (0 off
+    the top-k) both select the experts and scale their inputs, as in the model."""
+    from moekit.ops import gather_scale_dense_tokens, grouped_gemm, index_shuffling, silu_mul
+
+    if _needs_autograd(self, hidden_states):
+        _warn_autograd_fallback("the model's own Llama 4 MoE forward")
+        return type(self).forward(self, hidden_states)
+    experts = self.experts
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    router_scores, router_logits = self.router(x)
+    out = self.shared_expert(x)
+    T = x.shape[0]
+    if T == 0:
+        return out, router_logits
+    w13 = _weight(experts, "gate_up_proj", transposed=True)  # [E * 2F, D]
+    w2 = _weight(experts, "down_proj", transposed=True)  # [E * D, F]
+    E = experts.gate_up_proj.shape[0]
+    F = experts.gate_up_proj.shape[2] // 2
+    # A selected expert whose score underflowed to 0 may be swapped for another zero-score one:
+    # its input is then scaled to 0 and, with no biases, so is its output (the same result).
+    counts, expert_ids, token_ids = index_shuffling(router_scores, top_k=self.top_k)
+    xg = gather_scale_dense_tokens(_rows(x.to(w13.dtype)), token_ids, expert_ids, router_scores)
+    h = grouped_gemm(xg, w13, counts[:E])
+    z = silu_mul(h[:, :F], h[:, F:])
+    routed = torch.zeros((T, x.shape[1]), dtype=w13.dtype, device=x.device)
+    grouped_gemm(
+        z, w2, counts[:E], _output_tensor=routed, _scatter_add_indices=token_ids,
+        deterministic=bool(getattr(self, _DET_ATTR, False)),
+    )  # fmt: skip
+    out.add_(routed.to(out.dtype))
+    return out, router_logits
+
+
+def _check_llama4(name: str, module: torch.nn.Module) -> None:
+    ex = module.experts
+    if not _is_silu(getattr(ex, "act_fn", None)):
+        raise TypeError(
+            f"{name}: moekit runs Llama 4 experts with SwiGLU (hidden_act='silu') only, got {type(ex.act_fn).__name__}"
+        )
+    E, D, F2 = ex.gate_up_proj.shape
+    if ex.gate_up_proj.dtype not in _FLOATS:
+        raise TypeError(f"{name}: unsupported expert weight dtype {ex.gate_up_proj.dtype}")
+    if D % 8 or F2 % 16:
+        raise ValueError(f"{name}: moekit needs D and F multiples of 8, got D={D}, F={F2 // 2}")
+    _weight(ex, "gate_up_proj", transposed=True)  # repack now (also what torch.compile will use)
+    _weight(ex, "down_proj", transposed=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Enabling on a model
+# ----------------------------------------------------------------------------------------------
+
+
+def _set_impl(model: torch.nn.Module, mods: list[torch.nn.Module], impl: str) -> None:
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(impl)
+    for m in mods:  # standalone experts modules, or sub-models the call above skipped
+        if m.config._experts_implementation != impl:
+            m.config._experts_implementation = impl
+
+
+def enable(model: torch.nn.Module, *, deterministic: bool = False) -> torch.nn.Module:
+    """Run every MoE experts module of ``model`` with moekit; returns ``model``.
+
+    Registers the implementation, validates each experts module (raising ``TypeError`` /
+    ``ValueError`` that names what is unsupported), switches ``ExpertsInterface`` experts to
+    ``"moekit"`` and patches Llama 4 text MoE blocks. ``deterministic=True`` uses the
+    atomics-free scatter-add (bitwise reproducible). Works on a whole model or a single
+    experts / MoE module.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    register()
+    found = experts_modules(model)
+    covered = {id(m) for _, m in found} | {id(m.experts) for _, m in found if _is_llama4_moe(m)}
+    foreign = [f"{n or '<root>'} ({type(m).__name__})" for n, m in model.named_modules()
+               if _looks_like_experts(m) and id(m) not in covered]  # fmt: skip
+    if foreign:
+        raise TypeError(
+            "moekit cannot run these experts modules (they neither use transformers' ExpertsInterface "
+            f"(@use_experts_implementation) nor are Llama 4 text experts): {', '.join(foreign[:4])}"
+            + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        )
+    if not found:
+        raise TypeError(
+            f"{type(model).__name__} has no MoE experts module moekit can run (an ExpertsInterface experts "
+            "class or a Llama 4 text MoE block)"
+        )
+    iface = [m for _, m in found if _uses_interface(m)]
+    for name, m in found:
+        try:
+            _check_llama4(name, m) if _is_llama4_moe(m) else _plan(m)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name or '<root>'}: {e}") from e
+    for name, m in found:
+        m.__dict__[_DET_ATTR] = deterministic
+        if _is_llama4_moe(m) and _ORIG_FWD_ATTR not in m.__dict__:
+            m.__dict__[_ORIG_FWD_ATTR] = m.__dict__.get("forward")
+            m.forward = types.MethodType(_llama4_moe_forward, m)
+    if iface:
+        _set_impl(model, iface, IMPLEMENTATION)
+    return model
+
+
+def disable(model: torch.nn.Module, experts_implementation: str = "grouped_mm") -> torch.nn.Module:
+    """Undo ``enable``: switch the experts to ``experts_implementation`` (transformers' default
+    ``"grouped_mm"``, or ``"eager"``...), restore Llama 4 forwards and free the repacked copies."""
+    found = experts_modules(model)
+    iface = [m for _, m in found if _uses_interface(m)]
+    if iface:
+        _set_impl(model, iface, experts_implementation)
+    for _, m in found:
+        if _is_llama4_moe(m) and _ORIG_FWD_ATTR in m.__dict__:
+            orig = m.__dict__.pop(_ORIG_FWD_ATTR)
+            del m.forward
+            if orig is not None:
+                m.forward = orig
+        m.__dict__.pop(_DET_ATTR, None)
+    release_cache(model)
+    return model
+
+
+def release_cache(model: torch.nn.Module) -> None:
+    """Drop the repacked weight copies held by ``model``'s experts modules (rebuilt on demand)."""
+    for m in model.modules():
+        m.__dict__.pop(_CACHE_ATTR, None)

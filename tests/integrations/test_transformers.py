@@ -1,0 +1,529 @@
+"""moekit as a Hugging Face transformers experts implementation (``experts_implementation="moekit"``).
+
+Tiny random models built from configs (no downloads): the moekit forward must match the model's
+own "eager" experts. CPU tests (``reference``) run the ops' float32 references; ``gpu`` tests run
+the Triton kernels in bf16 and capture the experts call in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface  # noqa: E402
+
+from moekit.integrations import transformers as mt  # noqa: E402
+from moekit.testing import rel_error  # noqa: E402
+
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, num_hidden_layers=2)
+
+
+def _config(family: str, top_k: int = 2):
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=top_k, norm_topk_prob=True, **_ATTN,
+        )  # fmt: skip
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            num_experts=8, num_experts_per_tok=top_k, **_ATTN,
+        )  # fmt: skip
+    if family == "mixtral":
+        return transformers.MixtralConfig(
+            hidden_size=64, intermediate_size=40, num_local_experts=6, num_experts_per_tok=top_k, **_ATTN
+        )
+    if family == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=top_k, n_group=2, topk_group=1,
+            n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=128,
+        )  # fmt: skip
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(
+            hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=top_k,
+            layer_types=["full_attention", "sliding_attention"], **_ATTN,
+        )  # fmt: skip
+    if family == "llama4":
+        return transformers.Llama4TextConfig(
+            hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_local_experts=8,
+            num_experts_per_tok=top_k, interleave_moe_layer_step=1, **_ATTN,
+        )  # fmt: skip
+    raise KeyError(family)
+
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4"]
+
+
+def _model(family: str, dtype=torch.float32, device="cpu", top_k: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(family, top_k)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 3:  # stacked expert weights: large enough to matter in the logits
+                p.normal_(0.0, 0.15)
+            elif name.endswith("_bias"):
+                p.normal_(0.0, 0.1)
+    return model.to(device=device, dtype=dtype)
+
+
+def _inputs(batch: int, seq: int, pad: int, device="cpu", seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (batch, seq), generator=g)
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[-1, :pad] = 0  # left padding of the last sequence
+    return ids.to(device), mask.to(device)
+
+
+def _logits(model, ids, mask, impl: str):
+    if impl == "moekit":
+        mt.enable(model)
+    else:
+        mt.disable(model, impl)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.float()
+
+
+def _first_experts(model):
+    name, mod = mt.experts_modules(model)[0]
+    return mod.experts if type(mod).__name__ == "Llama4TextMoe" else mod
+
+
+def _routing(T: int, E: int, K: int, seed: int, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.rand(T, E, generator=g).argsort(dim=-1)[:, :K]
+    w = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+    return idx.to(device), w.to(device=device, dtype=dtype)
+
+
+def _call(experts, impl: str, x, idx, w):
+    experts.config._experts_implementation = impl
+    with torch.no_grad():
+        return experts(x, idx, w).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.reference
+def test_register_is_idempotent():
+    mt.register()
+    mt.register()
+    assert ExpertsInterface._global_mapping["moekit"] is mt.moekit_experts_forward
+    assert "moekit" in ALL_EXPERTS_FUNCTIONS.valid_keys()
+    assert ALL_EXPERTS_FUNCTIONS.get_interface("moekit", None) is mt.moekit_experts_forward
+
+
+@pytest.mark.reference
+def test_from_pretrained_with_moekit(tmp_path):
+    model = _model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    mt.register()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="moekit").eval()
+    assert loaded.config._experts_implementation == "moekit"
+    ids, mask = _inputs(2, 5, 2)
+    with torch.no_grad():
+        out = loaded(input_ids=ids, attention_mask=mask).logits
+    ref = _logits(model, ids, mask, "eager")
+    assert rel_error(out.float(), ref) < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole models, float32 on the CPU (reference ops)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("shape", [(2, 7, 3), (1, 1, 0)], ids=["batch_padded", "T1"])
+def test_model_matches_eager_fp32(family, shape, monkeypatch):
+    import moekit.ops
+
+    calls = []
+    real = moekit.ops.index_shuffling
+    monkeypatch.setattr(moekit.ops, "index_shuffling", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _model(family)
+    ids, mask = _inputs(*shape)
+    ref = _logits(model, ids, mask, "eager")
+    assert not calls
+    out = _logits(model, ids, mask, "moekit")
+    assert len(calls) == len(mt.experts_modules(model)) > 0  # one moekit routing per MoE layer
+    if family != "llama4":
+        assert model.config._experts_implementation == "moekit"
+    else:
+        assert "forward" in mt.experts_modules(model)[0][1].__dict__  # patched block
+    err = rel_error(out, ref)
+    assert err < 1e-4, f"{family}: rel error {err:.2e}"
+    back = _logits(model, ids, mask, "eager")  # disable() restores the model's own path
+    assert torch.equal(back, ref)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "llama4"])
+def test_top1_and_top_all(family):
+    E = 6 if family == "mixtral" else 8
+    for k in (1, E):
+        model = _model(family, top_k=k, seed=k)
+        ids, mask = _inputs(2, 4, 1)
+        ref = _logits(model, ids, mask, "eager")
+        out = _logits(model, ids, mask, "moekit")
+        assert rel_error(out, ref) < 1e-4, f"{family} top_k={k}"
+
+
+@pytest.mark.reference
+def test_deterministic_option():
+    model = _model("mixtral")
+    ids, mask = _inputs(2, 6, 0)
+    ref = _logits(model, ids, mask, "eager")
+    mt.enable(model, deterministic=True)
+    assert all(m.__dict__["_moekit_deterministic"] for _, m in mt.experts_modules(model))
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask).logits
+        b = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(a, b)
+    assert rel_error(a.float(), ref) < 1e-4
+
+
+def _median_position_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    per_pos = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
+    return per_pos.median().item()
+
+
+def _check_bf16_model(family: str, device: str) -> None:
+    """bf16 logits against the float32 model. A random bf16 model is chaotic: a rounding
+    difference in one layer can flip a later router's choice and change a few positions
+    entirely, for eager and moekit alike. So the whole-model check is the median per-position
+    error (the bulk of positions), for moekit and for eager; the exact check with one routing
+    is ``test_experts_module`` (bf16: 1e-2)."""
+    m32 = _model(family, device=device)
+    m16 = _model(family, dtype=torch.bfloat16, device=device)
+    for shape in [(4, 33, 5), (1, 1, 0)]:
+        ids, mask = _inputs(*shape, device=device)
+        ref = _logits(m32, ids, mask, "eager")
+        eager = _median_position_error(_logits(m16, ids, mask, "eager"), ref)
+        moekit = _median_position_error(_logits(m16, ids, mask, "moekit"), ref)
+        assert moekit < max(2e-2, 1.5 * eager), f"{family} {shape}: moekit {moekit:.2e}, eager {eager:.2e}"
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_model_bf16(family):
+    _check_bf16_model(family, "cpu")
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
+def test_grad_mode_falls_back_with_correct_gradients(family):
+    """The moekit ops have no backward: with autograd needed the call falls back (with a warning)
+    and the gradients match the eager model's."""
+    model = _model(family)
+    ids, _ = _inputs(1, 4, 0)
+    experts = _first_experts(model)
+    grads = {}
+    for impl in ("eager", "moekit"):
+        model.zero_grad()
+        mt.enable(model) if impl == "moekit" else mt.disable(model, "eager")
+        if impl == "moekit":
+            with pytest.warns(UserWarning, match="inference-only"):
+                loss = model(input_ids=ids).logits.square().mean()
+        else:
+            loss = model(input_ids=ids).logits.square().mean()
+        loss.backward()
+        grads[impl] = (experts.gate_up_proj.grad.clone(), model.model.embed_tokens.weight.grad.clone())
+    assert rel_error(grads["moekit"][0], grads["eager"][0]) < 1e-4
+    assert rel_error(grads["moekit"][1], grads["eager"][1]) < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# Experts modules directly (given routing; edge cases; other activations / norms)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_module(family, dtype):
+    model = _model(family, dtype=dtype)
+    mt.register()
+    experts = _first_experts(model)
+    E, D = experts.gate_up_proj.shape[0], model.config.hidden_size
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    g = torch.Generator().manual_seed(3)
+    for T, case in [(1, "T1"), (13, "random"), (16, "one_expert_set"), (5, "K=E")]:
+        K = E if case == "K=E" else 2
+        x = torch.randn(T, D, generator=g).to(dtype)
+        idx, w = _routing(T, E, K, seed=T)
+        if case == "one_expert_set":
+            idx = torch.tensor([[5, 2]]).expand(T, 2).contiguous()
+        w = w.to(dtype)
+        ref = _call(experts, "eager", x, idx, w)
+        out = _call(experts, "moekit", x, idx, w)
+        assert rel_error(out, ref) < tol, f"{family} {dtype} {case}"
+    # T = 0
+    z = _call(experts, "moekit", torch.randn(0, D).to(dtype), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert z.shape == (0, D)
+
+
+def _nemotron_experts():
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    cfg = transformers.NemotronHConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    return NemotronHExperts(cfg)
+
+
+def _muse_spark_experts():
+    from transformers.models.muse_spark.configuration_muse_spark import MuseSparkTextConfig
+    from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
+
+    cfg = MuseSparkTextConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_hidden_size=64,
+        moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    return MuseSparkExperts(cfg)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("build", [_nemotron_experts, _muse_spark_experts], ids=["no_gate_relu2", "post_expert_norm"])
+def test_experts_module_model_activation_path(build):
+    """Experts without a SwiGLU gate (Nemotron-H: up -> relu^2 -> down) and with a post-expert
+    norm (Muse Spark) run moekit's GEMMs with the model's own activation / norm."""
+    torch.manual_seed(0)
+    experts = build().eval()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.15) if p.dim() == 3 else p.uniform_(0.5, 1.5)
+    mt.enable(experts)
+    E, D = experts.down_proj.shape[0], experts.down_proj.shape[1]
+    x = torch.randn(11, D)
+    idx, w = _routing(11, E, 2, seed=5)
+    ref = _call(experts, "eager", x, idx, w)
+    out = _call(experts, "moekit", x, idx, w)
+    assert rel_error(out, ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight layout: no copy per call
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.reference
+def test_standard_layout_is_a_view_not_a_copy():
+    model = _model("qwen3_moe")
+    mt.enable(model)
+    experts = _first_experts(model)
+    before = mt.repack_count()
+    ids, mask = _inputs(2, 5, 0)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        model(input_ids=ids, attention_mask=mask)
+    assert mt.repack_count() == before
+    plan = mt._plan(experts)
+    assert plan.w13.data_ptr() == experts.gate_up_proj.data_ptr()
+    assert plan.w2.data_ptr() == experts.down_proj.data_ptr()
+    assert plan.fast_swiglu
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
+@pytest.mark.reference
+def test_transposed_layout_is_repacked_once(family):
+    model = _model(family)
+    ids, mask = _inputs(2, 5, 1)
+    mt.enable(model)
+    n_moe = len(mt.experts_modules(model))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    after_first = mt.repack_count()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        model(input_ids=ids, attention_mask=mask)
+    assert mt.repack_count() == after_first, "weights were repacked on a later call"
+    # An in-place update of one weight (new version) refreshes exactly that copy.
+    experts = _first_experts(model)
+    with torch.no_grad():
+        experts.down_proj.mul_(1.5)
+    out = _logits(model, ids, mask, "moekit")
+    assert mt.repack_count() == after_first + 1
+    ref = _logits(model, ids, mask, "eager")
+    assert rel_error(out, ref) < 1e-4
+    assert n_moe == 2
+    mt.release_cache(model)
+    assert all("_moekit_weight_cache" not in m.__dict__ for m in model.modules())
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.reference
+def test_enable_errors():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        mt.enable(object())
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        mt.enable(_model("qwen3_moe"), deterministic=1)
+    dense = AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(hidden_size=64, intermediate_size=64, **_ATTN)
+    )
+    with pytest.raises(TypeError, match="no MoE experts module"):
+        mt.enable(dense)
+
+    class FooExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 16, 8))
+
+    with pytest.raises(TypeError, match="FooExperts"):
+        mt.enable(torch.nn.Sequential(FooExperts()))
+
+
+@pytest.mark.reference
+def test_unsupported_experts_modules():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    odd = Qwen3MoeExperts(transformers.Qwen3MoeConfig(hidden_size=36, moe_intermediate_size=20, num_experts=4,
+                                                      num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    with pytest.raises(ValueError, match="multiples of 8, got D=36, F=20"):
+        mt.enable(odd)
+
+    model = _model("qwen3_moe")
+    experts = _first_experts(model)
+    with torch.no_grad():
+        experts.gate_up_proj.data = experts.gate_up_proj.data.to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"layers\.0\.mlp\.experts.*quantized"):
+        mt.enable(model)
+
+    model = _model("qwen3_moe")
+    mt.enable(model)
+    experts = _first_experts(model)
+    experts._is_expert_parallel = True
+    x = torch.randn(3, 64)
+    idx, w = _routing(3, 8, 2, seed=0)
+    with pytest.raises(ValueError, match="expert parallelism"):
+        _call(experts, "moekit", x, idx, w)
+    experts._is_expert_parallel = False
+    with pytest.raises(ValueError, match="top_k_index and top_k_weights"):
+        _call(experts, "moekit", x, idx, w[:, :1])
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU tier (bf16 Triton kernels, CUDA graphs)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_bf16_cuda(family):
+    _check_bf16_model(family, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("T", [1, 7, 300])
+def test_experts_module_bf16_cuda(family, T):
+    model = _model(family, dtype=torch.bfloat16, device="cuda")
+    mt.register()
+    experts = _first_experts(model)
+    E, D = experts.gate_up_proj.shape[0], model.config.hidden_size
+    K = model.config.num_experts_per_tok
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    idx, w = _routing(T, E, K, seed=T, device="cuda")
+    ref = _call(experts, "eager", x, idx, w)
+    out = _call(experts, "moekit", x, idx, w)
+    assert rel_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_experts_cuda_graph_replay(family):
+    model = _model(family, dtype=torch.bfloat16, device="cuda")
+    mt.enable(model)
+    experts = _first_experts(model)
+    E, D = experts.gate_up_proj.shape[0], model.config.hidden_size
+    T, K = 48, 2
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    idx, w = _routing(T, E, K, seed=0, device="cuda")
+    experts.config._experts_implementation = "moekit"
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm up: Triton compiles, transposed weights get repacked
+                experts(x, idx, w)
+        torch.cuda.current_stream().wait_stream(s)
+        before = mt.repack_count()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = experts(x, idx, w)
+        for seed in (1, 2):
+            x.copy_(torch.randn(T, D, device="cuda", dtype=torch.bfloat16))
+            new_idx, new_w = _routing(T, E, K, seed=seed, device="cuda")
+            idx.copy_(new_idx)
+            w.copy_(new_w)
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = _call(experts, "eager", x, idx, w)
+            assert rel_error(out.float(), ref) < 1e-2, f"replay {seed}"
+        assert mt.repack_count() == before
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpreter tier: the Triton kernels of the whole pipeline on CPU tensors (float32)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_experts_module_triton_kernels_interpreted(family, monkeypatch):
+    """Force every moekit op onto its Triton launcher (run by the CPU interpreter): the kernel
+    composition the CUDA path uses (index_shuffling, gather, grouped GEMM with bias and fused
+    weighted scatter-add, silu_mul) must match the model's eager experts."""
+    import importlib
+
+    for fam in ("routing", "gather_scatter", "grouped_gemm", "activation"):
+        monkeypatch.setattr(importlib.import_module(f"moekit.ops.{fam}"), "use_triton", lambda t: True)
+    tri = importlib.import_module("moekit.ops._triton.grouped_gemm")
+    launches = []
+    real = tri.grouped_gemm
+    monkeypatch.setattr(tri, "grouped_gemm", lambda *a, **k: launches.append(1) or real(*a, **k))
+    model = _model(family)
+    mt.register()
+    experts = _first_experts(model)
+    E, D = experts.gate_up_proj.shape[0], model.config.hidden_size
+    T = 9
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(4))
+    idx, w = _routing(T, E, 2, seed=4)
+    ref = _call(experts, "eager", x, idx, w)
+    out = _call(experts, "moekit", x, idx, w)
+    assert len(launches) == 2
+    assert rel_error(out, ref) < 2e-3  # tl.dot in the interpreter: fp32 (tf32 on GPUs)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_experts_compile_fullgraph(family):
+    """Dynamo traces the moekit experts forward without a graph break (aot_eager keeps the CPU
+    test fast; the repacked GPT-OSS weights come from the cache ``enable`` filled)."""
+    torch._dynamo.reset()
+    model = _model(family)
+    mt.enable(model)
+    experts = _first_experts(model)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6))
+    idx, w = _routing(9, 8, 2, seed=6)
+    ref = _call(experts, "eager", x, idx, w)
+    experts.config._experts_implementation = "moekit"
+    before = mt.repack_count()
+    with torch.no_grad():
+        out = torch.compile(experts, fullgraph=True, backend="aot_eager")(x, idx, w)
+    assert mt.repack_count() == before
+    assert rel_error(out.float(), ref) < 1e-5
