@@ -18,10 +18,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 unset TRITON_INTERPRET
 export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p "$TRITON_CACHE_DIR"
 [ -f .devcache/triton.tgz ] && tar -xzf .devcache/triton.tgz -C "$TRITON_CACHE_DIR" 2>/dev/null
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+# Wheels carried from the development machine (the GPU machine has no network): .whl/ (MSLK, the
+# benchmark peer) and .whl-hf/ (transformers and what it imports, for the integration's GPU tests).
+for d in .whl .whl-hf; do
+  if ls $d/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl \
+      && export PYTHONPATH="${PYTHONPATH%:/tmp/site}:/tmp/site"
+  fi
+done
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 python3 -m moekit.cli env > "$RES/env.txt" 2>&1; head -20 "$RES/env.txt"
 PHASES=${PHASES:-"tests comm bench"}
