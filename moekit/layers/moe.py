@@ -341,6 +341,14 @@ class _Experts(torch.nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
         self._relink_scales()
 
+    @classmethod
+    def _names(cls) -> tuple[str, str, str, str]:
+        return cls._W13, cls._W2, cls._S13, cls._S2
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13, w2)`` in float32, in the subclass's layout."""
+        return self.w13.dequantize(), self.w2.dequantize()
+
     @property
     def w13(self) -> ScaledParameter:
         return self._parameters[self._W13]
@@ -448,10 +456,6 @@ class RoutedExperts(_Experts):
         self._set_weights(*_weights)
 
     @classmethod
-    def _names(cls) -> tuple[str, str, str, str]:
-        return cls._W13, cls._W2, cls._S13, cls._S2
-
-    @classmethod
     def from_weights(
         cls,
         w13_e2FD: torch.Tensor,
@@ -491,10 +495,6 @@ class RoutedExperts(_Experts):
         w13 = torch.cat([moe_w_in_eDF, moe_w_swiglu_eDF], dim=-1).transpose(1, 2)
         return cls.from_weights(w13, moe_w_out_eFD.transpose(1, 2), precision=precision, dtype=dtype)
 
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13_e2FD, w2_eDF)`` in float32."""
-        return self.w13.dequantize(), self.w2.dequantize()
-
 
 class SharedExperts(_Experts):
     """The shared SwiGLU expert (one TP shard of its hidden dim).
@@ -528,10 +528,6 @@ class SharedExperts(_Experts):
             w2 = _randn((dim, hidden_dim), hidden_dim, _seed_for(seed, 4, 0), dev)
             _weights = self._prepare(w13, w2, None, None, precision, dtype, self._names())
         self._set_weights(*_weights)
-
-    @classmethod
-    def _names(cls) -> tuple[str, str, str, str]:
-        return cls._W13, cls._W2, cls._S13, cls._S2
 
     @classmethod
     def from_weights(
@@ -571,10 +567,6 @@ class SharedExperts(_Experts):
         check_tensor("w_out_shared_DF", w_out_shared_DF, shape=(D, F))
         w13 = torch.cat([w_in_shared_FD, w_swiglu_FD], dim=0)
         return cls.from_weights(w13, w_out_shared_DF, precision=precision, dtype=dtype)
-
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13_2FD, w2_DF)`` in float32."""
-        return self.w13.dequantize(), self.w2.dequantize()
 
 
 # ----------------------------------------------------------------------------------------------
