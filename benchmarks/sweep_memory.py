@@ -160,7 +160,10 @@ def sweep_gather_scatter(cases) -> None:
                         continue
                     tiles.append((br, bd, triton.cdiv(D, bd), w))
         if K == 1 and T > 1:
-            sweep(f"gather_scale T={T} E={E}", g_bytes, k, "_tiles", tiles,
+            # Column-block tiles (BLOCK_R, BLOCK_D, 0, n_db, warps) and whole rows (head + tail).
+            gt = [(br, bd, 0, nd, w) for br, bd, nd, w in tiles]
+            gt += [(br, 4096, 1024, 1, w) for br in (1, 2, 4) for w in (1, 2, 4, 8) if br * 5120 >= 32 * w * 8]
+            sweep(f"gather_scale T={T} E={E}", g_bytes, k, "_gather_tiles", gt,
                   lambda s: (lambda: ops.gather_scale_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"])), sets)
             qt = [(br, 4096, 1024, True, w) for br in (1, 2, 4) for w in (1, 2, 4, 8) if br * 5120 >= 32 * w * 8]
             sweep(f"gather_scale_quant T={T} E={E}", q_bytes, k, "_quant_tiles", qt,
@@ -168,6 +171,13 @@ def sweep_gather_scatter(cases) -> None:
                   sets)
         sweep(f"scatter_add atomic T={T} E={E} K={K}", s_bytes, k, "_tiles", tiles,
               lambda s: (lambda: ops.scatter_add_dense_tokens(s["out"], s["rows"], s["tidx"])), sets)
+        # Deterministic (bucketed inverse map): (BLOCK_T, BLOCK_D, n_db, warps, BLOCK_A) of the sum.
+        if a > k._SCAN_MAX_ROWS:
+            bt = [(tb, bd, triton.cdiv(D, bd), w, 256) for tb in (1, 2, 4) for bd in (512, 1024, 2048)
+                  for w in (1, 2, 4, 8) if 16 * 32 * w <= tb * bd <= 64 * 32 * w]
+            sweep(f"scatter_add deterministic T={T} E={E} K={K}", s_bytes, k, "_bucket_tiles", bt,
+                  lambda s: (lambda: ops.scatter_add_dense_tokens(s["out"], s["rows"], s["tidx"], deterministic=True)),
+                  sets)
 
 
 def sweep_shuffling(cases) -> None:
@@ -202,7 +212,7 @@ ALL = {
     "silu_mul": lambda: sweep_silu_mul([(2048, 2048), (2048, 8192), (16384, 2048)]),
     "silu_mul_quant": lambda: sweep_silu_mul_quant([(2048, 2048), (2048, 8192), (16384, 2048)]),
     "quantize": lambda: sweep_quantize([(2048, 5120), (16384, 5120)]),
-    "gather_scatter": lambda: sweep_gather_scatter([(2048, 16, 1), (2048, 16, 4), (1, 16, 1)]),
+    "gather_scatter": lambda: sweep_gather_scatter([(2048, 16, 1), (2048, 16, 4), (16384, 16, 4), (1, 16, 1)]),
     "shuffling": lambda: sweep_shuffling([("padded", 8, 4096), ("dense", 8, 4096)]),
 }
 

@@ -4,6 +4,7 @@
 # whole call ends inside the 10-minute command limit. Writes logs and JSON to $OUT.
 #   PHASES="tests comm bench lanes"   BENCHES="routing gather_scatter ..."   LANES="0:a,b 1:c"
 #   QUICK=1   BUDGET_S=560   BENCH_ARGS_<name>="extra args for benchmarks/bench_<name>.py"
+#   TESTS="tests/ops ..." (GPU tier; on 2 GPUs the grouped-GEMM file runs on GPU 1, GEMM_K="-k expr")
 #   (a name without a bench_<name>.py runs benchmarks/<name>.py: the sweep_*.py tuning aids)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,8 @@ for d in .whl .whl-hf; do
       && export PYTHONPATH="${PYTHONPATH%:/tmp/site}:/tmp/site"
   fi
 done
+# Say whether the carried wheels import (a module-level importorskip would otherwise hide it).
+[ -d .whl-hf ] && python3 -c "import transformers, transformers.integrations.moe; print('transformers', transformers.__version__, 'imports')" 2>&1 | tail -n 4
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 python3 -m moekit.cli env > "$RES/env.txt" 2>&1; head -20 "$RES/env.txt"
 PHASES=${PHASES:-"tests comm bench"}
@@ -35,17 +38,21 @@ if [[ " $PHASES " == *" tests "* ]]; then
   t=$(( $(left) * ${TESTS_SHARE:-55} / 100 ))
   echo "== gpu tests (limit ${t}s) on $NGPU GPU(s)"
   if [ "$NGPU" -ge 2 ]; then
-    # GEMM tests on GPU 1, everything else on GPU 0, each with a few workers.
-    CUDA_VISIBLE_DEVICES=1 timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --timeout 240 \
-      tests/ops/test_grouped_gemm.py > "$RES/tests_gemm.log" 2>&1 &
-    p1=$!
-    CUDA_VISIBLE_DEVICES=0 timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --timeout 240 \
+    # GEMM tests on GPU 1 (when $TESTS names tests/ops or the GEMM file), everything else on GPU 0,
+    # each with a few workers.
+    p1=""
+    if [[ " $TESTS " == *" tests/ops "* || "$TESTS" == *test_grouped_gemm* ]]; then
+      CUDA_VISIBLE_DEVICES=1 timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n 4 --timeout 240 \
+        ${GEMM_K:+-k "$GEMM_K"} tests/ops/test_grouped_gemm.py > "$RES/tests_gemm.log" 2>&1 &
+      p1=$!
+    fi
+    CUDA_VISIBLE_DEVICES=0 timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n 4 --timeout 240 \
       $TESTS --ignore=tests/ops/test_grouped_gemm.py > "$RES/tests_other.log" 2>&1
-    wait $p1
+    [ -n "$p1" ] && wait $p1
   else
-    timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 --timeout 240 $TESTS > "$RES/tests_all.log" 2>&1
+    timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n 6 --timeout 240 $TESTS > "$RES/tests_all.log" 2>&1
   fi
-  for f in "$RES"/tests_*.log; do echo "-- $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 25; done
+  for f in "$RES"/tests_*.log; do echo "-- $f"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$f" | tail -n 25; done
 fi
 if [[ " $PHASES " == *" comm "* ]] && [ "$NGPU" -ge 2 ]; then
   t=$(( $(left) * ${COMM_SHARE:-45} / 100 ))

@@ -110,6 +110,25 @@ def test_gather_scale_interpreter(T, E, K, D):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("whole_row", [0, 1], ids=["column_blocks", "whole_rows"])
+def test_gather_scale_interpreter_both_tilings(monkeypatch, whole_row):
+    """Column-block tiles and whole rows (head + masked tail: D = 2880 is 2048 + 832 of a 1024
+    tail) give the same rows, and the same as the reference."""
+    tri = _tri()
+    monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", whole_row)
+    T, E, K, D = 9, 16, 2, 2880
+    assert tri._gather_tiles(T * K, D, torch.device("cpu"))[3] == (1 if whole_row else 3)
+    s, _, eidx, tidx = routing(T, E, K, start=1, end=E, seed=5)
+    x = randn(T, D, dtype=torch.float32, seed=5)
+    v = vtc(T * K - 5)
+    out = poison(torch.empty(T * K, D))
+    tri.gather_scale_dense_tokens(x, tidx, eidx, s, v, out=out)
+    w = gather_written(tidx, eidx, v)
+    assert_poisoned(out, w)
+    assert torch.equal(out[w], ref.gather_scale_dense_tokens(x, tidx, eidx, s, v)[w])
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("T,E,K,D", INTERP_CASES[1:6])
 def test_gather_scale_quant_interpreter(T, E, K, D):
     tri = _tri()
@@ -164,28 +183,148 @@ def test_scatter_add_interpreter(T, E, K, D):
         assert torch.equal(det, det2)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` (tells -0.0 from +0.0, compares NaNs)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def det_indices(T, A, seed, hot=None, every=5, dtype=torch.int64):
+    """Random token indices in [-1, T + 2): repeats, -1 and out-of-range (skipped) rows; token
+    ``hot`` also takes every ``every``-th row (more rows than a bucket holds)."""
+    g = torch.Generator().manual_seed(seed)
+    tidx = torch.randint(-1, T + 2, (A,), generator=g, dtype=torch.int64)
+    if hot is not None:
+        tidx[::every] = hot
+    return tidx.to(dtype)
+
+
+def hit_tokens(tidx, T, v, device="cpu"):
+    """[T] bool: tokens that receive at least one added row."""
+    use = row_mask(tidx.shape[0], v, tidx.device) & (tidx >= 0) & (tidx < T)
+    hit = torch.zeros(T, dtype=torch.bool, device=tidx.device)
+    hit[tidx[use].long()] = True
+    return hit.to(device)
+
+
+def det_paths(tri, monkeypatch, out0, rows, tidx, v):
+    """(scan result, bucket result, bucket result with the buckets shuffled): the scan path (one
+    launch), the bucket path (forced), and the bucket path again with each token's slots in
+    a random order and stale garbage past its count (as GPU atomics may leave them): the
+    sum kernel must sort the slots and ignore what lies past the count."""
+    scan = out0.clone()
+    with monkeypatch.context() as mp:
+        mp.setattr(tri, "_SCAN_MAX_ROWS", 1 << 20)
+        tri.scatter_add_dense_tokens_deterministic(scan, rows, tidx, v)
+    with monkeypatch.context() as mp:
+        mp.setattr(tri, "_SCAN_MAX_ROWS", 0)
+        bucket = out0.clone()
+        tri.scatter_add_dense_tokens_deterministic(bucket, rows, tidx, v)
+        build = tri._build_buckets
+
+        def shuffled(*args):
+            counts, buckets = build(*args)
+            g = torch.Generator().manual_seed(1)
+            cap = buckets.shape[1]
+            for t in range(buckets.shape[0]):
+                n = min(int(counts[t]), cap)
+                buckets[t, :n] = buckets[t, :n][torch.randperm(n, generator=g)]
+                buckets[t, n:] = torch.randint(0, rows.shape[0], (cap - n,), generator=g, dtype=torch.int32)
+            return counts, buckets
+
+        mp.setattr(tri, "_build_buckets", shuffled)
+        shuf = out0.clone()
+        tri.scatter_add_dense_tokens_deterministic(shuf, rows, tidx, v)
+    return scan, bucket, shuf
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("T,K,D,mode", [(9, 3, 16, None), (33, 4, 8, "short"), (17, 1, 8, None)])
 def test_scatter_add_deterministic_interpreter_paths_agree(monkeypatch, T, K, D, mode):
-    """Few rows take the one-launch scan; the sort + segment-sum path (forced here) adds the same
-    rows in the same order: identical bits. Indices repeat (up to K times per token, plus a
-    token hit by many rows), some are -1 or out of range."""
+    """Few rows take the one-launch scan; the bucket path (forced here) adds the same rows in the
+    same order: identical bits. Indices repeat (up to K times per token, plus a token hit by
+    many rows: more than its bucket holds), some are -1 or out of range."""
     tri = _tri()
-    g = torch.Generator().manual_seed(T)
-    tidx = torch.randint(-1, T + 2, (T * K,), generator=g, dtype=torch.int64)
-    tidx[::5] = 2  # a token with many rows: several two-row steps
+    tidx = det_indices(T, T * K, seed=T, hot=2)
     rows = randn(T * K, D, dtype=torch.bfloat16, seed=T)
     out0 = randn(T, D, dtype=torch.bfloat16, seed=T + 1)
     v = vtc(_valid_rows(T, K, mode))
     want = out0.clone()
     ref.scatter_add_dense_tokens(want, rows, tidx, v)
-    scan = out0.clone()
-    tri.scatter_add_dense_tokens_deterministic(scan, rows, tidx, v)
-    monkeypatch.setattr(tri, "_SCAN_MAX_ROWS", 0)
-    sort = out0.clone()
-    tri.scatter_add_dense_tokens_deterministic(sort, rows, tidx, v)
-    assert torch.equal(scan, sort), "scan and sort paths differ"
+    scan, bucket, shuf = det_paths(tri, monkeypatch, out0, rows, tidx, v)
+    assert torch.equal(_bits(scan), _bits(bucket)), "scan and bucket paths differ"
+    assert torch.equal(_bits(bucket), _bits(shuf)), "the bucket sum depends on the order of the slots"
     assert_close(scan, want)
+
+
+# T, A, D, valid-count mode, hot token (None: none), dtype of the indices. CPU "machine" of 4
+# SMs: D = 8 gives tiles of several tokens (overflow tokens next to bucketed ones) and an
+# overflow scan of several chunks.
+DET_CASES = [
+    (1, 1, 8, None, None, torch.int32),
+    (1, 40, 16, None, 0, torch.int64),  # every row on the only token
+    (8, 40, 24, None, 3, torch.int32),  # one token over capacity, others below
+    (8, 24, 8, "zero", None, torch.int64),
+    (17, 17, 8, "short", None, torch.int32),
+    (64, 200, 8, "short", 5, torch.int64),
+    (6, 48, 1040, None, 4, torch.int32),  # two column blocks, the second mostly masked
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,A,D,mode,hot,idt", DET_CASES)
+def test_scatter_add_deterministic_interpreter_bitwise(monkeypatch, T, A, D, mode, hot, idt):
+    """Both deterministic paths (and the bucket path with shuffled buckets) against the float32
+    reference: the same bits in fp32 and fp16 (the interpreter rounds float32 -> bf16 its own
+    way: bf16 is compared between paths only). Tokens that receive no row stay poisoned; a
+    second run gives the same bits."""
+    tri = _tri()
+    tidx = det_indices(T, A, seed=A + T, hot=hot, dtype=idt)
+    v = vtc(None if mode is None else (A - 7 if mode == "short" else 0))
+    hit = hit_tokens(tidx, T, v)
+    for i, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16)):
+        rows = randn(A, D, dtype=dtype, seed=i)
+        out0 = randn(T, D, dtype=dtype, seed=10 + i)
+        out0[~hit] = float("nan")
+        want = out0.clone()
+        ref.scatter_add_dense_tokens_deterministic(want, rows, tidx, v)
+        scan, bucket, shuf = det_paths(tri, monkeypatch, out0, rows, tidx, v)
+        for name, got in (("scan", scan), ("bucket", bucket), ("shuffled buckets", shuf)):
+            assert_poisoned(got, hit, msg=name)
+            assert torch.equal(_bits(got), _bits(scan)), f"{name} path differs from the scan path ({dtype})"
+            if dtype != torch.bfloat16:
+                assert torch.equal(_bits(got[hit]), _bits(want[hit])), f"{name} path is not the reference's bits"
+            else:
+                assert_close(got[hit], want[hit], msg=name)
+    with monkeypatch.context() as mp:
+        mp.setattr(tri, "_SCAN_MAX_ROWS", 0)
+        again = out0.clone()
+        tri.scatter_add_dense_tokens_deterministic(again, rows, tidx, v)
+    assert torch.equal(_bits(again), _bits(bucket)), "bucket path not reproducible"
+
+
+@pytest.mark.interpreter
+def test_scatter_add_deterministic_interpreter_buckets():
+    """The bucket kernel: exact per-token counts (live rows with an index in [0, T)), each
+    token's first ``cap`` slots hold distinct rows of that token (all of them when it has at
+    most ``cap``)."""
+    tri = _tri()
+    T, A = 10, 60
+    tidx = det_indices(T, A, seed=3, hot=7, every=3, dtype=torch.int32)
+    v = vtc(A - 5)
+    counts, buckets = tri._build_buckets(tidx, v, True, A, T)
+    cap = buckets.shape[1]
+    assert cap == tri._bucket_cap(A, T) and buckets.dtype == counts.dtype == torch.int32
+    use = torch.arange(A) < A - 5
+    for t in range(T):
+        mine = torch.nonzero(use & (tidx == t)).flatten()
+        assert int(counts[t]) == mine.numel()
+        n = min(mine.numel(), cap)
+        got = buckets[t, :n].long().sort().values
+        if mine.numel() <= cap:
+            assert torch.equal(got, mine)
+        else:
+            assert got.unique().numel() == n and bool(torch.isin(got, mine).all())
+    assert int(counts[7]) > cap, "the hot token must overflow its bucket"
 
 
 @pytest.mark.interpreter
@@ -249,8 +388,8 @@ def test_scatter_add_padded_interpreter(EP, E, T, K, D):
 @pytest.mark.reference
 def test_kernels_compile_for_sm90():
     """The CUDA launchers changed for the H200 (FP8 gather: one pass with a 1024 tail, masked tail,
-    two passes; deterministic scatter: scan path, sort path with 2 and 4 rows per step), compiled
-    on the CPU for sm_90."""
+    two passes; deterministic scatter: scan path, bucket path with 2 and 4 rows per step and
+    several bucket capacities), compiled on the CPU for sm_90."""
     from tests.ops._sm90 import assert_all_compiled, compile_launches
 
     records = compile_launches(
@@ -259,15 +398,39 @@ def test_kernels_compile_for_sm90():
         bf, m, i32 = torch.bfloat16, "meta", torch.int32
         def e(*shape, dtype=bf):
             return torch.empty(*shape, dtype=dtype, device=m)
+        for A, D in ((4096, 5120), (4096, 2880), (4096, 8), (64, 5120), (4096, 16384)):  # whole rows, tiles
+            G.gather_scale_dense_tokens(e(A, D), e(A, dtype=i32), e(A, dtype=i32), e(A, 128), e(1, dtype=i32))
+        G.scatter_add_dense_tokens(e(2048, 5120), e(8192, 5120), e(8192, dtype=i32), e(1, dtype=i32))
         for D in (5120, 7168, 16384):
             G.gather_scale_quant_dense_tokens(e(4096, D), e(4096, dtype=i32), e(4096, dtype=i32), e(4096, 128),
                                               e(1, dtype=torch.float32), e(1, dtype=i32))
-        for A, T in ((512, 128), (4096, 4096), (16384, 4096)):
-            G.scatter_add_dense_tokens_deterministic(e(T, 5120), e(A, 5120), e(A, dtype=i32), e(1, dtype=i32))
+        # Deterministic scatter: the scan (two BLOCK_A buckets), then the bucket path: top-4 and
+        # top-1 (4 and 2 rows per step), bucket capacities 4 to 256, no valid count, int64
+        # indices, fp32 rows, small D (several tokens per tile).
+        for A, T, D, dt, it, has_v in ((512, 128, 5120, bf, i32, True), (100, 64, 5120, bf, i32, False),
+                                       (8192, 2048, 5120, bf, i32, True), (2048, 2048, 5120, bf, torch.int64, False),
+                                       (16384, 2048, 7168, bf, i32, True), (65536, 512, 2880, bf, i32, True),
+                                       (4096, 2048, 8, torch.float32, i32, False)):
+            G.scatter_add_dense_tokens_deterministic(e(T, D, dtype=dt), e(A, D, dtype=dt), e(A, dtype=it),
+                                                     e(1, dtype=i32) if has_v else None)
         """,
         ["moekit.ops._triton.gather_scatter"],
     )
-    assert_all_compiled(records, 8)
+    assert_all_compiled(records, 21)
+    caps = {r["constants"].get("CAP") for r in records if r["kernel"] == "_bucket_sum_kernel"}
+    assert caps == {"4", "8", "16", "256"}, caps
+
+
+@pytest.mark.reference
+def test_scatter_add_deterministic_too_many_rows():
+    """Row indices travel as int32 in the buckets: 2**31 - 1 rows or more are refused (meta
+    tensors: nothing is allocated or launched)."""
+    tri = _tri()
+    A = 2**31
+    with pytest.raises(ValueError, match=re.escape("in_tokens must have fewer than 2**31 - 1 rows")):
+        tri.scatter_add_dense_tokens_deterministic(
+            torch.empty(4, 8, device="meta"), torch.empty(A, 8, device="meta"),
+            torch.empty(A, dtype=torch.int32, device="meta"))
 
 
 @pytest.mark.reference
@@ -473,27 +636,88 @@ def test_scatter_add_gpu(T, E, K, D, dtype, cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,K", [(128, 4), (256, 4)])
 def test_scatter_add_deterministic_gpu_paths_agree(monkeypatch, T, K, cuda):
-    """The one-launch scan (few rows) and the sort + segment-sum path give the same bits."""
+    """The one-launch scan (few rows) and the bucket path (forced) give the same bits, also
+    with a token that receives more rows than its bucket holds."""
     tri = _tri()
     _, _, _, tidx = routing(T, 16, K, start=1, end=16, seed=T, device=cuda)
-    rows = randn(T * K, 5120, dtype=torch.bfloat16, device=cuda, seed=6)
-    out0 = randn(T, 5120, dtype=torch.bfloat16, device=cuda, seed=7)
-    v = vtc(T * K - 9, cuda)
-    scan = out0.clone()
-    tri.scatter_add_dense_tokens_deterministic(scan, rows, tidx, v)
-    monkeypatch.setattr(tri, "_SCAN_MAX_ROWS", 0)
-    sort = out0.clone()
-    tri.scatter_add_dense_tokens_deterministic(sort, rows, tidx, v)
-    assert torch.equal(scan, sort)
-    want = out0.clone()
-    ref.scatter_add_dense_tokens(want, rows, tidx, v)
-    assert_close(scan, want)
+    for hot in (False, True):
+        if hot:
+            tidx[::3] = 5
+        rows = randn(T * K, 5120, dtype=torch.bfloat16, device=cuda, seed=6)
+        out0 = randn(T, 5120, dtype=torch.bfloat16, device=cuda, seed=7)
+        v = vtc(T * K - 9, cuda)
+        scan = out0.clone()
+        tri.scatter_add_dense_tokens_deterministic(scan, rows, tidx, v)
+        with monkeypatch.context() as mp:
+            mp.setattr(tri, "_SCAN_MAX_ROWS", 0)
+            bucket = out0.clone()
+            tri.scatter_add_dense_tokens_deterministic(bucket, rows, tidx, v)
+        assert torch.equal(_bits(scan), _bits(bucket))
+        want = out0.to("cpu", copy=True)
+        ref.scatter_add_dense_tokens_deterministic(want, rows.cpu(), tidx.cpu(), v.cpu())
+        assert torch.equal(_bits(scan.cpu()), _bits(want)), "not the bits of the float32 reference"
 
 
 @pytest.mark.gpu
-def test_scatter_add_gpu_untouched_tokens(cuda):
-    """Tokens no row lands on keep their bits (poisoned out stays poisoned there)."""
-    T, D = 64, 5120
+@pytest.mark.parametrize(
+    "T,K,D,dtype",
+    [(2048, 4, 5120, torch.bfloat16), (2048, 1, 5120, torch.bfloat16), (512, 8, 2880, torch.bfloat16),
+     (300, 6, 7168, torch.float32), (4096, 2, 8, torch.float16), (64, 64, 1024, torch.bfloat16)],
+)
+def test_scatter_add_deterministic_gpu_bitwise(T, K, D, dtype, cuda):
+    """The bucket path at model shapes: bit for bit the float32 reference computed on the CPU
+    (rows summed in ascending row order), for a top-k routing with a short valid count, for
+    random indices (-1, out of range, tokens over their bucket's capacity) and for every row on
+    one token; poisoned tokens that receive no row stay poisoned; repeated runs agree."""
+    E = max(2 * K, 16)
+    _, _, _, topk = routing(T, E, K, start=1, end=E, seed=T + K, device=cuda)
+    one = torch.full((T * K,), T // 3, dtype=torch.int32, device=cuda)
+    rows = randn(T * K, D, dtype=dtype, device=cuda, seed=1)
+    for tidx, v in ((topk, vtc(T * K - 11, cuda)), (det_indices(T, T * K, seed=T, hot=7).to(cuda), None),
+                    (one, vtc(T * K // 2, cuda))):
+        hit = hit_tokens(tidx, T, v, cuda)
+        out0 = randn(T, D, dtype=dtype, device=cuda, seed=2)
+        out0[~hit] = float("nan")
+        want = out0.to("cpu", copy=True)
+        ref.scatter_add_dense_tokens_deterministic(want, rows.cpu(), tidx.cpu(), None if v is None else v.cpu())
+        got = ops.scatter_add_dense_tokens_deterministic(out0.clone(), rows, tidx, v)
+        assert_poisoned(got, hit)
+        h = hit.cpu()
+        assert torch.equal(_bits(got.cpu()[h]), _bits(want[h])), "not the bits of the float32 reference"
+        for _ in range(2):
+            again = ops.scatter_add_dense_tokens_deterministic(out0.clone(), rows, tidx, v)
+            assert torch.equal(_bits(again), _bits(got))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_deterministic_bucket_path(cuda):
+    """The bucket path (memset, bucket kernel, sum) captured once, replayed with new indices (a
+    token over capacity among them), a new valid count and new rows: the reference's bits."""
+    T, K, D = 512, 4, 5120
+    _, _, _, tidx = routing(T, 16, K, seed=3, device=cuda)
+    v = vtc(T * K, cuda)
+    rows = randn(T * K, D, dtype=torch.bfloat16, device=cuda, seed=3)
+    out = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=4)
+    g, _ = _capture(lambda: ops.scatter_add_dense_tokens_deterministic(out, rows, tidx, v))
+    for seed, hot in ((5, None), (6, 9)):
+        tidx.copy_(det_indices(T, T * K, seed=seed, hot=hot, every=4).to(cuda))
+        v.fill_(T * K - 37 * seed)
+        rows.copy_(randn(T * K, D, dtype=torch.bfloat16, device=cuda, seed=seed))
+        o0 = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=seed + 10)
+        out.copy_(o0)
+        g.replay()
+        torch.cuda.synchronize()
+        want = o0.to("cpu", copy=True)
+        ref.scatter_add_dense_tokens_deterministic(want, rows.cpu(), tidx.cpu(), v.cpu())
+        assert torch.equal(_bits(out.cpu()), _bits(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [64, 1024])
+def test_scatter_add_gpu_untouched_tokens(T, cuda):
+    """Tokens no row lands on keep their bits (poisoned out stays poisoned there); T = 1024
+    takes the deterministic bucket path, T = 64 the scan."""
+    D = 5120
     tidx = torch.randint(0, T // 2, (3 * T,), device=cuda, dtype=torch.int32)
     tidx[::5] = -1
     rows = randn(3 * T, D, dtype=torch.bfloat16, device=cuda)
@@ -622,7 +846,7 @@ def test_torch_compile_fullgraph_gpu(cuda):
 
 
 @pytest.mark.gpu
-def test_offsets_past_2_pow_31_gpu(cuda):
+def test_offsets_past_2_pow_31_gpu(monkeypatch, cuda):
     """Rows whose element offset exceeds 2**31 (x and out of about 4.3 GB each)."""
     D = 4096
     T = 2**31 // D + 64
@@ -642,3 +866,9 @@ def test_offsets_past_2_pow_31_gpu(cuda):
         out[-40:].zero_()
         ops.scatter_add_dense_tokens(out, got, tidx, deterministic=det)
         assert torch.equal(out[-40:], got[:40])
+    # The deterministic bucket path (forced: 48 rows would take the scan) on the same tokens.
+    out[-40:].zero_()
+    with monkeypatch.context() as mp:
+        mp.setattr(_tri(), "_SCAN_MAX_ROWS", 0)
+        ops.scatter_add_dense_tokens_deterministic(out, got, tidx)
+    assert torch.equal(out[-40:], got[:40])

@@ -15,8 +15,9 @@ written out of bounds whatever the index values.
 The FP8 gather holds a whole row in registers as two power-of-two chunks (D = 5120 is 4096 +
 1024, no masked lanes) with 2 warps per row, so about ten rows are in flight per SM. The
 deterministic scatter-add is one launch up to ``_SCAN_MAX_ROWS`` rows (every program scans the
-indices); above, a stable sort builds the token -> rows map first. Both add a token's rows in
-ascending row order and give the same bits.
+indices); above, an int32-atomic bucket kernel builds the token -> rows map (no sort) and the
+sum kernel sorts each token's small bucket in registers. Both add a token's rows in ascending
+row order and give the same bits.
 """
 
 from __future__ import annotations
@@ -99,7 +100,12 @@ def _gather_scale_kernel(
     HAS_VALID: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    W_TAIL: tl.constexpr = 0,
 ):
+    """A ``[BLOCK_R, BLOCK_D]`` tile (``n_db`` column blocks per row block), or, with ``n_db == 1``
+    and ``BLOCK_D + W_TAIL >= D``, whole rows: ``BLOCK_D`` columns plus a ``W_TAIL`` tail, both
+    loads issued before either store (the indices are read once per row, not once per column
+    block)."""
     pid = tl.program_id(0)
     rb = pid // n_db
     db = pid - rb * n_db
@@ -111,13 +117,48 @@ def _gather_scale_kernel(
     ok = live & (tok >= 0) & (tok < T) & (exp >= 0) & (exp < E)
     s = tl.load(scores_ptr + tok * stride_st + exp * stride_se, mask=ok, other=0.0).to(tl.float32)
 
+    d_lim = (D // 8) * 8
     cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    m = ok[:, None] & (cols < (D // 8) * 8)[None, :]
-    x_off = tok * (stride_x // 8) * 8
-    v = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    y = v * s[:, None]
-    o_off = rows * (stride_out // 8) * 8
-    tl.store(out_ptr + o_off[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+    m = ok[:, None] & (cols < d_lim)[None, :]
+    x_row = x_ptr + (tok * (stride_x // 8) * 8)[:, None]
+    o_row = out_ptr + (rows * (stride_out // 8) * 8)[:, None]
+    v = tl.load(x_row + cols[None, :], mask=m, other=0.0)
+    if W_TAIL > 0:
+        tcols = BLOCK_D + tl.arange(0, W_TAIL)
+        tm = ok[:, None] & (tcols < d_lim)[None, :]
+        tv = tl.load(x_row + tcols[None, :], mask=tm, other=0.0)
+    tl.store(o_row + cols[None, :], (v.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=m)
+    if W_TAIL > 0:
+        tl.store(o_row + tcols[None, :], (tv.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=tm)
+
+
+# Whole-row gather (one program per row block, head + tail loads in flight together) from this
+# many rows per SM; below, column-block tiles spread a few rows over more programs. Set to 0 to
+# always use column blocks (the configuration sweep compares both).
+_GATHER_WHOLE_ROW_MIN_ROWS_PER_SM = 8
+
+
+def _gather_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_R, BLOCK_D, W_TAIL, number of column blocks, num_warps) for the bf16/fp16/fp32
+    gather. Whole rows (the FP8 gather's head + tail split) when there are enough rows to fill the
+    SMs; column-block tiles otherwise."""
+    if (
+        _GATHER_WHOLE_ROW_MIN_ROWS_PER_SM
+        and D <= _ONE_PASS_MAX_D
+        and rows >= _GATHER_WHOLE_ROW_MIN_ROWS_PER_SM * num_sms(device)
+    ):
+        block_d = _pow2_floor(max(D, 8))
+        rem = D - block_d
+        w_tail = next_pow2(rem) if rem else 0
+        width = block_d + w_tail
+        block_r = max(1, min(_QUANT_TILE // width, next_pow2(rows)))
+        target = _MIN_PROGRAMS_PER_SM * num_sms(device)
+        while block_r > 1 and cdiv(rows, block_r) < target:
+            block_r //= 2
+        # As the FP8 gather: 2 warps for a row of D = 5120, about ten rows in flight per SM.
+        return block_r, block_d, w_tail, 1, _pow2_floor(max(1, min(4, block_r * width // 2048)))
+    block_r, block_d, n_db, warps = _tiles(rows, D, device)
+    return block_r, block_d, 0, n_db, warps
 
 
 def gather_scale_dense_tokens(
@@ -136,7 +177,7 @@ def gather_scale_dense_tokens(
         out = torch.empty((A, D), dtype=x.dtype, device=x.device)
     if A == 0 or D == 0 or T == 0:
         return out
-    block_r, block_d, n_db, warps = _tiles(A, D, x.device)
+    block_r, block_d, w_tail, n_db, warps = _gather_tiles(A, D, x.device)
     has_valid = valid_token_count is not None
     grid = (cdiv(A, block_r) * n_db,)
     launch(_gather_scale_kernel)[grid](
@@ -160,6 +201,7 @@ def gather_scale_dense_tokens(
         HAS_VALID=has_valid,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
+        W_TAIL=w_tail,
         num_warps=warps,
     )
     return out
@@ -378,9 +420,14 @@ def _scatter_add_kernel(
     tok = tl.load(tok_ptr + rows * stride_tok, mask=live, other=-1).to(tl.int64)
     ok = live & (tok >= 0) & (tok < T)
     cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    m = ok[:, None] & (cols < (D // 8) * 8)[None, :]
+    cm = (cols < (D // 8) * 8)[None, :]
+    m = ok[:, None] & cm
     i_off = rows * (stride_in // 8) * 8
-    v = tl.load(in_ptr + i_off[:, None] + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+    # The row's mask does not depend on its token index, so both loads are in flight together
+    # (one memory latency instead of two: matters for a few rows). Rows with an index outside
+    # [0, T) below the valid count are read and dropped (only a malformed index tail has any).
+    v = tl.load(in_ptr + i_off[:, None] + cols[None, :], mask=live[:, None] & cm, other=0.0,
+                eviction_policy="evict_first")
     o_off = tok * (stride_out // 8) * 8
     tl.atomic_add(out_ptr + o_off[:, None] + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=m, sem="relaxed")
 
@@ -417,90 +464,37 @@ def scatter_add_dense_tokens(
 
 
 # ----------------------------------------------------------------------------------------------
-# scatter-add, dense, deterministic (no atomics)
+# scatter-add, dense, deterministic (no atomics on the data)
 # ----------------------------------------------------------------------------------------------
 
-
-@triton.jit
-def _token_keys_kernel(
-    key_ptr,
-    tok_ptr,
-    valid_ptr,
-    A,
-    T,
-    stride_tok,
-    HAS_VALID: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """``key[r] = token_indices[r]`` for rows that are added, ``T`` (sorts last) for the others."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    n_rows = _row_count(valid_ptr, A, HAS_VALID)
-    inb = rows < A
-    tok = tl.load(tok_ptr + rows * stride_tok, mask=inb, other=-1).to(tl.int64)
-    ok = (rows < n_rows) & (tok >= 0) & (tok < T)
-    tl.store(key_ptr + rows, tl.where(ok, tok, T).to(tl.int32), mask=inb)
+# Bucket padding: sorts after every row index (rows are < 2**31 - 1, checked by the launcher).
+_NO_ROW = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
-def _segment_sum_kernel(
-    out_ptr,
-    in_ptr,
-    perm_ptr,
-    bounds_ptr,
-    T,
-    D,
-    stride_out,
-    stride_in,
-    n_db,
-    STEP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Token t owns sorted rows ``[bounds[t], bounds[t + 1])`` (ascending original row order):
-    their sum in float32, in that order, is added to ``out[t]`` with one read-modify-write."""
-    pid = tl.program_id(0)
-    tb = pid // n_db
-    db = pid - tb * n_db
-    toks = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tin = toks < T
-    cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    cm = (cols < (D // 8) * 8)[None, :]
-    lo = tl.load(bounds_ptr + toks, mask=tin, other=0).to(tl.int64)
-    hi = tl.load(bounds_ptr + toks + 1, mask=tin, other=0).to(tl.int64)
-    n = hi - lo
-    # Tokens that receive rows: their output tile is read while the row map is.
-    m = (n > 0)[:, None] & cm
-    o_ptr = out_ptr + (toks * (stride_out // 8) * 8)[:, None] + cols[None, :]
-    o = tl.load(o_ptr, mask=m, other=0.0)
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    max_n = tl.max(n, axis=0)
-    # STEP rows per step (4 when tokens get about 4 rows: a top-4 token in one step): their map
-    # entries, then their data, are all in flight together; the additions stay in row order.
-    for k in range(0, max_n, STEP):
-        h0 = k < n
-        h1 = k + 1 < n
-        r0 = tl.load(perm_ptr + lo + k, mask=h0, other=0).to(tl.int64)
-        r1 = tl.load(perm_ptr + lo + k + 1, mask=h1, other=0).to(tl.int64)
-        if STEP == 4:
-            h2 = k + 2 < n
-            h3 = k + 3 < n
-            r2 = tl.load(perm_ptr + lo + k + 2, mask=h2, other=0).to(tl.int64)
-            r3 = tl.load(perm_ptr + lo + k + 3, mask=h3, other=0).to(tl.int64)
-        v0 = tl.load(in_ptr + (r0 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h0[:, None] & cm,
-                     other=0.0, eviction_policy="evict_first")
-        v1 = tl.load(in_ptr + (r1 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h1[:, None] & cm,
-                     other=0.0, eviction_policy="evict_first")
-        if STEP == 4:
-            v2 = tl.load(in_ptr + (r2 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h2[:, None] & cm,
-                         other=0.0, eviction_policy="evict_first")
-            v3 = tl.load(in_ptr + (r3 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h3[:, None] & cm,
-                         other=0.0, eviction_policy="evict_first")
+def _add_hits_in_order(acc, hit, a0, in_ptr, stride_in, cols, cm, BLOCK_A: tl.constexpr):
+    """``acc[t] += in[a0 + j]`` for every ``hit[t, j]`` (``[BLOCK_T, BLOCK_A]``), in ascending
+    ``j``, two rows per step; a token without a row in a step adds +0.0 (an exact no-op: a sum
+    that starts at +0.0 never becomes -0.0). The order of additions is the one of every other
+    deterministic path, so all of them give the same bits."""
+    j = tl.arange(0, BLOCK_A)
+    n = tl.max(tl.sum(hit.to(tl.int32), axis=1), axis=0)
+    for _ in range(0, n, 2):
+        j0 = tl.min(tl.where(hit, j[None, :], BLOCK_A), axis=1)
+        hit = hit & (j[None, :] != j0[:, None])
+        j1 = tl.min(tl.where(hit, j[None, :], BLOCK_A), axis=1)
+        hit = hit & (j[None, :] != j1[:, None])
+        h0 = j0 < BLOCK_A
+        h1 = j1 < BLOCK_A
+        r0 = (a0 + j0).to(tl.int64)
+        r1 = (a0 + j1).to(tl.int64)
+        p0 = in_ptr + (r0 * (stride_in // 8) * 8)[:, None] + cols[None, :]
+        p1 = in_ptr + (r1 * (stride_in // 8) * 8)[:, None] + cols[None, :]
+        v0 = tl.load(p0, mask=h0[:, None] & cm, other=0.0, eviction_policy="evict_first")
+        v1 = tl.load(p1, mask=h1[:, None] & cm, other=0.0, eviction_policy="evict_first")
         acc += v0.to(tl.float32)
         acc += v1.to(tl.float32)
-        if STEP == 4:
-            acc += v2.to(tl.float32)
-            acc += v3.to(tl.float32)
-    tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=m)
+    return acc
 
 
 @triton.jit
@@ -521,10 +515,9 @@ def _scan_sum_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_A: tl.constexpr,
 ):
-    """Few rows (``A <= BLOCK_A``): no inverse map. Every program reads all of ``token_indices``
-    (at most a few KB, from the L2), and adds the rows that hit its tokens in ascending row order
-    (two per step): the same float32 additions in the same order as ``_segment_sum_kernel``
-    (masked-off rows add +0.0, an exact no-op), so both paths give the same bits."""
+    """Few rows (``A <= BLOCK_A``): one launch, no inverse map. Every program reads all of
+    ``token_indices`` (at most a few KB, from the L2) and adds the rows that hit its tokens in
+    ascending row order, then does one read-modify-write of ``out``."""
     pid = tl.program_id(0)
     tb = pid // n_db
     db = pid - tb * n_db
@@ -543,27 +536,152 @@ def _scan_sum_kernel(
     m = (cnt > 0)[:, None] & cm
     o_ptr = out_ptr + (toks * (stride_out // 8) * 8)[:, None] + cols[None, :]
     o = tl.load(o_ptr, mask=m, other=0.0)
+    acc = _add_hits_in_order(tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), hit, 0, in_ptr, stride_in, cols, cm,
+                             BLOCK_A)
+    tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _bucket_rows_kernel(
+    counts_ptr,
+    buckets_ptr,
+    tok_ptr,
+    valid_ptr,
+    A,
+    T,
+    stride_tok,
+    HAS_VALID: tl.constexpr,
+    CAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Token -> rows map without a sort: every row that is added takes the next slot of its
+    token with an int32 atomic (``counts[t]`` ends as the token's number of rows, exact) and,
+    when the slot is below ``CAP``, records its index in ``buckets[t, slot]``. Slots fill in an
+    arbitrary order; the sum kernel sorts each bucket, so the result does not depend on it."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < _row_count(valid_ptr, A, HAS_VALID)
+    tok = tl.load(tok_ptr + rows * stride_tok, mask=live, other=-1).to(tl.int64)
+    ok = live & (tok >= 0) & (tok < T)
+    slot = tl.atomic_add(counts_ptr + tok, tl.full((BLOCK,), 1, tl.int32), mask=ok, sem="relaxed")
+    tl.store(buckets_ptr + tok * CAP + slot, rows.to(tl.int32), mask=ok & (slot < CAP))
+
+
+@triton.jit
+def _bucket_sum_kernel(
+    out_ptr,
+    in_ptr,
+    counts_ptr,
+    buckets_ptr,
+    tok_ptr,
+    valid_ptr,
+    A,
+    T,
+    D,
+    stride_out,
+    stride_in,
+    stride_tok,
+    n_db,
+    HAS_VALID: tl.constexpr,
+    CAP: tl.constexpr,
+    STEP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+):
+    """One program per (token block, column block): each token's rows, in ascending row order,
+    summed in float32 and added to ``out[t]`` with one read-modify-write.
+
+    A token with at most ``CAP`` rows finds them all in its bucket, sorted here in registers.
+    A token with more (indices that are not a top-k routing, e.g. every row to one token) is
+    summed by scanning ``token_indices`` in row order, ``BLOCK_A`` rows at a time; only programs
+    that own such a token take that branch."""
+    pid = tl.program_id(0)
+    tb = pid // n_db
+    db = pid - tb * n_db
+    toks = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tin = toks < T
+    cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = (cols < (D // 8) * 8)[None, :]
+    slots = tl.arange(0, CAP)
+    # Count and bucket come in one round trip; slots at or past the count (stale memory) are
+    # padded with _NO_ROW, which sorts last.
+    cnt = tl.load(counts_ptr + toks, mask=tin, other=0)
+    bkt = tl.load(buckets_ptr + toks[:, None] * CAP + slots[None, :], mask=tin[:, None], other=_NO_ROW)
+    bkt = tl.sort(tl.where(slots[None, :] < cnt[:, None], bkt, _NO_ROW), dim=1)
+    n = tl.where(cnt <= CAP, cnt, 0)
+    # Tokens that receive rows: their output tile is read while their rows are.
+    m = (cnt > 0)[:, None] & cm
+    o_ptr = out_ptr + (toks * (stride_out // 8) * 8)[:, None] + cols[None, :]
+    o = tl.load(o_ptr, mask=m, other=0.0)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for _ in range(0, tl.max(cnt, axis=0), 2):
-        r0 = tl.min(tl.where(hit, a[None, :], BLOCK_A), axis=1)
-        hit = hit & (a[None, :] != r0[:, None])
-        r1 = tl.min(tl.where(hit, a[None, :], BLOCK_A), axis=1)
-        hit = hit & (a[None, :] != r1[:, None])
-        h0 = r0 < BLOCK_A
-        h1 = r1 < BLOCK_A
-        p0 = in_ptr + (r0.to(tl.int64) * (stride_in // 8) * 8)[:, None] + cols[None, :]
-        p1 = in_ptr + (r1.to(tl.int64) * (stride_in // 8) * 8)[:, None] + cols[None, :]
-        v0 = tl.load(p0, mask=h0[:, None] & cm, other=0.0, eviction_policy="evict_first")
-        v1 = tl.load(p1, mask=h1[:, None] & cm, other=0.0, eviction_policy="evict_first")
+    # STEP rows per step (4 when tokens get about 4 rows: a top-4 token in one step), all in
+    # flight together; the additions stay in row order.
+    for k in range(0, tl.max(n, axis=0), STEP):
+        h0 = k < n
+        h1 = k + 1 < n
+        r0 = tl.sum(tl.where(slots[None, :] == k, bkt, 0), axis=1).to(tl.int64)
+        r1 = tl.sum(tl.where(slots[None, :] == k + 1, bkt, 0), axis=1).to(tl.int64)
+        v0 = tl.load(in_ptr + (r0 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h0[:, None] & cm,
+                     other=0.0, eviction_policy="evict_first")
+        v1 = tl.load(in_ptr + (r1 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h1[:, None] & cm,
+                     other=0.0, eviction_policy="evict_first")
+        if STEP == 4:
+            h2 = k + 2 < n
+            h3 = k + 3 < n
+            r2 = tl.sum(tl.where(slots[None, :] == k + 2, bkt, 0), axis=1).to(tl.int64)
+            r3 = tl.sum(tl.where(slots[None, :] == k + 3, bkt, 0), axis=1).to(tl.int64)
+            v2 = tl.load(in_ptr + (r2 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h2[:, None] & cm,
+                         other=0.0, eviction_policy="evict_first")
+            v3 = tl.load(in_ptr + (r3 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h3[:, None] & cm,
+                         other=0.0, eviction_policy="evict_first")
         acc += v0.to(tl.float32)
         acc += v1.to(tl.float32)
+        if STEP == 4:
+            acc += v2.to(tl.float32)
+            acc += v3.to(tl.float32)
+    if tl.max(cnt, axis=0) > CAP:
+        over = tin & (cnt > CAP)
+        n_rows = _row_count(valid_ptr, A, HAS_VALID)
+        for a0 in range(0, n_rows, BLOCK_A):
+            a = a0 + tl.arange(0, BLOCK_A)
+            idx = tl.load(tok_ptr + a.to(tl.int64) * stride_tok, mask=a < n_rows, other=-1).to(tl.int64)
+            hit = (idx[None, :] == toks[:, None]) & over[:, None]  # idx is never a token >= T here
+            acc = _add_hits_in_order(acc, hit, a0, in_ptr, stride_in, cols, cm, BLOCK_A)
     tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=m)
 
 
 # Up to this many rows the deterministic scatter-add is one launch (``_scan_sum_kernel``, which
-# holds all the indices at once); above it, a stable sort builds the inverse map (4 launches
-# plus the sum).
+# holds all the indices at once); above it, a memset, the bucket kernel and the bucket sum.
 _SCAN_MAX_ROWS = 1024
+# Bucket-sum tile: 1024 elements (one token's 1024 columns at D >= 1024), 16 per lane (two
+# 16-byte bf16 vectors per row: 2 warps, ~96 registers), so about ten programs are resident per
+# SM and their index round trips and bucket sorts overlap the others' data; the per-program
+# index work is paid once per 2 KB of each row.
+_BUCKET_TILE = 1024
+_BUCKET_PER_LANE = 16
+# Bucket capacity bounds (slots per token; powers of two).
+_MIN_CAP, _MAX_CAP = 4, 256
+
+
+def _bucket_cap(A: int, T: int) -> int:
+    """Slots per token: twice the mean number of rows per token, as a power of two. A top-k
+    routing (k <= 256) puts at most k rows on a token, so no token overflows; indices drawn at
+    random overflow rarely (those tokens take the exact scan)."""
+    return max(_MIN_CAP, min(_MAX_CAP, next_pow2(2 * cdiv(A, T))))
+
+
+def _bucket_tiles(T: int, D: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_T, BLOCK_D, number of column blocks, num_warps, BLOCK_A) of the bucket sum."""
+    block_d = min(next_pow2(D), 1024)
+    n_db = cdiv(D, block_d)
+    block_t = max(1, min(_BUCKET_TILE // block_d, next_pow2(T)))
+    target = _MIN_PROGRAMS_PER_SM * num_sms(device)
+    while block_t > 1 and cdiv(T, block_t) * n_db < target:
+        block_t //= 2
+    warps = max(1, min(4, block_t * block_d // (32 * _BUCKET_PER_LANE)))
+    # Overflow scan: a [BLOCK_T, BLOCK_A] hit matrix of about 8 entries per lane.
+    block_a = max(16, min(1024, warps * 256 // block_t))
+    return block_t, block_d, n_db, warps, block_a
 
 
 def scatter_add_dense_tokens_deterministic(
@@ -572,22 +690,26 @@ def scatter_add_dense_tokens_deterministic(
     token_indices: torch.Tensor,
     valid_token_count: Optional[torch.Tensor] = None,
 ) -> None:
-    """Few rows: one launch that scans the indices. Otherwise: inverse map token -> rows with a
-    stable sort (static shapes, no host sync), then one program per (token block, column block)
-    sums each token's rows in ascending row order. Both give the same bits."""
+    """Few rows: one launch that scans the indices. Otherwise three launches with static shapes
+    and no host sync: zeroed per-token counts, the bucket kernel (token -> rows with int32
+    atomics), then one program per (token block, column block) sums each token's rows in
+    ascending row order. Every path gives the same bits."""
     A, D = in_tokens.shape
     T = out_tokens.shape[0]
     if A == 0 or D == 0 or T == 0:
         return
+    if A >= 2**31 - 1:  # row indices are int32 in the buckets
+        raise ValueError(f"in_tokens must have fewer than 2**31 - 1 rows for the deterministic scatter-add, got {A}")
     device = in_tokens.device
     has_valid = valid_token_count is not None
-    block_t, block_d, n_db, warps = _tiles(T, D, device)
+    valid = valid_token_count if has_valid else token_indices  # unused placeholder when absent
     if A <= _SCAN_MAX_ROWS:
+        block_t, block_d, n_db, warps = _tiles(T, D, device)
         launch(_scan_sum_kernel)[(cdiv(T, block_t) * n_db,)](
             out_tokens,
             in_tokens,
             token_indices,
-            valid_token_count if has_valid else token_indices,
+            valid,
             A,
             T,
             D,
@@ -602,36 +724,65 @@ def scatter_add_dense_tokens_deterministic(
             num_warps=warps,
         )
         return
-    keys = torch.empty((A,), dtype=torch.int32, device=device)
-    kblock = min(1024, max(16, next_pow2(A)))
-    launch(_token_keys_kernel)[(cdiv(A, kblock),)](
-        keys,
+    counts, buckets = _build_buckets(token_indices, valid, has_valid, A, T)
+    _sum_buckets(out_tokens, in_tokens, counts, buckets, token_indices, valid, has_valid)
+
+
+def _build_buckets(
+    token_indices: torch.Tensor, valid: torch.Tensor, has_valid: bool, A: int, T: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts ``[T]`` int32, buckets ``[T, cap]`` int32): a memset and the bucket kernel."""
+    cap = _bucket_cap(A, T)
+    counts = torch.zeros((T,), dtype=torch.int32, device=token_indices.device)
+    buckets = torch.empty((T, cap), dtype=torch.int32, device=token_indices.device)
+    launch(_bucket_rows_kernel)[(cdiv(A, 256),)](
+        counts,
+        buckets,
         token_indices,
-        valid_token_count if has_valid else token_indices,
+        valid,
         A,
         T,
         token_indices.stride(0),
         HAS_VALID=has_valid,
-        BLOCK=kblock,
+        CAP=cap,
+        BLOCK=256,
         num_warps=4,
     )
-    sorted_keys, perm = torch.sort(keys, stable=True)
-    bounds = torch.searchsorted(
-        sorted_keys, torch.arange(T + 1, dtype=torch.int32, device=device), out_int32=True
-    )
-    launch(_segment_sum_kernel)[(cdiv(T, block_t) * n_db,)](
+    return counts, buckets
+
+
+def _sum_buckets(
+    out_tokens: torch.Tensor,
+    in_tokens: torch.Tensor,
+    counts: torch.Tensor,
+    buckets: torch.Tensor,
+    token_indices: torch.Tensor,
+    valid: torch.Tensor,
+    has_valid: bool,
+) -> None:
+    A, D = in_tokens.shape
+    T, cap = buckets.shape
+    block_t, block_d, n_db, warps, block_a = _bucket_tiles(T, D, in_tokens.device)
+    launch(_bucket_sum_kernel)[(cdiv(T, block_t) * n_db,)](
         out_tokens,
         in_tokens,
-        perm,
-        bounds,
+        counts,
+        buckets,
+        token_indices,
+        valid,
+        A,
         T,
         D,
         out_tokens.stride(0),
         in_tokens.stride(0),
+        token_indices.stride(0),
         n_db,
+        HAS_VALID=has_valid,
+        CAP=cap,
         STEP=4 if A >= 3 * T else 2,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
+        BLOCK_A=block_a,
         num_warps=warps,
     )
 

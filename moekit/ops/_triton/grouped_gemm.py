@@ -31,8 +31,10 @@ when ``sum(m_sizes) > M``, and negative sizes count as 0). No host synchronizati
 Scatter-add: with ``SCATTER`` the rows are atomically added (relaxed ``atomic_add`` in the output
 dtype, bf16 for FP8 inputs, as MSLK does) into ``out[idx[row]]``; negative or out-of-range
 indices are skipped. ``deterministic=True`` instead stores the rows into a scratch ``[M, N]``
-buffer and ``_token_reduce_kernel`` adds them to the output token by token in ascending row order
-(float32 sums, one rounding per token): bitwise reproducible.
+buffer and the deterministic scatter-add's kernels (``gather_scatter``) add them to the output
+token by token: each token's rows summed in float32 in ascending row order, then added to the
+output once (bitwise reproducible, and bitwise equal to ``scatter_add_dense_tokens(...,
+deterministic=True)`` applied to the GEMM's rows).
 
 ``use_fast_accum``: FP8 ``tl.dot`` on Hopper accumulates in the tensor core's reduced-precision
 accumulator by default (fast accumulation, Triton's sm_90 default); ``use_fast_accum=False``
@@ -411,37 +413,6 @@ def _gg_tiled_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Deterministic scatter-add: fixed-order per-token reduction of stored rows
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _token_reduce_kernel(
-    out_ptr,
-    rows_ptr,
-    order_ptr,
-    offsets_ptr,
-    N,
-    stride_om,
-    stride_rm,
-    BLOCK_N: tl.constexpr,
-):
-    """``out[t] += sum(rows[order[j]] for j in offsets[t]:offsets[t+1])`` in float32, in order."""
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    begin = tl.load(offsets_ptr + t)
-    end = tl.load(offsets_ptr + t + 1)
-    if end > begin:
-        optrs = out_ptr + t.to(tl.int64) * stride_om + offs_n
-        acc = tl.load(optrs, mask=n_mask, other=0.0).to(tl.float32)
-        for j in range(begin, end):
-            r = tl.load(order_ptr + j).to(tl.int64)
-            acc += tl.load(rows_ptr + r * stride_rm + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-# ----------------------------------------------------------------------------------------------
 # Configurations (shape buckets; no autotuning at call time)
 # ----------------------------------------------------------------------------------------------
 
@@ -814,24 +785,16 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
 
 
 def _deterministic_scatter(out, rows, m_sizes, indices, M):
-    """``out[idx[r]] += rows[r]`` for computed rows, per token in ascending row order."""
-    T, N = out.shape
-    dev = out.device
-    r = torch.arange(M, device=dev)
-    valid = (indices >= 0) & (indices < T)
+    """``out[idx[r]] += rows[r]`` for the computed rows (``r < sum(m_sizes)``): the deterministic
+    scatter-add's kernels (each token's rows summed in float32 in ascending row order, then added
+    to ``out`` once), so the result is bitwise that of ``scatter_add_dense_tokens(...,
+    deterministic=True)`` on the GEMM's rows. The row count stays on the device."""
+    from moekit.ops._triton.gather_scatter import scatter_add_dense_tokens_deterministic
+
+    valid = None
     if m_sizes is not None:
-        valid = valid & (r < m_sizes.clamp(min=0).sum())
-    key = torch.where(valid, indices.long(), T)
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(T + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts[:T], 0)])
-    if T == 0:
-        return
-    block_n = min(1024, max(16, next_pow2(N)))
-    launch(_token_reduce_kernel)[(T, cdiv(N, block_n))](
-        out, rows, order, offsets, N, out.stride(0), rows.stride(0), BLOCK_N=block_n, num_warps=4
-    )
+        valid = m_sizes.clamp(min=0).sum().to(torch.int32).reshape(1)
+    scatter_add_dense_tokens_deterministic(out, rows, indices, valid)
 
 
 def f8f8bf16_rowwise(
