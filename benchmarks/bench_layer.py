@@ -36,7 +36,7 @@ def main() -> int:
                 rows += _bench.run(m, tokens, dt == "fp8", a.quick)
             except Exception as exc:  # keep the other models' rows
                 print(f"   {m} {dt} failed: {type(exc).__name__}: {exc}")
-    cols = ["model", "T", "dtype", "floor_us", "moekit_us", "torch_us", "mslk_us", "floor/moekit", "moekit/torch", "moekit/mslk"]
+    cols = ["model", "T", "dtype", "floor_us", "moekit_us", "det_us", "torch_us", "mslk_us", "floor/moekit", "moekit/torch", "moekit/mslk"]
     print(markdown_table(rows, cols))
     save_rows("bench_layer", rows)
     return 0

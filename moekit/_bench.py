@@ -70,17 +70,19 @@ def torch_pipeline(x: torch.Tensor, w: dict, cfg: RoutingConfig) -> torch.Tensor
     return out.index_add_(0, tok, y)
 
 
-def moekit_pipeline(x: torch.Tensor, w: dict, cfg: RoutingConfig, fp8: Optional[dict] = None) -> torch.Tensor:
+def moekit_pipeline(x: torch.Tensor, w: dict, cfg: RoutingConfig, fp8: Optional[dict] = None,
+                    deterministic: bool = False) -> torch.Tensor:
     shared = shared_expert(x, w)
     if fp8 is None:
         return moe_forward(
             x, w["router_DE"], w["w13_e2FD"], w["w2_eDF"], cfg,
             e_score_correction_bias=w.get("e_score_correction_bias"), shared_out_TD=shared,
+            deterministic=deterministic,
         )
     return moe_forward(
         x, w["router_DE"], fp8["w13"], fp8["w2"], cfg,
         e_score_correction_bias=w.get("e_score_correction_bias"), shared_out_TD=shared,
-        w13_scale_e2F=fp8["w13_scale"], w2_scale_eD=fp8["w2_scale"],
+        w13_scale_e2F=fp8["w13_scale"], w2_scale_eD=fp8["w2_scale"], deterministic=deterministic,
     )
 
 
@@ -139,6 +141,8 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
         row["floor_us"] = floor_us(nbytes, flops, fp8=fp8)
         reps = 5 if quick else 20
         row["moekit_us"] = bench_us(lambda: moekit_pipeline(pick(), w, cfg, q), replays=reps)
+        if cuda and s.top_k > 1:  # the atomics-free combine (rows stored, then summed per token)
+            row["det_us"] = bench_us(lambda: moekit_pipeline(pick(), w, cfg, q, deterministic=True), replays=reps)
         try:
             row["torch_us"] = bench_us(lambda: torch_pipeline(pick(), w, cfg), replays=reps)
         except Exception as exc:  # torch._grouped_mm needs sm_90+ on CUDA

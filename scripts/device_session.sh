@@ -42,15 +42,15 @@ if [[ " $PHASES " == *" tests "* ]]; then
     # each with a few workers.
     p1=""
     if [[ " $TESTS " == *" tests/ops "* || "$TESTS" == *test_grouped_gemm* ]]; then
-      CUDA_VISIBLE_DEVICES=1 timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n 4 --timeout 240 \
+      CUDA_VISIBLE_DEVICES=1 timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n 4 --timeout ${TEST_TIMEOUT:-240} --durations=12 \
         ${GEMM_K:+-k "$GEMM_K"} tests/ops/test_grouped_gemm.py > "$RES/tests_gemm.log" 2>&1 &
       p1=$!
     fi
-    CUDA_VISIBLE_DEVICES=0 timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n 4 --timeout 240 \
+    CUDA_VISIBLE_DEVICES=0 timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n 4 --timeout ${TEST_TIMEOUT:-240} --durations=12 \
       $TESTS --ignore=tests/ops/test_grouped_gemm.py > "$RES/tests_other.log" 2>&1
     [ -n "$p1" ] && wait $p1
   else
-    timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n 6 --timeout 240 $TESTS > "$RES/tests_all.log" 2>&1
+    timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n 6 --timeout ${TEST_TIMEOUT:-240} --durations=12 $TESTS > "$RES/tests_all.log" 2>&1
   fi
   for f in "$RES"/tests_*.log; do echo "-- $f"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$f" | tail -n 25; done
 fi

@@ -263,9 +263,11 @@ def scatter_add_dense_tokens(
     rows with a negative (or out of range) index are skipped. Returns ``out_tokens``.
 
     ``out_tokens`` ``[T, D]``, ``in_tokens`` ``[a, D]`` (bf16/fp16/fp32, ``D % 8 == 0``). The default
-    uses atomics (as MSLK: the order of additions, hence the rounding, may vary between runs when
-    several rows hit one token). ``deterministic=True`` sums each token's rows in ascending row
-    order in float32 and adds the sum once: bitwise reproducible.
+    is the fastest path: atomics (as MSLK: the order of additions, hence the rounding, may vary
+    between runs when several rows hit one token) for few rows or about one row per token, the
+    deterministic sum where tokens receive two or more rows on average (``a >= 2 T``, more than
+    1024 rows), which is faster there. ``deterministic=True`` always sums each token's rows in
+    ascending row order in float32 and adds the sum once: bitwise reproducible.
     """
     _check_scatter(out_tokens, in_tokens, token_indices, valid_token_count)
     if not isinstance(deterministic, bool):

@@ -438,11 +438,19 @@ def scatter_add_dense_tokens(
     token_indices: torch.Tensor,
     valid_token_count: Optional[torch.Tensor] = None,
 ) -> None:
+    """Atomic adds, or, where it is faster, the deterministic scatter-add (see
+    ``_prefer_bucket_sum``): both honour the same contract; only the rounding order differs."""
     A, D = in_tokens.shape
     T = out_tokens.shape[0]
     if A == 0 or D == 0 or T == 0:
         return
-    block_r, block_d, n_db, warps = _tiles(A, D, in_tokens.device)
+    if _prefer_bucket_sum(A, T):
+        scatter_add_dense_tokens_deterministic(out_tokens, in_tokens, token_indices, valid_token_count)
+        return
+    block_r, block_d, n_db, _ = _tiles(A, D, in_tokens.device)
+    # One 16-byte vector per lane (bf16): 4 warps for a 1024-column slice of one row (measured
+    # 1.53 vs 1.64 µs for one row of 5120 with 2 warps; equal within 1% at T = 2048).
+    warps = max(1, min(8, block_r * block_d // 256))
     has_valid = valid_token_count is not None
     launch(_scatter_add_kernel)[(cdiv(A, block_r) * n_db,)](
         out_tokens,
@@ -461,6 +469,14 @@ def scatter_add_dense_tokens(
         BLOCK_D=block_d,
         num_warps=warps,
     )
+
+
+def _prefer_bucket_sum(A: int, T: int) -> bool:
+    """Tokens receiving two or more rows on average (top-k > 1), past the one-launch scan's size:
+    the deterministic bucket sum reads and writes each output row once, where atomics make a
+    read-modify-write of it in the L2 per row (H200, D = 5120 bf16: T = 2048, top-4: 37.1 vs
+    45.4 µs; T = 16384, top-4: 250 vs 558 µs). Top-1 keeps the atomics (19.7 vs 22.4 µs)."""
+    return _SCAN_MAX_ROWS < A < 2**31 - 1 and A >= 2 * T
 
 
 # ----------------------------------------------------------------------------------------------
