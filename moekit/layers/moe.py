@@ -81,6 +81,14 @@ class MoEArgs:
     ``ep_size == 1``): "static" (default; all-gather tokens, reduce-scatter back; static shapes, no
     host sync, CUDA-graph capturable; every rank must hold the same T) or "dynamic" (all-to-all of
     only the routed rows; one host sync per layer to size the buffers; T may differ per rank).
+    ``dedup_comm`` (with ``ep_size > 1`` and ``tp_size > 1``; MSLK's option of the same name): the
+    TP ranks of an EP rank hold the same tokens, so instead of each sending whole rows to the other
+    EP ranks, each sends only its ``dim // tp_size`` column slice and the TP group all-gathers the
+    slices; on the way back the TP group reduce-scatters the partial rows along ``dim`` before the
+    EP exchange. The traffic between EP ranks (between nodes, in the usual layout: EP across nodes,
+    TP inside one) drops by ``tp_size``. The layer then returns its TP rank's column slice of the
+    routed output (zeros elsewhere) plus its shared-expert partial: still a partial sum that the
+    caller's TP all-reduce completes. Needs ``tp_group`` (this process's TP group) at construction.
     """
 
     dim: int
@@ -106,6 +114,7 @@ class MoEArgs:
     tp_size: int = 1
     tp_rank: int = 0
     ep_comm: str = "static"
+    dedup_comm: bool = False
 
     def __post_init__(self) -> None:
         check_int("dim", self.dim, lo=1)
@@ -114,7 +123,7 @@ class MoEArgs:
         check_int("top_k", self.top_k, lo=1, hi=self.num_experts)
         check_int("shared_hidden_dim", self.shared_hidden_dim, lo=0)
         for name in ("renormalize", "apply_router_weight_on_input", "score_correction_bias", "router_fp32",
-                     "use_fast_accum", "deterministic"):  # fmt: skip
+                     "use_fast_accum", "deterministic", "dedup_comm"):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
@@ -177,6 +186,16 @@ class MoEArgs:
             raise ValueError(
                 f"tp_size must divide shared_hidden_dim ({self.shared_hidden_dim}), got tp_size={self.tp_size}"
             )
+        if self.dedup_comm and self.tp_size > 1 and (self.dim % self.tp_size or (self.dim // self.tp_size) % 8):
+            raise ValueError(
+                f"dedup_comm needs dim // tp_size to be a whole multiple of 8 (column slices of the rows), "
+                f"got dim={self.dim}, tp_size={self.tp_size}"
+            )
+
+    @property
+    def uses_dedup_comm(self) -> bool:
+        """``dedup_comm`` takes effect (it needs both expert and tensor parallelism)."""
+        return self.dedup_comm and self.ep_size > 1 and self.tp_size > 1
 
     # Derived sizes ----------------------------------------------------------------------------
     @property
@@ -597,7 +616,8 @@ class BaselineMoE(torch.nn.Module):
     (None without a shared expert). ``seed`` makes the init deterministic.
 
     With ``args.ep_size > 1`` pass the expert-parallel ``ep_group`` (its size and this process's
-    rank must match ``args.ep_size`` / ``args.ep_rank``).
+    rank must match ``args.ep_size`` / ``args.ep_rank``), and with ``args.dedup_comm`` the
+    tensor-parallel ``tp_group`` (``args.tp_size`` / ``args.tp_rank``).
     """
 
     def __init__(
@@ -605,6 +625,7 @@ class BaselineMoE(torch.nn.Module):
         args: MoEArgs,
         *,
         ep_group: Optional[Any] = None,
+        tp_group: Optional[Any] = None,
         device: Optional[torch.device | str] = None,
         seed: int = 0,
         _weights: Optional[dict] = None,
@@ -614,6 +635,7 @@ class BaselineMoE(torch.nn.Module):
             raise TypeError(f"args must be a MoEArgs, got {type(args).__name__}")
         self.args = args
         self.ep_group = self._check_group(args, ep_group)
+        self.tp_group = self._check_tp_group(args, tp_group)
         self.cfg = args.routing_config
         D, E = args.dim, args.num_experts
         if _weights is None:
@@ -669,6 +691,25 @@ class BaselineMoE(torch.nn.Module):
             )
         return ep_group
 
+    @staticmethod
+    def _check_tp_group(args: MoEArgs, tp_group: Optional[Any]) -> Optional[Any]:
+        if not args.uses_dedup_comm:
+            return tp_group
+        if tp_group is None:
+            raise ValueError(
+                f"tp_group is required with dedup_comm=True, ep_size > 1 and tp_size > 1, got None "
+                f"(ep_size={args.ep_size}, tp_size={args.tp_size})"
+            )
+        import torch.distributed as dist
+
+        size, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        if size != args.tp_size or rank != args.tp_rank:
+            raise ValueError(
+                f"tp_group must have size tp_size={args.tp_size} with this process at rank tp_rank={args.tp_rank}, "
+                f"got size {size}, rank {rank}"
+            )
+        return tp_group
+
     @classmethod
     def from_weights(
         cls,
@@ -685,6 +726,7 @@ class BaselineMoE(torch.nn.Module):
         shared_w13_scale_2F: Optional[torch.Tensor] = None,
         shared_w2_scale_D: Optional[torch.Tensor] = None,
         ep_group: Optional[Any] = None,
+        tp_group: Optional[Any] = None,
     ):
         """Build the layer from given tensors (keys of ``moekit.testing.random_expert_weights``).
 
@@ -737,7 +779,7 @@ class BaselineMoE(torch.nn.Module):
         elif e_score_correction_bias is not None:
             raise ValueError("e_score_correction_bias given but args.score_correction_bias is False")
         weights = {"router_DE": router_DE.to(args.dtype).contiguous(), "bias": bias, "routed": routed, "shared": shared}
-        return cls(args, ep_group=ep_group, _weights=weights)
+        return cls(args, ep_group=ep_group, tp_group=tp_group, _weights=weights)
 
     # Helpers shared with MetaShufflingMoE ------------------------------------------------------
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
@@ -958,6 +1000,10 @@ class MetaShufflingMoE(BaselineMoE):
            zero ``[R*T, D]`` partial output;
         4. reduce-scatter (sum over ranks) back to this rank's ``[T, D]``, + the shared expert.
 
+        ``dedup_comm`` (EP x TP): step 1 all-gathers only this TP rank's column slice over the EP
+        group, then the slices over the TP group; step 4 reduce-scatters the partial rows over the
+        TP group (this rank's columns) before the EP group. 1 / tp_size of the bytes cross EP.
+
         The dynamic all-to-all path (one host sync per layer) is ``_ep_dynamic_forward``.
         """
         import torch.distributed as dist
@@ -981,8 +1027,11 @@ class MetaShufflingMoE(BaselineMoE):
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
         logits_TE = self.router_logits(x_TD).contiguous()
-        x_all = torch.empty(R * T, D, dtype=x_TD.dtype, device=x_TD.device)
-        all_gather(x_all, x_TD.contiguous(), group=self.ep_group)
+        if a.uses_dedup_comm:
+            x_all = self._dedup_gather_rows(x_TD.contiguous(), R * T, all_gather)
+        else:
+            x_all = torch.empty(R * T, D, dtype=x_TD.dtype, device=x_TD.device)
+            all_gather(x_all, x_TD.contiguous(), group=self.ep_group)
         logits_all = torch.empty(R * T, E, dtype=torch.float32, device=x_TD.device)
         all_gather(logits_all, logits_TE, group=self.ep_group)
         shared = self.shared_forward(x_TD) if self.shared_experts is not None else None
@@ -1017,11 +1066,68 @@ class MetaShufflingMoE(BaselineMoE):
                 z, re.w2.data.view(-1, F), m_sizes, token_weights=token_weights, _output_tensor=partial,
                 _scatter_add_indices=token_ids, deterministic=a.deterministic,
             )  # fmt: skip
-        out = torch.empty(T, D, dtype=out_dtype, device=x_TD.device)
-        reduce_scatter(out, partial, group=self.ep_group)
+        if a.uses_dedup_comm:
+            # Sum the TP shards' partial rows first (inside the TP group), this rank's column
+            # slice only, then over the EP group: 1 / tp_size of the bytes between EP ranks.
+            mine = self._dedup_reduce_rows(partial, reduce_scatter)
+            out_slice = torch.empty(T, mine.shape[1], dtype=out_dtype, device=x_TD.device)
+            reduce_scatter(out_slice, mine, group=self.ep_group)
+            out = self._dedup_place(out_slice, D)
+        else:
+            out = torch.empty(T, D, dtype=out_dtype, device=x_TD.device)
+            reduce_scatter(out, partial, group=self.ep_group)
         if shared is not None:
             out = out + shared
         return out.to(a.dtype)
+
+    # Deduplicated communication across the TP group (``args.dedup_comm``) ----------------------
+    def _dedup_slice(self, D: int) -> tuple[int, int]:
+        """(columns per TP rank, this rank's first column)."""
+        Ds = D // self.args.tp_size
+        return Ds, self.args.tp_rank * Ds
+
+    def _dedup_gather_rows(self, x_TD: torch.Tensor, rows: int, all_gather) -> torch.Tensor:
+        """Static path: ``[T, D]`` (the same on every TP rank) -> the EP group's ``[R*T, D]``. Each
+        TP rank all-gathers only its column slice over the EP group, then the TP group all-gathers
+        the slices and the columns are put back in order."""
+        T, D = x_TD.shape
+        Ds, c0 = self._dedup_slice(D)
+        part = torch.empty(rows, Ds, dtype=x_TD.dtype, device=x_TD.device)
+        all_gather(part, x_TD[:, c0 : c0 + Ds].contiguous(), group=self.ep_group)
+        return self._dedup_join_columns(part)
+
+    def _dedup_join_columns(self, part_ND: torch.Tensor) -> torch.Tensor:
+        """``[N, D / tp]`` column slices (this TP rank's) -> ``[N, D]`` after an all-gather over the
+        TP group (raw bytes: FP8 rows travel on any backend)."""
+        import torch.distributed as dist
+
+        N, Ds = part_ND.shape
+        tp = self.args.tp_size
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        full = torch.empty(tp * N, Ds, dtype=part_ND.dtype, device=part_ND.device)
+        if N:  # every TP rank has the same N (same tokens, same deterministic routing)
+            all_gather(full.view(torch.uint8), part_ND.contiguous().view(torch.uint8), group=self.tp_group)
+        return full.view(tp, N, Ds).permute(1, 0, 2).reshape(N, tp * Ds)
+
+    def _dedup_reduce_rows(self, partial_ND: torch.Tensor, reduce_scatter) -> torch.Tensor:
+        """``[N, D]`` partial rows (this TP rank's hidden-dim shard) -> their sum over the TP group,
+        this rank's column slice ``[N, D / tp]``."""
+        N, D = partial_ND.shape
+        tp = self.args.tp_size
+        Ds = D // tp
+        mine = torch.empty(N, Ds, dtype=partial_ND.dtype, device=partial_ND.device)
+        if N:
+            src = partial_ND.view(N, tp, Ds).transpose(0, 1).reshape(tp * N, Ds)  # block j: columns of rank j
+            reduce_scatter(mine, src, group=self.tp_group)
+        return mine
+
+    def _dedup_place(self, slice_TDs: torch.Tensor, D: int) -> torch.Tensor:
+        """This TP rank's column slice in a zero ``[T, D]``: the caller's TP all-reduce adds the
+        slices of the other ranks."""
+        Ds, c0 = self._dedup_slice(D)
+        out = torch.zeros(slice_TDs.shape[0], D, dtype=slice_TDs.dtype, device=slice_TDs.device)
+        out[:, c0 : c0 + Ds] = slice_TDs
+        return out
 
     # Expert parallelism (dynamic shapes) --------------------------------------------------------
     def _ep_dynamic_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -1041,6 +1147,11 @@ class MetaShufflingMoE(BaselineMoE):
            back to rank-major and all-to-all back;
         5. scatter-add the returned rows into the shared expert's output (or zeros) at their
            tokens (``deterministic``: the atomics-free, bitwise-reproducible sum).
+
+        ``dedup_comm`` (EP x TP): the rows cross the EP group as this TP rank's column slice and
+        the TP group all-gathers them (step 3); the returned partial rows are reduce-scattered
+        over the TP group first and only this rank's columns cross back (step 4). The TP ranks
+        route identically (same tokens, deterministic ops), so no routing broadcast is needed.
 
         Not CUDA-graph capturable and not ``torch.compile(fullgraph=True)``-clean (the host sync and
         the data-dependent buffer sizes are the point of this path); use ``ep_comm="static"`` there.
@@ -1104,8 +1215,14 @@ class MetaShufflingMoE(BaselineMoE):
             send_x = gather_scale_dense_tokens(x_TD, token_ids, expert_ids, gather_scores) if T else x_TD[:0]
         if not on_input and T:
             meta_N8[:, 1] = weights[token_ids.long(), expert_ids.long()]
-        recv_x = torch.empty(N_recv, D, dtype=send_x.dtype, device=dev)
-        works = [_all_to_all_rows(recv_x, send_x, recv_splits, send_splits, group)]
+        dedup = a.uses_dedup_comm
+        if dedup:  # only this TP rank's column slice crosses the EP group
+            Ds, c0 = self._dedup_slice(D)
+            recv_x = torch.empty(N_recv, Ds, dtype=send_x.dtype, device=dev)
+            works = [_all_to_all_rows(recv_x, send_x[:, c0 : c0 + Ds], recv_splits, send_splits, group)]
+        else:
+            recv_x = torch.empty(N_recv, D, dtype=send_x.dtype, device=dev)
+            works = [_all_to_all_rows(recv_x, send_x, recv_splits, send_splits, group)]
         recv_meta = None
         if side_band:
             recv_meta = torch.empty(N_recv, 8, dtype=torch.float32, device=dev)
@@ -1113,6 +1230,8 @@ class MetaShufflingMoE(BaselineMoE):
         shared = self.shared_forward(x_TD) if self.shared_experts is not None and T else None
         for w in works:
             w.wait()
+        if dedup:
+            recv_x = self._dedup_join_columns(recv_x)
 
         # 4. Local experts on the received rows, expert-major, then back to rank-major.
         if N_recv:
@@ -1133,10 +1252,21 @@ class MetaShufflingMoE(BaselineMoE):
             back = split_shuffling(y, recv_counts_Re)
         else:
             back = torch.empty(0, D, dtype=out_dtype, device=dev)
-        y_N = torch.empty(N, D, dtype=out_dtype, device=dev)
+        if dedup:  # sum the TP shards' partial rows inside the TP group; only a slice goes back
+            import torch.distributed as dist
+
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            back = self._dedup_reduce_rows(back, reduce_scatter)
+        y_N = torch.empty(N, back.shape[1], dtype=out_dtype, device=dev)
         _all_to_all_rows(y_N, back, send_splits, recv_splits, group).wait()
 
         # 5. Rows back onto their tokens (same row order as this rank's index_shuffling).
+        if dedup:
+            routed = torch.zeros(T, y_N.shape[1], dtype=out_dtype, device=dev)
+            if N:
+                scatter_add_dense_tokens(routed, y_N, token_ids, deterministic=a.deterministic)
+            out = self._dedup_place(routed, D)
+            return (out if shared is None else out + shared).to(a.dtype)
         out = shared if shared is not None else torch.zeros(T, D, dtype=out_dtype, device=dev)
         if N:
             scatter_add_dense_tokens(out, y_N, token_ids, deterministic=a.deterministic)
