@@ -16,8 +16,9 @@ Fused scatter-add: with ``_output_tensor [T, N]`` and ``_scatter_add_indices [M]
 into ``_output_tensor[_scatter_add_indices[i]]`` (negative or ``>= T``: skipped) and
 ``_output_tensor`` is returned. By default with atomics in the output dtype (bf16 for FP8, like
 MSLK: fast, summation order not reproducible); ``deterministic=True`` stores the rows and adds
-them token by token in ascending row order in float32 (bitwise reproducible; costs an ``[M, N]``
-scratch buffer, a sort of the indices and one more pass).
+them token by token (each token's rows summed in ascending row order in float32, then added once:
+bitwise reproducible, and the bits of ``scatter_add_dense_tokens(..., deterministic=True)`` on the
+rows; costs an ``[M, N]`` scratch buffer and the deterministic scatter-add's three launches).
 
 Registered ops: ``torch.ops.moekit.grouped_gemm``, ``grouped_gemm_fp8_rowwise`` (functional),
 ``grouped_gemm_scatter_add``, ``grouped_gemm_fp8_rowwise_scatter_add`` (mutate ``output``, return

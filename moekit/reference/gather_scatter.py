@@ -138,7 +138,7 @@ def scatter_add_dense_tokens(
 ) -> None:
     """In place: ``out_tokens[token_indices[r]] += in_tokens[r]`` for ``r < valid_token_count[0]``.
 
-    ``out_tokens`` ``[T, D]``, ``in_tokens`` ``[a, D]``. Rows with a negative index are skipped.
+    ``out_tokens`` ``[T, D]``, ``in_tokens`` ``[a, D]``. Rows with an index outside ``[0, T)`` are skipped.
     The oracle sums in float32 and rounds once; atomic kernels round per addition.
     """
     a, _ = _check_scatter_args(out_tokens, in_tokens, token_indices, valid_token_count)

@@ -400,7 +400,10 @@ def test_kernels_compile_for_sm90():
             return torch.empty(*shape, dtype=dtype, device=m)
         for A, D in ((4096, 5120), (4096, 2880), (4096, 8), (64, 5120), (4096, 16384)):  # whole rows, tiles
             G.gather_scale_dense_tokens(e(A, D), e(A, dtype=i32), e(A, dtype=i32), e(A, 128), e(1, dtype=i32))
+        # Default scatter-add: the bucket sum (top-4), atomics (top-1), atomics reading ahead (few rows).
         G.scatter_add_dense_tokens(e(2048, 5120), e(8192, 5120), e(8192, dtype=i32), e(1, dtype=i32))
+        G.scatter_add_dense_tokens(e(2048, 5120), e(2048, 5120), e(2048, dtype=i32), e(1, dtype=i32))
+        G.scatter_add_dense_tokens(e(1, 5120), e(4, 5120), e(4, dtype=i32), None)
         for D in (5120, 7168, 16384):
             G.gather_scale_quant_dense_tokens(e(4096, D), e(4096, dtype=i32), e(4096, dtype=i32), e(4096, 128),
                                               e(1, dtype=torch.float32), e(1, dtype=i32))
@@ -416,9 +419,23 @@ def test_kernels_compile_for_sm90():
         """,
         ["moekit.ops._triton.gather_scatter"],
     )
-    assert_all_compiled(records, 21)
+    assert_all_compiled(records, 23)
+    spec = {r['constants'].get('SPECULATE') for r in records if r['kernel'] == '_scatter_add_kernel'}
+    assert spec == {'True', 'False'}, spec
     caps = {r["constants"].get("CAP") for r in records if r["kernel"] == "_bucket_sum_kernel"}
     assert caps == {"4", "8", "16", "256"}, caps
+
+
+@pytest.mark.reference
+def test_default_scatter_dispatch_rule():
+    """The default scatter-add takes the bucket sum only for top-k-like fan-ins (2 to 64 rows per
+    token on average) past the one-launch scan's size; atomics otherwise."""
+    pick = _tri()._prefer_bucket_sum
+    assert pick(8192, 2048) and pick(65536, 16384) and pick(2048, 1024)
+    assert not pick(2048, 2048)  # top-1
+    assert not pick(1024, 256)  # small: the scan (or atomics) is one launch
+    assert not pick(4096, 8)  # 512 rows per token: the overflow scan would serialize them
+    assert pick(64 * 100, 100) and not pick(65 * 100, 100)
 
 
 @pytest.mark.reference
@@ -843,6 +860,26 @@ def test_torch_compile_fullgraph_gpu(cuda):
     assert torch.equal(got[0][w], want[0][w])
     assert torch.equal(got[1][w], want[1][w]) and torch.equal(got[2][w], want[2][w])
     assert_close(got[3], want[3])
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph_gpu_bucket_path(cuda):
+    """The bucket path (a memset, the bucket kernel and the sum inside one registered op) and the
+    default scatter-add's dispatch to it, traced by Inductor: the eager bits."""
+    T, K, D = 512, 4, 512
+    _, _, _, tidx = routing(T, 16, K, seed=6, device=cuda)
+    rows = randn(T * K, D, dtype=torch.bfloat16, device=cuda, seed=2)
+    v = vtc(T * K - 9, cuda)
+
+    def f(out, rows, tidx, v):
+        ops.scatter_add_dense_tokens(out, rows, tidx, v, deterministic=True)
+        ops.scatter_add_dense_tokens(out, rows, tidx)  # default: dispatched to the bucket sum
+        return out * 1
+
+    out0 = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=5)
+    got = torch.compile(f, fullgraph=True)(out0.clone(), rows, tidx, v)
+    want = f(out0.clone(), rows, tidx, v)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

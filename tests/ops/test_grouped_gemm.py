@@ -220,6 +220,35 @@ def test_interp_deterministic_scatter_bitwise_order(monkeypatch, scan):
 
 
 @pytest.mark.interpreter
+def test_interp_deterministic_scatter_odd_output_stride_and_huge_sizes():
+    """An output whose row stride is not a multiple of 8 (a column slice of a wider buffer) gets
+    the same bits as a contiguous one, and its other columns stay untouched; ``m_sizes`` summing
+    past 2**31 (clipped to M by the GEMM) adds all M rows (the valid count is clipped before it is
+    narrowed to int32)."""
+    M, G, N, K, T = 24, 2, 16, 16, 3
+    x, w, _, _ = _inputs(M, G, N, K, torch.float16, seed=3)
+    idx = (torch.arange(M) % T).to(torch.int64)
+    base = torch.randn(T, N + 4, generator=_gen(4)).to(torch.float16)
+    ms = torch.tensor([10, 14], dtype=torch.int32)
+    want = base[:, :N].clone()
+    _tri().grouped_gemm(x, w, ms, out=want, scatter_indices=idx, deterministic=True, config=_cfg("stream"))
+    wide = base.clone()
+    _tri().grouped_gemm(x, w, ms, out=wide[:, :N], scatter_indices=idx, deterministic=True, config=_cfg("stream"))
+    assert wide[:, :N].stride(0) % 8 != 0
+    assert torch.equal(wide[:, :N], want) and torch.equal(wide[:, N:], base[:, N:])
+
+    huge = torch.tensor([2**31 - 1, 1], dtype=torch.int32)  # group 0 takes all M rows (clipped)
+    out = torch.randn(T, N, generator=_gen(5)).to(torch.float16)
+    acc = torch.zeros(T, N)
+    rows = _tri().grouped_gemm(x, w, huge, config=_cfg("stream")).float()
+    for r in range(M):
+        acc[idx[r]] += rows[r]
+    want2 = (out.float() + acc).to(torch.float16)
+    _tri().grouped_gemm(x, w, huge, out=out, scatter_indices=idx, deterministic=True, config=_cfg("stream"))
+    assert torch.equal(out, want2)
+
+
+@pytest.mark.interpreter
 def test_interp_dense_fp8_and_heuristic_config():
     M, N, K = 20, 32, 48
     xq, wq, xs, ws = _inputs(M, 1, N, K, FP8, seed=8)

@@ -662,7 +662,7 @@ def grouped_gemm(
     FP8 when ``x`` is e4m3fn (``x_scale`` [M], ``w_scale`` [G*N] float32 dequant scales).
     Without ``out``: returns ``y [M, N]`` (bf16 for FP8, else ``x.dtype``), rows past
     ``sum(m_sizes)`` left unwritten. With ``out`` [T, N] and ``scatter_indices`` [M]: adds the
-    rows into ``out`` (atomics, or the deterministic two-pass reduction) and returns None.
+    rows into ``out`` (atomics, or stored rows and the deterministic scatter-add) and returns None.
     """
     M, K = x.shape
     G = 1 if m_sizes is None else m_sizes.shape[0]
@@ -792,8 +792,16 @@ def _deterministic_scatter(out, rows, m_sizes, indices, M):
     from moekit.ops._triton.gather_scatter import scatter_add_dense_tokens_deterministic
 
     valid = None
-    if m_sizes is not None:
-        valid = m_sizes.clamp(min=0).sum().to(torch.int32).reshape(1)
+    if m_sizes is not None:  # summed in int64 and clipped to M before the narrowing
+        valid = m_sizes.clamp(min=0).sum().clamp(max=M).to(torch.int32).reshape(1)
+    # Those kernels address rows as ``row * (stride // 8) * 8`` (the public scatter-add requires
+    # a row stride that is a multiple of 8); the GEMM accepts any row stride of its output, so an
+    # odd one goes through a contiguous copy.
+    if out.shape[0] > 1 and out.stride(0) % 8:
+        tmp = out.contiguous()
+        scatter_add_dense_tokens_deterministic(tmp, rows, indices, valid)
+        out.copy_(tmp)
+        return
     scatter_add_dense_tokens_deterministic(out, rows, indices, valid)
 
 
