@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Where a whole MoE layer's time goes: every GPU kernel of one ``moekit`` layer forward (the
+pipeline ``bench_layer.py`` times), with its duration, from ``torch.profiler``.
+
+    python benchmarks/profile_layer.py [--models qwen3-30b-a3b,llama4-scout] [--tokens 1,128] [--dtype bf16,fp8]
+
+For each (model, T, dtype): the kernels in launch order (name, µs), the count of launches, the
+sum of kernel time and the wall time of the same forward replayed in a CUDA graph, so the gap
+(launch latency and idle GPU between small kernels) is visible next to the kernels themselves.
+A diagnosis aid for decode latency (which kernels to fuse), not a benchmark of record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import torch  # noqa: E402
+
+
+def profile_one(model: str, T: int, fp8: bool, top: int) -> dict:
+    from moekit import _bench
+    from moekit.benchmarking import bench_us
+    from moekit.layers.functional import quantize_expert_weights
+    from moekit.testing import MODEL_SHAPES, random_expert_weights
+
+    s = MODEL_SHAPES[model]
+    cfg = _bench.routing_config(s)
+    w = random_expert_weights(s, dtype=torch.bfloat16, device="cuda", seed=0)
+    q = None
+    if fp8:
+        w13q, w13s = quantize_expert_weights(w["w13_e2FD"])
+        w2q, w2s = quantize_expert_weights(w["w2_eDF"])
+        q = {"w13": w13q, "w13_scale": w13s, "w2": w2q, "w2_scale": w2s}
+    x = torch.randn(T, s.D, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        return _bench.moekit_pipeline(x, w, cfg, q)
+
+    for _ in range(3):  # compile every Triton kernel first
+        step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
+    gpu = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in gpu]
+    wall = bench_us(step, replays=20)
+    total = sum(t for _, t in kernels)
+    print(f"== {model} T={T} {'fp8' if fp8 else 'bf16'}: {len(kernels)} kernels, {total:.1f} µs of kernel time, "
+          f"{wall:.1f} µs per forward in a CUDA graph", flush=True)
+    for name, t in kernels[:top]:
+        print(f"   {t:8.2f} µs  {name[:110]}")
+    return {"model": model, "T": T, "dtype": "fp8" if fp8 else "bf16", "kernels": len(kernels),
+            "kernel_us": total, "graph_us": wall, "gap_us": wall - total}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3,llama4-scout")
+    ap.add_argument("--tokens", default="1,128")
+    ap.add_argument("--dtype", default="bf16,fp8")
+    ap.add_argument("--top", type=int, default=60, help="kernels listed per forward")
+    ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh (QUICK=1); no effect")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_layer: needs a CUDA GPU; nothing to do on this machine.")
+        return 0
+    from moekit.benchmarking import markdown_table, save_rows
+
+    rows = []
+    for m in args.models.split(","):
+        for T in (int(t) for t in args.tokens.split(",")):
+            for dt in args.dtype.split(","):
+                try:
+                    rows.append(profile_one(m, T, dt == "fp8", args.top))
+                except Exception as exc:  # keep the other rows
+                    print(f"   {m} T={T} {dt} failed: {type(exc).__name__}: {exc}")
+    print(markdown_table(rows, ["model", "T", "dtype", "kernels", "kernel_us", "graph_us", "gap_us"]))
+    save_rows("profile_layer", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Every script under ``benchmarks/`` imports and, on a machine without CUDA, says so and exits 0
+(the device session runs them unattended: a script that fails on import wastes GPU time)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py"))
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_script_runs_without_cuda(script):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, os.path.join("benchmarks", script), "--quick"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert r.returncode == 0, f"{script} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    assert "CUDA" in r.stdout or "GPU" in r.stdout, r.stdout[-500:]
