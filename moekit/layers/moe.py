@@ -1253,8 +1253,6 @@ class MetaShufflingMoE(BaselineMoE):
         else:
             back = torch.empty(0, D, dtype=out_dtype, device=dev)
         if dedup:  # sum the TP shards' partial rows inside the TP group; only a slice goes back
-            import torch.distributed as dist
-
             reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             back = self._dedup_reduce_rows(back, reduce_scatter)
         y_N = torch.empty(N, back.shape[1], dtype=out_dtype, device=dev)
