@@ -607,6 +607,19 @@ def _silu_mul_f32(h: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(h[:, :F]) * h[:, F:]
 
 
+def _check_process_group(kind: str, group: Any, size: int, rank: int) -> Any:
+    """``group`` must have ``size`` ranks with this process at ``rank`` (``kind``: "ep" or "tp")."""
+    import torch.distributed as dist
+
+    got_size, got_rank = dist.get_world_size(group), dist.get_rank(group)
+    if got_size != size or got_rank != rank:
+        raise ValueError(
+            f"{kind}_group must have size {kind}_size={size} with this process at rank {kind}_rank={rank}, "
+            f"got size {got_size}, rank {got_rank}"
+        )
+    return group
+
+
 class BaselineMoE(torch.nn.Module):
     """The plain PyTorch MoE layer (CPU and GPU): the semantics MetaShufflingMoE reproduces.
 
@@ -681,15 +694,7 @@ class BaselineMoE(torch.nn.Module):
             return ep_group
         if ep_group is None:
             raise ValueError(f"ep_group is required when ep_size > 1, got None (ep_size={args.ep_size})")
-        import torch.distributed as dist
-
-        size, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-        if size != args.ep_size or rank != args.ep_rank:
-            raise ValueError(
-                f"ep_group must have size ep_size={args.ep_size} with this process at rank ep_rank={args.ep_rank}, "
-                f"got size {size}, rank {rank}"
-            )
-        return ep_group
+        return _check_process_group("ep", ep_group, args.ep_size, args.ep_rank)
 
     @staticmethod
     def _check_tp_group(args: MoEArgs, tp_group: Optional[Any]) -> Optional[Any]:
@@ -700,15 +705,7 @@ class BaselineMoE(torch.nn.Module):
                 f"tp_group is required with dedup_comm=True, ep_size > 1 and tp_size > 1, got None "
                 f"(ep_size={args.ep_size}, tp_size={args.tp_size})"
             )
-        import torch.distributed as dist
-
-        size, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-        if size != args.tp_size or rank != args.tp_rank:
-            raise ValueError(
-                f"tp_group must have size tp_size={args.tp_size} with this process at rank tp_rank={args.tp_rank}, "
-                f"got size {size}, rank {rank}"
-            )
-        return tp_group
+        return _check_process_group("tp", tp_group, args.tp_size, args.tp_rank)
 
     @classmethod
     def from_weights(
