@@ -198,7 +198,7 @@ def sweep_shuffling(cases) -> None:
             for wm in (4096, 2048):
                 wt = triton.next_power_of_2(D % wm) if D % wm else 0
                 units = triton.cdiv(T, br)
-                for pps, w in ((8, 4), (16, 4), (16, 8), (32, 4)):
+                for pps, w in ((8, 4), (16, 4), (16, 8), (32, 4), (8, 2), (16, 2), (8, 8)):
                     cands.append((br, wm, wt, max(1, min(units, pps * sms)), w))
         sweep(f"combine {layout} EP={EP} T={T}", nbytes, k, "_config", cands,
               lambda s: (lambda: combine_shuffling(s["tokens"], s["counts"], s["start"], s["end"], s["padded"])),

@@ -4,7 +4,9 @@
 # whole call ends inside the 10-minute command limit. Writes logs and JSON to $OUT.
 #   PHASES="tests comm bench lanes"   BENCHES="routing gather_scatter ..."   LANES="0:a,b 1:c"
 #   QUICK=1   BUDGET_S=560   BENCH_ARGS_<name>="extra args for benchmarks/bench_<name>.py"
+#   BENCH_ENV_<name>[_<tag>]="VAR=value ..." (environment of one lane entry)
 #   TESTS="tests/ops ..." (GPU tier; on 2 GPUs the grouped-GEMM file runs on GPU 1, GEMM_K="-k expr")
+#   TEST_GPU=0 (tests on GPU 0 only, TEST_K="-k expr", while the lanes run on the others at once)
 #   (a name without a bench_<name>.py runs benchmarks/<name>.py: the sweep_*.py tuning aids)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,10 +36,44 @@ python3 -m moekit.cli env > "$RES/env.txt" 2>&1; head -20 "$RES/env.txt"
 PHASES=${PHASES:-"tests comm bench"}
 TESTS=${TESTS:-"tests/ops tests/layers tests/test_cli.py"}
 
+run_lanes() {
+  # Benchmarks in parallel lanes, one GPU each: LANES="0:routing,activation 1:grouped_gemm".
+  pids=()
+  for lane in ${LANES:-"0:routing,gather_scatter,shuffling,activation,layer 1:grouped_gemm"}; do
+    gpu=${lane%%:*}; list=${lane#*:}
+    (
+      for entry in ${list//,/ }; do
+        # "name" or "name@tag": the same script twice with BENCH_ARGS_<name>_<tag> (e.g. a sweep split
+        # over both GPUs); logs go to bench_<name>[_<tag>].log.
+        b=${entry%%@*}; tag=${entry#*@}; [ "$tag" = "$entry" ] && tag=""
+        t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$entry" >> "$RES/lane$gpu.txt"; break; }
+        extra_var="BENCH_ARGS_$b${tag:+_$tag}"  # per-benchmark arguments, e.g. BENCH_ARGS_layer="--models llama4-scout"
+        script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py
+        env_var="BENCH_ENV_$b${tag:+_$tag}"  # environment for this entry, e.g. BENCH_ENV_layer_nopdl="MOEKIT_PDL=0"
+        CUDA_VISIBLE_DEVICES=$gpu timeout $((t-10)) env ${!env_var:-} python3 "$script" ${QUICK:+--quick} ${!extra_var:-} \
+          > "$RES/bench_$b${tag:+_$tag}.log" 2>&1
+        echo "== bench_$entry on GPU $gpu rc=$? at $((SECONDS - start))s" >> "$RES/lane$gpu.txt"
+      done
+    ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  cat "$RES"/lane*.txt
+  for f in "$RES"/bench_*.log; do echo "-- $f"; grep -E "^\|" "$f" | head -n ${BENCH_TAIL:-40}; done
+}
+# TEST_GPU=<i>: the tests run on that GPU alone while the lanes (on the other GPUs) run alongside.
+lanes_pid=""
+if [[ " $PHASES " == *" lanes "* ]] && [ -n "${TEST_GPU:-}" ]; then
+  run_lanes > "$RES/lanes_summary.txt" 2>&1 &
+  lanes_pid=$!
+fi
 if [[ " $PHASES " == *" tests "* ]]; then
   t=$(( $(left) * ${TESTS_SHARE:-55} / 100 ))
   echo "== gpu tests (limit ${t}s) on $NGPU GPU(s)"
-  if [ "$NGPU" -ge 2 ]; then
+  if [ -n "${TEST_GPU:-}" ]; then
+    CUDA_VISIBLE_DEVICES=$TEST_GPU timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n ${TEST_WORKERS:-6} \
+      --timeout ${TEST_TIMEOUT:-240} --durations=12 ${TEST_K:+-k "$TEST_K"} $TESTS > "$RES/tests_all.log" 2>&1
+  elif [ "$NGPU" -ge 2 ]; then
     # GEMM tests on GPU 1 (when $TESTS names tests/ops or the GEMM file), everything else on GPU 0,
     # each with a few workers.
     p1=""
@@ -73,30 +109,10 @@ if [[ " $PHASES " == *" bench "* ]]; then
     echo "rc=$?"; tail -n ${BENCH_TAIL:-30} "$RES/bench_$b.log"
   done
 fi
-if [[ " $PHASES " == *" lanes "* ]]; then
-  # Benchmarks in parallel lanes, one GPU each: LANES="0:routing,activation 1:grouped_gemm".
-  pids=()
-  for lane in ${LANES:-"0:routing,gather_scatter,shuffling,activation,layer 1:grouped_gemm"}; do
-    gpu=${lane%%:*}; list=${lane#*:}
-    (
-      for entry in ${list//,/ }; do
-        # "name" or "name@tag": the same script twice with BENCH_ARGS_<name>_<tag> (e.g. a sweep split
-        # over both GPUs); logs go to bench_<name>[_<tag>].log.
-        b=${entry%%@*}; tag=${entry#*@}; [ "$tag" = "$entry" ] && tag=""
-        t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$entry" >> "$RES/lane$gpu.txt"; break; }
-        extra_var="BENCH_ARGS_$b${tag:+_$tag}"  # per-benchmark arguments, e.g. BENCH_ARGS_layer="--models llama4-scout"
-        script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py
-        CUDA_VISIBLE_DEVICES=$gpu timeout $((t-10)) python3 "$script" ${QUICK:+--quick} ${!extra_var:-} \
-          > "$RES/bench_$b${tag:+_$tag}.log" 2>&1
-        echo "== bench_$entry on GPU $gpu rc=$? at $((SECONDS - start))s" >> "$RES/lane$gpu.txt"
-      done
-    ) &
-    pids+=($!)
-  done
-  wait "${pids[@]}"
-  cat "$RES"/lane*.txt
-  for f in "$RES"/bench_*.log; do echo "-- $f"; grep -E "^\|" "$f" | head -n ${BENCH_TAIL:-40}; done
+if [[ " $PHASES " == *" lanes "* ]] && [ -z "${TEST_GPU:-}" ]; then
+  run_lanes
 fi
+[ -n "$lanes_pid" ] && { wait $lanes_pid; cat "$RES/lanes_summary.txt"; }
 tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null
 tar -czf "$OUT/triton.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
 echo "== done in $((SECONDS - start))s"

@@ -7,7 +7,8 @@ The snippet calls private launchers on ``meta`` tensors; every recorded launch i
 the real Triton compiler (through ptxas) for ``GPUTarget("cuda", 90, 32)``. Python float
 arguments are typed ``fp64``, as torch.compile (inductor) passes them to user-defined Triton
 kernels; ints equal to 1 are specialized as Triton's launcher does. Returns one dict per launch
-(``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``error`` or None).
+(``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``regs`` per thread (None when
+``cuobjdump`` is missing), ``error`` or None).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import textwrap
 import pytest
 
 _DRIVER = r"""
-import importlib, json, sys, traceback
+import importlib, json, os, re, subprocess, sys, tempfile, traceback
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -30,6 +31,19 @@ TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torc
       torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int16: "i16",
       torch.int8: "i8"}
 RECORDS = []
+
+
+def registers(cubin):
+    # Registers per thread of the compiled kernel (cuobjdump -res-usage), None if unavailable.
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", out)
+    return int(m.group(1)) if m else None
 
 
 def compile_one(kernel, args, kwargs):
@@ -62,12 +76,13 @@ def compile_one(kernel, args, kwargs):
         else:
             raise TypeError(f"{kernel.__name__}: unsupported argument {name}={v!r}")
     rec = {"kernel": kernel.__name__, "num_warps": opts.get("num_warps", 4), "launch_pdl": opts.get("launch_pdl", False),
-           "constants": {k: repr(v) for k, v in consts.items()}, "shared": None, "error": None}
+           "constants": {k: repr(v) for k, v in consts.items()}, "shared": None, "regs": None, "error": None}
     try:
         k = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=opts)
         assert k.asm.get("cubin"), "no cubin"
         rec["shared"] = int(k.metadata.shared)
+        rec["regs"] = registers(k.asm["cubin"])
     except Exception as e:  # noqa: BLE001
         rec["error"] = f"{type(e).__name__}: {e}"[-2000:]
     RECORDS.append(rec)
@@ -78,10 +93,16 @@ class Recorder:
         self.kernel = kernel
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: compile_one(self.kernel, args, dict(kwargs))
+        def go(*args, **kwargs):
+            kwargs = dict(kwargs)
+            if PDL and "USE_PDL" in self.kernel.arg_names:  # as moekit.ops._common's launcher does
+                kwargs.update(USE_PDL=2 if self.kernel.__name__ in common.PDL_LATE_TRIGGER else 1, launch_pdl=True)
+            compile_one(self.kernel, args, kwargs)
+        return go
 
 
 import moekit.ops._common as common
+PDL = json.loads(sys.argv[2])
 for name in json.loads(sys.argv[1]):
     mod = importlib.import_module(name)
     mod.launch = Recorder
@@ -102,12 +123,14 @@ def _ptxas_available() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 
 
-def compile_launches(snippet: str, modules: list[str], timeout: int = 600) -> list[dict]:
+def compile_launches(snippet: str, modules: list[str], timeout: int = 600, pdl: bool = False) -> list[dict]:
+    """``pdl``: launch every kernel that has a ``USE_PDL`` parameter as the launcher does on an
+    sm_90 GPU (``USE_PDL`` 1 or 2, ``launch_pdl=True``)."""
     if not _ptxas_available():
         pytest.skip("triton's NVIDIA backend (ptxas) is not available")
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run(
-        [sys.executable, "-c", _DRIVER, json.dumps(modules)],
+        [sys.executable, "-c", _DRIVER, json.dumps(modules), json.dumps(pdl)],
         input="import torch\n" + textwrap.dedent(snippet),
         capture_output=True,
         text=True,
