@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -26,12 +26,92 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
+def _pdl_setting() -> bool:
+    v = os.environ.get("MOEKIT_PDL", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"MOEKIT_PDL must be '0' or '1', got {v!r}")
+    return v == "1"
+
+
+# Programmatic dependent launch (Hopper and newer): kernels that declare a ``USE_PDL`` constexpr
+# are launched with ``launch_pdl`` so that their grid is scheduled while the previous kernel on
+# the stream drains; they wait (``griddepcontrol.wait``) before touching memory, then let the next
+# kernel be scheduled in turn (``moekit.ops._triton._pdl``). ``$MOEKIT_PDL=0`` (or setting this to
+# False) turns it off.
+PDL = _pdl_setting()
+# Kernels whose successor is scheduled only as their programs exit (``USE_PDL=2``) rather than at
+# once. None by default: the early trigger measured as fast or faster for every kernel that keeps
+# PDL (benchmarks/sweep_pdl.py; the EP shuffle, whose grid stays resident, gained 1-2% in all
+# eight cells with its rows loaded whole, after losing 3-5% with the earlier chunk loop).
+PDL_LATE_TRIGGER: set[str] = set()
+# Kernels launched without PDL: the grouped GEMM's tiled and streaming kernels. With them on PDL
+# (early or late trigger) the whole layer measured 3-10% slower at T = 2048 than without PDL
+# (H200, Llama 4 Scout and Qwen3-30B bf16, RESULTS.md session 4); without them it is as fast as
+# without PDL there and keeps the decode gain (Scout T = 1: 146 vs 152 µs). ``$MOEKIT_PDL_SKIP``
+# (comma-separated kernel names) replaces the set.
+PDL_SKIP: set[str] = (
+    {k for k in os.environ["MOEKIT_PDL_SKIP"].split(",") if k}
+    if "MOEKIT_PDL_SKIP" in os.environ
+    else {"_gg_tiled_kernel", "_gg_stream_kernel"}
+)
+# Experiments (benchmarks/sweep_pdl.py, ``$MOEKIT_PDL_MODE``): force one mode (1 or 2) everywhere.
+PDL_MODE: Optional[int] = {"": None, "1": 1, "2": 2}[os.environ.get("MOEKIT_PDL_MODE", "")]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _pdl_ok(args: tuple) -> bool:
+    """PDL for this launch: enabled, on a real CUDA tensor of an sm_90+ device, and never under
+    tracing (torch.compile): the ``griddepcontrol`` inline asm is not pure, and inductor's mutation
+    analysis would then count every argument as written."""
+    if not PDL or interpreting():
+        return False
+    t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if t is None or not t.is_cuda or torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(t):
+        return False
+    return _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+
+
+class _PdlLauncher:
+    """``launch(kernel)[grid](*args, **kwargs)`` for a kernel with a ``USE_PDL`` parameter: passes
+    ``USE_PDL`` always (inductor's analysis rejects a launch that leaves a parameter to its
+    default): 0, or 1 / 2 (``pdl_prologue``) with ``launch_pdl=True`` when ``_pdl_ok``."""
+
+    def __init__(self, wrapped: Any, name: str):
+        self.wrapped = wrapped
+        self.name = name
+
+    def __getitem__(self, grid: Any) -> Any:
+        run = self.wrapped[grid]
+
+        def go(*args: Any, **kwargs: Any) -> Any:
+            if self.name not in PDL_SKIP and _pdl_ok(args):
+                mode = PDL_MODE or (2 if self.name in PDL_LATE_TRIGGER else 1)
+                kwargs.update(USE_PDL=mode, launch_pdl=True)
+            else:
+                kwargs["USE_PDL"] = 0
+            return run(*args, **kwargs)
+
+        return go
+
+
 def launch(kernel: Any) -> Any:
     """``kernel`` wrapped for ``torch.library.triton_op`` tracing (``wrap_triton``); launching it
-    outside a trace runs it directly, in the interpreter too."""
+    outside a trace runs it directly, in the interpreter too. Kernels with a ``USE_PDL``
+    parameter get programmatic dependent launch where ``_pdl_ok``."""
     from torch.library import wrap_triton
 
-    return wrap_triton(kernel)
+    w = wrap_triton(kernel)
+    if "USE_PDL" in getattr(kernel, "arg_names", ()):
+        return _PdlLauncher(w, kernel.__name__)
+    return w
 
 
 @functools.lru_cache(maxsize=None)

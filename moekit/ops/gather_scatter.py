@@ -263,11 +263,14 @@ def scatter_add_dense_tokens(
     rows with a negative (or out of range) index are skipped. Returns ``out_tokens``.
 
     ``out_tokens`` ``[T, D]``, ``in_tokens`` ``[a, D]`` (bf16/fp16/fp32, ``D % 8 == 0``). The default
-    is the fastest path: atomics (as MSLK: the order of additions, hence the rounding, may vary
-    between runs when several rows hit one token) for few rows or about one row per token, the
-    deterministic sum where tokens receive two or more rows on average (``a >= 2 T``, more than
-    1024 rows), which is faster there. ``deterministic=True`` always sums each token's rows in
-    ascending row order in float32 and adds the sum once: bitwise reproducible.
+    is the fastest path on the GPU: atomics (as MSLK) for few rows; from 1024 rows with fewer than
+    two rows per token on average (top-1; ``D <= 8192``), a read-add-write of each output row under
+    a per-token lock (no atomics on the data; rows of one token serialize, so a token hit by
+    thousands of rows is slow there); the deterministic sum where tokens receive two or more rows
+    on average (``a >= 2 T``, more than 1024 rows). Except for that last one, the order of
+    additions, hence the rounding, may vary between runs when several rows hit one token.
+    Under torch.compile the top-1 case uses atomics. ``deterministic=True`` always sums each
+    token's rows in ascending row order in float32 and adds the sum once: bitwise reproducible.
     """
     _check_scatter(out_tokens, in_tokens, token_indices, valid_token_count)
     if not isinstance(deterministic, bool):

@@ -147,6 +147,44 @@ def test_gather_scale_quant_interpreter(T, E, K, D):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("D", [1024, 2048, 3072])
+def test_gather_scale_quant_interpreter_unmasked(D):
+    """One row per program in whole chunks (the unmasked path with its early return for dropped
+    rows): an expert range's -1 tail and a short valid count leave their rows untouched."""
+    tri = _tri()
+    T, E, K = 5, 6, 2
+    block_r, block_d, n_chunks, one_pass, _ = tri._quant_tiles(T * K, D, torch.device("cpu"))
+    assert one_pass and block_r == 1 and n_chunks * block_d == D
+    s, _, eidx, tidx = routing(T, E, K, start=2, end=E, seed=D)
+    x = randn(T, D, dtype=torch.bfloat16, seed=D)
+    for ub, mode in [(None, None), (torch.tensor([0.05]), "short")]:
+        v = vtc(_valid_rows(T, K, mode))
+        q = poison(torch.empty(T * K, D, dtype=FP8))
+        sc = poison(torch.empty(T * K))
+        tri.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v, out=q, out_scale=sc)
+        rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v)
+        w = gather_written(tidx, eidx, v)
+        assert 0 < int(w.sum()) < T * K
+        assert_poisoned(q, w)
+        assert_poisoned(sc, w)
+        check_fp8(q, sc, rq, rs, w)
+
+
+def test_quant_chunk_widths():
+    """Chunks are powers of two with the fewest masked lanes, at most 16 per row."""
+    from moekit.ops._triton.gather_scatter import _quant_chunk
+
+    assert _quant_chunk(5120) == 1024 and _quant_chunk(7168) == 1024 and _quant_chunk(8) == 8
+    for D in range(8, 8193, 8):
+        c = _quant_chunk(D)
+        assert c & (c - 1) == 0 and -(-D // c) <= 16
+        waste = -(-D // c) * c - D
+        for c2 in (8, 16, 32, 64, 128, 256, 512, 1024):
+            if -(-D // c2) <= 16:
+                assert waste <= -(-D // c2) * c2 - D, (D, c, c2)
+
+
+@pytest.mark.interpreter
 def test_gather_scale_quant_interpreter_two_pass(monkeypatch):
     """Rows wider than the one-pass limit take the two-pass (amax, then quantize) path."""
     tri = _tri()
@@ -400,11 +438,14 @@ def test_kernels_compile_for_sm90():
             return torch.empty(*shape, dtype=dtype, device=m)
         for A, D in ((4096, 5120), (4096, 2880), (4096, 8), (64, 5120), (4096, 16384)):  # whole rows, tiles
             G.gather_scale_dense_tokens(e(A, D), e(A, dtype=i32), e(A, dtype=i32), e(A, 128), e(1, dtype=i32))
-        # Default scatter-add: the bucket sum (top-4), atomics (top-1), atomics reading ahead (few rows).
+        # Default scatter-add: the bucket sum (top-4), locked (top-1, 5120 and 2880), atomics (top-1
+        # rows past the one-pass budget), atomics reading ahead (few rows).
         G.scatter_add_dense_tokens(e(2048, 5120), e(8192, 5120), e(8192, dtype=i32), e(1, dtype=i32))
         G.scatter_add_dense_tokens(e(2048, 5120), e(2048, 5120), e(2048, dtype=i32), e(1, dtype=i32))
+        G.scatter_add_dense_tokens(e(2048, 2880), e(2048, 2880), e(2048, dtype=i32), None)
+        G.scatter_add_dense_tokens(e(2048, 16384), e(2048, 16384), e(2048, dtype=i32), None)
         G.scatter_add_dense_tokens(e(1, 5120), e(4, 5120), e(4, dtype=i32), None)
-        for D in (5120, 7168, 16384):
+        for D in (5120, 7168, 16384, 2880):
             G.gather_scale_quant_dense_tokens(e(4096, D), e(4096, dtype=i32), e(4096, dtype=i32), e(4096, 128),
                                               e(1, dtype=torch.float32), e(1, dtype=i32))
         # Deterministic scatter: the scan (two BLOCK_A buckets), then the bucket path: top-4 and
@@ -419,7 +460,17 @@ def test_kernels_compile_for_sm90():
         """,
         ["moekit.ops._triton.gather_scatter"],
     )
-    assert_all_compiled(records, 23)
+    assert_all_compiled(records, 26)
+    # The one-pass FP8 gather holds a row of 5120 on 2 warps in 64 registers per lane (16 rows in
+    # flight per SM; a float32 or masked row took 96: 10 rows), 7168 in at most 96.
+    quant = {(r["constants"]["N_CHUNKS"], r["constants"]["UNMASKED"]): r for r in records
+             if r["kernel"] == "_gather_scale_quant_kernel" and r["constants"]["ONE_PASS"] == "True"}
+    assert set(quant) >= {("5", "True"), ("7", "True"), ("3", "False")}, set(quant)
+    if quant[("5", "True")]["regs"] is not None:
+        assert quant[("5", "True")]["num_warps"] == 2 and quant[("5", "True")]["regs"] <= 64, quant[("5", "True")]
+        assert quant[("7", "True")]["regs"] <= 96, quant[("7", "True")]
+    locked = [r for r in records if r["kernel"] == "_scatter_add_locked_kernel"]
+    assert [(r["constants"]["N_CHUNKS"], r["num_warps"]) for r in locked] == [("5", 4), ("3", 2)], locked
     spec = {r['constants'].get('SPECULATE') for r in records if r['kernel'] == '_scatter_add_kernel'}
     assert spec == {'True', 'False'}, spec
     caps = {r["constants"].get("CAP") for r in records if r["kernel"] == "_bucket_sum_kernel"}
@@ -436,6 +487,48 @@ def test_default_scatter_dispatch_rule():
     assert not pick(1024, 256)  # small: the scan (or atomics) is one launch
     assert not pick(4096, 8)  # 512 rows per token: the overflow scan would serialize them
     assert pick(64 * 100, 100) and not pick(65 * 100, 100)
+    locked = _tri()._prefer_locked
+    assert locked(2048, 2048, 5120) and locked(16384, 16384, 7168) and locked(1024, 600, 8)
+    assert not locked(1023, 2048, 5120)  # few rows: atomics
+    assert not locked(4096, 2048, 5120)  # two rows per token: the bucket sum
+    assert not locked(2048, 2048, 16384)  # rows past the one-pass register budget: atomics
+
+
+class _NoAtomics:
+    def __getitem__(self, grid):
+        raise AssertionError("the atomic scatter-add ran where the locked path was expected")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dup", [False, True], ids=["unique", "duplicates"])
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 2880), (torch.bfloat16, 24)])
+def test_scatter_add_locked_interpreter(monkeypatch, dup, dtype, D):
+    """The locked read-add-write (top-1-like fan-ins): a permutation with a -1 tail and a short
+    valid count, or tokens hit twice; untouched tokens keep their bits; every lock is free after."""
+    tri = _tri()
+    monkeypatch.setattr(tri, "_LOCKED_MIN_ROWS", 4)
+    monkeypatch.setattr(tri, "_LOCKS", {})
+    real_launch = tri.launch
+    monkeypatch.setattr(tri, "launch", lambda k: _NoAtomics() if k is tri._scatter_add_kernel else real_launch(k))
+    T = 11
+    g = torch.Generator().manual_seed(D + dup)
+    tidx = torch.randperm(T, generator=g)[:9].to(torch.int32)
+    if dup:
+        tidx[5:] = tidx[:4]  # four tokens receive two rows
+    tidx[-1] = -1
+    rows = randn(9, D, dtype=dtype, seed=1)
+    out0 = randn(T, D, dtype=dtype, seed=2)
+    for v in (None, vtc(6)):
+        want = out0.clone()
+        ref.scatter_add_dense_tokens(want, rows, tidx, v)
+        got = out0.clone()
+        tri.scatter_add_dense_tokens(got, rows, tidx, v)
+        hit = torch.zeros(T, dtype=torch.bool)
+        n = 9 if v is None else 6
+        hit[tidx[:n][tidx[:n] >= 0].long()] = True
+        assert torch.equal(got[~hit], out0[~hit])
+        assert_close(got, want)
+        assert not tri._LOCKS[("cpu", None)].any(), "a lock was left taken"
 
 
 @pytest.mark.reference
@@ -648,6 +741,45 @@ def test_scatter_add_gpu(T, E, K, D, dtype, cuda):
         for _ in range(3):
             again = ops.scatter_add_dense_tokens_deterministic(out0.clone(), rows, tidx, v)
             assert torch.equal(again, det), "deterministic scatter-add is not bitwise reproducible"
+
+
+@pytest.mark.gpu
+def test_scatter_add_locked_gpu(cuda):
+    """Top-1 scatter-add through the token locks: tokens hit once, twice and 64 times (they
+    serialize), a -1 tail and a short valid count; CUDA-graph replay with new data; locks free."""
+    tri = _tri()
+    T, A, D = 4096, 3000, 5120
+    g = torch.Generator().manual_seed(5)
+    tidx = torch.randperm(T, generator=g)[:A].to(torch.int32)
+    tidx[1000:1500] = tidx[:500]
+    tidx[2000:2064] = 7
+    tidx[-10:] = -1
+    tidx = tidx.to(cuda)
+    assert tri._prefer_locked(A, T, D)
+    rows = randn(A, D, dtype=torch.bfloat16, device=cuda, seed=6)
+    out0 = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=7)
+    for v in (None, vtc(2500, cuda)):
+        want = out0.float().clone()
+        ref.scatter_add_dense_tokens(want, rows.float(), tidx, v)
+        got = ops.scatter_add_dense_tokens(out0.clone(), rows, tidx, v)
+        assert_close(got.float(), want, dtype=torch.bfloat16, msg="locked")
+    locks = tri._LOCKS[(out0.device.type, out0.device.index)]
+    torch.cuda.synchronize()
+    assert not locks.any(), "a lock was left taken"
+    out = out0.clone()
+    src = rows.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.scatter_add_dense_tokens(out, src, tidx)
+    for seed in (8, 9):
+        out.copy_(out0)
+        src.copy_(randn(A, D, dtype=torch.bfloat16, device=cuda, seed=seed))
+        graph.replay()
+        want = out0.float().clone()
+        ref.scatter_add_dense_tokens(want, src.float(), tidx)
+        assert_close(out.float(), want, dtype=torch.bfloat16, msg="locked, graph replay")
+    torch.cuda.synchronize()
+    assert not locks.any()
 
 
 @pytest.mark.gpu

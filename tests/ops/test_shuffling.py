@@ -149,6 +149,16 @@ def test_shuffling_interpreter(EP, E, rng, Tr, K, D, padded, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("unroll", [0, 4], ids=["loop", "unrolled"])
+def test_shuffling_interpreter_long_rows(monkeypatch, unroll):
+    """Rows of several main chunks (D = 5120 bf16: 2 x 2048 + 1024): loaded whole before they are
+    stored (unrolled), or chunk by chunk (the loop taken past ``_UNROLL_MAX`` chunks)."""
+    monkeypatch.setattr(_tri(), "_UNROLL_MAX", unroll)
+    tokens, counts = make_case(2, 16, 3, 2, 5120, True, seed=7)
+    check_combine_split(tokens, counts, 4, 12, True, launcher_combine, launcher_split)
+
+
+@pytest.mark.interpreter
 def test_shuffling_interpreter_int64_strided_counts():
     """int64 counts stored column-major, and a row-strided tokens buffer."""
     EP, E, D = 4, 8, 16

@@ -42,6 +42,7 @@ from moekit.ops._triton.quantize import (
     prev_pow2,
     row_scales,
 )
+from moekit.ops._triton._pdl import pdl_prologue
 from moekit.reference.quantize import FUSED_EPS
 
 # silu_mul_quant rows at least this long, on inputs (both halves) over this many bytes, take the
@@ -124,7 +125,9 @@ def _silu_mul_kernel(
     BLOCK_F: tl.constexpr,
     STAGES: tl.constexpr,
     FAST: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_rows = T
@@ -167,7 +170,9 @@ def _silu_mul_quant_kernel(
     STAGES: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_rows = T

@@ -58,6 +58,7 @@ import triton.language as tl
 
 from moekit._checks import FP8_DTYPE
 from moekit.ops._common import cdiv, interpreting, launch, next_pow2, num_sms
+from moekit.ops._triton._pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
 # Device helpers
@@ -169,7 +170,9 @@ def _gg_stream_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -249,19 +252,14 @@ def _gg_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
 ):
     """One program = one row of x and ``BLOCK_N`` rows of its expert's weights, over all of K.
     CUDA-core FMAs into a ``[BLOCK_N, BLOCK_K]`` float32 accumulator (every thread owns its
     elements: no dependency chain but the K loop), one reduction over K at the end. The grid is
     ``M * cdiv(N, BLOCK_N)`` (a few hundred short programs, several resident per SM), rows of a
     same expert run side by side so that their shared weight tiles come from L2."""
-    if USE_PDL:
-        # Programmatic dependent launch (experimental, $MOEKIT_PDL=1): this grid may become
-        # resident while the previous kernel drains; wait for it (and its writes) before touching
-        # memory, then let the next kernel be scheduled early in turn.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     m = pid % M
     nb = pid // M
@@ -353,7 +351,9 @@ def _gg_tiled_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
@@ -595,9 +595,6 @@ def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: 
 # ----------------------------------------------------------------------------------------------
 
 _ALLOW_TMA = os.environ.get("MOEKIT_GG_TMA", "1") != "0"
-# Experimental: launch the GEMV kernel with programmatic dependent launch (Hopper+), which hides
-# its launch latency behind the previous kernel's tail. Off by default until measured.
-PDL = os.environ.get("MOEKIT_PDL", "0") == "1"
 # Streaming grid cap, in programs per SM (beyond it, programs loop over their items).
 STREAM_PROGRAMS_PER_SM = int(os.environ.get("MOEKIT_GG_STREAM_PPS", "4"))
 
@@ -679,17 +676,6 @@ def grouped_gemm(
                    config, M, N, K, G, fp8, y_dtype)  # fmt: skip
 
 
-def _pdl_kwargs(x: torch.Tensor) -> dict:
-    """Launch arguments for programmatic dependent launch: on only when enabled, on a Hopper or
-    newer GPU, and never for fake tensors (torch.compile tracing): the kernel's ``griddepcontrol``
-    inline asm is not pure, and inductor's mutation analysis would then count every argument,
-    weights included, as written. ``USE_PDL`` is always passed: inductor's analysis rejects a
-    launch that leaves a parameter to its default (and then assumes every input is written)."""
-    if not PDL or not x.is_cuda or _is_fake(x) or _capability_major(x.device.index or 0) < 9:
-        return {"USE_PDL": False}
-    return {"USE_PDL": True, "launch_pdl": True}
-
-
 def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_indices, fast_accum,
             config, M, N, K, G, fp8, y_dtype, rows_out=None):  # fmt: skip
     # Configs are chosen per concrete shape: symbolic sizes (torch.compile dynamic shapes) are
@@ -728,7 +714,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             HAS_MSIZES=m_sizes is not None, FP8=fp8, HAS_BIAS=bias is not None,
             HAS_TW=token_weights is not None, SCATTER=scatter, G_BLOCK=max(16, next_pow2(G)),
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages,
-            num_warps=cfg.warps, num_stages=cfg.stages, **_pdl_kwargs(x),
+            num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
         return None if scatter else y
     x_block, w_block = [bm, bk], [bn, bk]

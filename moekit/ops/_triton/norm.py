@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from moekit.ops._common import launch
+from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.quantize import MAX_ROWS, row_config, row_offsets, rows_of
 
 
@@ -48,7 +49,9 @@ def _rms_norm_kernel(
     ONE_PASS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < R

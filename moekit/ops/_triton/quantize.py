@@ -26,6 +26,7 @@ import triton.language as tl
 from moekit._checks import FP8_DTYPE, FP8_MAX
 from moekit.ops._common import launch, next_pow2, num_sms
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
+from moekit.ops._triton._pdl import pdl_prologue
 
 # A row of at most this many input bytes is held in registers (bf16: 16384 values).
 ONE_PASS_BYTES = 32768
@@ -305,7 +306,9 @@ def _quantize_fp8_row_kernel(
     BLOCK_K2: tl.constexpr,
     MAX_FP8: tl.constexpr,
     EMULATE: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # Python floats arrive as fp64 under torch.compile (inductor), fp32 from Triton's launcher.

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
+from moekit.ops._triton._pdl import pdl_prologue
 
 # Largest E the kernels take (the key holds the expert in 16 bits; a tile row must fit the
 # registers). Larger E falls back to the (sync-free) PyTorch reference.
@@ -170,7 +171,9 @@ def _shuffle_single_kernel(
     BT: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RB: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(USE_PDL)
     n_valid = T
     if HAS_VTC:
         n_valid = tl.maximum(tl.minimum(tl.load(vtc_ptr), T), 0).to(tl.int32)
@@ -234,9 +237,11 @@ def _route_blocks_kernel(
     PAIRWISE: tl.constexpr,
     NCH: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
     """Top-k of each token over NCH (1 or 3) column chunks of BLOCK_C experts (3 chunks of
     BLOCK_E / 4 when E <= 3/4 of BLOCK_E: no key work on the padding), ranks, packed rows."""
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_valid = T
     if HAS_VTC:
@@ -340,9 +345,12 @@ def _route_blocks_kernel(
 
 
 @triton.jit(do_not_specialize=["NB"])
-def _scan_blocks_kernel(hist_ptr, counts_ptr, NB, E, HS, EC: tl.constexpr, CB: tl.constexpr):
+def _scan_blocks_kernel(
+    hist_ptr, counts_ptr, NB, E, HS, EC: tl.constexpr, CB: tl.constexpr, USE_PDL: tl.constexpr = 0
+):
     """Column scan of the [NB, HS] histograms, in place, into exclusive per-program offsets;
     the column totals are the expert counts. (HS // EC programs.)"""
+    pdl_prologue(USE_PDL)
     cols = tl.program_id(0) * EC + tl.arange(0, EC)
     carry = tl.zeros([EC], dtype=tl.int32)
     for c0 in range(0, NB, CB):
@@ -373,7 +381,9 @@ def _place_kernel(
     BLOCK_E: tl.constexpr,
     CB: tl.constexpr,
     R: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E

@@ -18,9 +18,10 @@ store-only walk). Rows move as raw bits (integer views), so any 1/2/4-byte dtype
 included. A row whose computed partner falls outside ``[0, T)`` (inconsistent counts) is skipped
 rather than read or written out of bounds.
 
-Each unit moves its rows whole: a ``[BLOCK_R, W_MAIN]`` chunk per loop step (4 KB of a row) plus,
-issued before the loop, a ``[BLOCK_R, W_TAIL]`` chunk for the ``D % W_MAIN`` tail columns, so
-D = 5120 bf16 is 2 x 2048 + 1024 columns with no masked lanes. The
+Each unit moves its rows whole: ``[BLOCK_R, W_MAIN]`` chunks (4 KB of a row) plus a
+``[BLOCK_R, W_TAIL]`` chunk for the ``D % W_MAIN`` tail columns, so D = 5120 bf16 is
+2 x 2048 + 1024 columns with no masked lanes; up to ``_UNROLL_MAX`` main chunks, every chunk is
+loaded before the first is stored (the whole row in flight), longer rows loop. The
 grid has one program per unit up to ``_MAX_PROGRAMS_PER_SM`` per SM (the hardware schedules the
 waves; a grid-stride loop covers larger buffers); programs left without a unit (the padded
 layout's buffer is larger than what moves) stop after reading the counts of the local experts.
@@ -35,17 +36,22 @@ import triton
 import triton.language as tl
 
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
+from moekit.ops._triton._pdl import pdl_prologue
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 # Bytes of a row one main chunk covers, and rows per unit. Measured on the H200 (EP=8, T=4096,
 # D=5120 bf16): 4 KB chunks, 8 programs per SM of 4 warps beat 8 KB / 16 / 8 warps by 2-7%
-# (padded combine 25.6 vs 27.6 µs, split 25.3 vs 26.6).
+# (padded combine 25.6 vs 27.6 µs, split 25.3 vs 26.6). One row per unit measured 1-2% faster at
+# T = 4096 but 6% slower at T = 16384 (97.7 vs 91.4 µs): two rows stay.
 _CHUNK_BYTES = 4096
 _ROWS_PER_UNIT = 2
 # Budget for the [BLOCK_R, segments] lookup tile held in registers.
 _LOOKUP_ELEMS = 4096
 # Grid cap (programs per SM); past it, programs loop over units.
 _MAX_PROGRAMS_PER_SM = 8
+# Rows of at most this many main chunks are loaded whole before they are stored (unrolled:
+# ``N_MAIN`` > 0; 0 is a loop of load-store steps).
+_UNROLL_MAX = 4
 
 
 @triton.jit
@@ -88,7 +94,10 @@ def _shuffle_kernel(
     BLOCK_R: tl.constexpr,
     W_MAIN: tl.constexpr,
     W_TAIL: tl.constexpr,
+    N_MAIN: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     r = tl.arange(0, BLOCK_EP)
@@ -138,7 +147,10 @@ def _shuffle_kernel(
         em_end = (expert_major + C)[None, :, :]
         e2r = (rank_major - expert_major)[None, :, :]
         d_lim = (D // 8) * 8
-        d_main = (D // W_MAIN) * W_MAIN
+        if N_MAIN > 0:
+            d_main = N_MAIN * W_MAIN
+        else:
+            d_main = (D // W_MAIN) * W_MAIN
         for u in range(pid, n_units, nprog):
             rows = u * BLOCK_R + tl.arange(0, BLOCK_R)  # expert-major rows
             other = _partner_rows(rows, em, em_end, e2r)  # their rank-major rows
@@ -155,11 +167,22 @@ def _shuffle_kernel(
                 tc = d_main + tl.arange(0, W_TAIL)
                 tmask = ok[:, None] & (tc < d_lim)[None, :]
                 tv = tl.load(s_row + tc[None, :], mask=tmask, other=0, eviction_policy="evict_first")
-            for d0 in range(0, d_main, W_MAIN):
-                cols = d0 + tl.arange(0, W_MAIN)
-                m = ok[:, None] & (cols < d_lim)[None, :]
-                v = tl.load(s_row + cols[None, :], mask=m, other=0, eviction_policy="evict_first")
-                tl.store(d_row + cols[None, :], v, mask=m)
+            if N_MAIN > 0:
+                # The whole row in flight: every chunk's load before the first store.
+                chunks = ()
+                for i in tl.static_range(N_MAIN):
+                    cols = i * W_MAIN + tl.arange(0, W_MAIN)
+                    m = ok[:, None] & (cols < d_lim)[None, :]
+                    chunks = chunks + (tl.load(s_row + cols[None, :], mask=m, other=0, eviction_policy="evict_first"),)
+                for i in tl.static_range(N_MAIN):
+                    cols = i * W_MAIN + tl.arange(0, W_MAIN)
+                    tl.store(d_row + cols[None, :], chunks[i], mask=ok[:, None] & (cols < d_lim)[None, :])
+            else:
+                for d0 in range(0, d_main, W_MAIN):
+                    cols = d0 + tl.arange(0, W_MAIN)
+                    m = ok[:, None] & (cols < d_lim)[None, :]
+                    v = tl.load(s_row + cols[None, :], mask=m, other=0, eviction_policy="evict_first")
+                    tl.store(d_row + cols[None, :], v, mask=m)
             if W_TAIL > 0:
                 tl.store(d_row + tc[None, :], tv, mask=tmask)
 
@@ -254,6 +277,7 @@ def _run(
         BLOCK_R=block_r,
         W_MAIN=w_main,
         W_TAIL=w_tail,
+        N_MAIN=D // w_main if D // w_main <= _UNROLL_MAX else 0,
         num_warps=warps,
     )
     return out, counts_out
