@@ -45,9 +45,9 @@ PDL = _pdl_setting()
 # eight cells with its rows loaded whole, after losing 3-5% with the earlier chunk loop).
 PDL_LATE_TRIGGER: set[str] = set()
 # Kernels launched without PDL: the grouped GEMM's tiled and streaming kernels. With them on PDL
-# (early or late trigger) the whole layer measured 3-10% slower at T = 2048 than without PDL
-# (H200, Llama 4 Scout and Qwen3-30B bf16, RESULTS.md session 4); without them it is as fast as
-# without PDL there and keeps the decode gain (Scout T = 1: 146 vs 152 µs). ``$MOEKIT_PDL_SKIP``
+# behind kernels that trigger at once, the whole layer measured 4-10% slower at T = 2048 than
+# without PDL (H200, Llama 4 Scout and Qwen3-30B bf16, RESULTS.md session 4); without them it is
+# level there and keeps the decode gain (Scout T = 1: 146 vs 152 µs). ``$MOEKIT_PDL_SKIP``
 # (comma-separated kernel names) replaces the set.
 PDL_SKIP: set[str] = (
     {k for k in os.environ["MOEKIT_PDL_SKIP"].split(",") if k}
