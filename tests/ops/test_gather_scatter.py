@@ -494,6 +494,25 @@ def test_default_scatter_dispatch_rule():
     assert not locked(2048, 2048, 16384)  # rows past the one-pass register budget: atomics
 
 
+@pytest.mark.reference
+def test_token_locks_grow_and_keep_old_buffers(monkeypatch):
+    """The lock buffer grows (doubling, at least 4096) and a replaced one stays referenced (a CUDA
+    graph captured with it keeps using it); meta tensors stand in for a device."""
+    tri = _tri()
+    monkeypatch.setattr(tri, "_LOCKS", {})
+    monkeypatch.setattr(tri, "_RETIRED_LOCKS", [])
+    out = torch.empty(10, 8, device="meta")
+    a = tri._token_locks(out, 10)
+    assert a.numel() == 4096 and a.dtype == torch.int32
+    assert tri._token_locks(out, 4000) is a
+    b = tri._token_locks(out, 5000)
+    assert b.numel() == 8192 and tri._RETIRED_LOCKS == [a]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert tri._token_locks(torch.empty(10, 8), 10) is None  # tracing: atomics
+
+
 class _NoAtomics:
     def __getitem__(self, grid):
         raise AssertionError("the atomic scatter-add ran where the locked path was expected")

@@ -555,8 +555,11 @@ def _scatter_add_locked_kernel(
 
 
 # Per-device int32 token locks of the locked scatter-add, all zero between launches (every lock
-# taken is released); grown, never shrunk.
+# taken is released); grown, never shrunk. A replaced buffer is kept alive in ``_RETIRED_LOCKS``:
+# a CUDA graph captured with it still takes its locks there, and freeing it would hand that
+# memory to another tensor under the graph.
 _LOCKS: dict = {}
+_RETIRED_LOCKS: list = []
 # The locked scatter-add from this many rows (H200, D = 5120 bf16, top-1: T = 2048 18.6 vs 19.1-19.5
 # µs atomic, T = 4096 34.6 vs 37.7-38.2, T = 16384 129 vs 144; below, the compare-and-swap round
 # trip is not hidden and atomics stay).
@@ -576,6 +579,8 @@ def _token_locks(out: torch.Tensor, T: int) -> Optional[torch.Tensor]:
     if buf is None or buf.numel() < T:
         if out.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
+        if buf is not None:
+            _RETIRED_LOCKS.append(buf)
         buf = torch.zeros(max(T, 2 * (0 if buf is None else buf.numel()), 4096), dtype=torch.int32,
                           device=out.device)
         _LOCKS[key] = buf
