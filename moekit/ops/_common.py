@@ -55,7 +55,14 @@ PDL_SKIP: set[str] = (
     else {"_gg_tiled_kernel", "_gg_stream_kernel"}
 )
 # Experiments (benchmarks/sweep_pdl.py, ``$MOEKIT_PDL_MODE``): force one mode (1 or 2) everywhere.
-PDL_MODE: Optional[int] = {"": None, "1": 1, "2": 2}[os.environ.get("MOEKIT_PDL_MODE", "")]
+def _pdl_mode_setting() -> Optional[int]:
+    v = os.environ.get("MOEKIT_PDL_MODE", "")
+    if v not in ("", "1", "2"):
+        raise ValueError(f"MOEKIT_PDL_MODE must be unset, '1' or '2', got {v!r}")
+    return int(v) if v else None
+
+
+PDL_MODE: Optional[int] = _pdl_mode_setting()
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,8 +77,8 @@ def _pdl_ok(args: tuple) -> bool:
     if not PDL or interpreting():
         return False
     t = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if t is None or not t.is_cuda or torch.compiler.is_compiling():
-        return False
+    if t is None or not t.is_cuda or torch.version.hip is not None or torch.compiler.is_compiling():
+        return False  # (ROCm: griddepcontrol is NVIDIA PTX)
     from torch._subclasses.fake_tensor import is_fake
 
     if is_fake(t):

@@ -170,6 +170,34 @@ def test_gather_scale_quant_interpreter_unmasked(D):
         check_fp8(q, sc, rq, rs, w)
 
 
+@pytest.mark.interpreter
+def test_gather_interpreter_rows_of_non_power_of_two_width():
+    """D = 1536 (1024 + 512): several rows per program must still be a power of two (it was 5 for
+    the FP8 gather and the whole-row gather, which then failed to compile); D = 0 quantizes to
+    empty rows with the eps scale, as the reference."""
+    tri = _tri()
+    cpu = torch.device("cpu")
+    T, E, K, D = 64, 6, 1, 1536
+    assert tri._quant_tiles(T * K, D, cpu)[0] == 4 and tri._gather_tiles(T * K, D, cpu)[0] == 4
+    for D in range(8, 8200, 8):
+        for rows in (64, 4096):
+            for br in (tri._quant_tiles(rows, D, cpu)[0], tri._gather_tiles(rows, D, cpu)[0]):
+                assert br & (br - 1) == 0, (D, rows, br)
+    D = 1536
+    s, _, eidx, tidx = routing(T, E, K, start=1, end=E, seed=11)
+    x = randn(T, D, dtype=torch.bfloat16, seed=11)
+    q, sc = tri.gather_scale_quant_dense_tokens(x, tidx, eidx, s)
+    rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s)
+    w = gather_written(tidx, eidx, None)
+    check_fp8(q, sc, rq, rs, w)
+    g = tri.gather_scale_dense_tokens(x, tidx, eidx, s)
+    assert_close(g[w], ref.gather_scale_dense_tokens(x, tidx, eidx, s)[w])
+    x0 = x[:, :0]
+    q, sc = tri.gather_scale_quant_dense_tokens(x0, tidx, eidx, s)
+    rq, rs = ref.gather_scale_quant_dense_tokens(x0, tidx, eidx, s)
+    assert q.shape == (T * K, 0) and torch.equal(sc[w], rs[w])
+
+
 def test_quant_chunk_widths():
     """Chunks are powers of two with the fewest masked lanes, at most 16 per row."""
     from moekit.ops._triton.gather_scatter import _quant_chunk
@@ -436,7 +464,7 @@ def test_kernels_compile_for_sm90():
         bf, m, i32 = torch.bfloat16, "meta", torch.int32
         def e(*shape, dtype=bf):
             return torch.empty(*shape, dtype=dtype, device=m)
-        for A, D in ((4096, 5120), (4096, 2880), (4096, 8), (64, 5120), (4096, 16384)):  # whole rows, tiles
+        for A, D in ((4096, 5120), (4096, 2880), (4096, 8), (64, 5120), (4096, 16384), (4096, 1536)):  # whole rows, tiles
             G.gather_scale_dense_tokens(e(A, D), e(A, dtype=i32), e(A, dtype=i32), e(A, 128), e(1, dtype=i32))
         # Default scatter-add: the bucket sum (top-4), locked (top-1, 5120 and 2880), atomics (top-1
         # rows past the one-pass budget), atomics reading ahead (few rows).
@@ -445,7 +473,7 @@ def test_kernels_compile_for_sm90():
         G.scatter_add_dense_tokens(e(2048, 2880), e(2048, 2880), e(2048, dtype=i32), None)
         G.scatter_add_dense_tokens(e(2048, 16384), e(2048, 16384), e(2048, dtype=i32), None)
         G.scatter_add_dense_tokens(e(1, 5120), e(4, 5120), e(4, dtype=i32), None)
-        for D in (5120, 7168, 16384, 2880):
+        for D in (5120, 7168, 16384, 2880, 1536):  # 1536: four rows per program (1024 + 512 wide)
             G.gather_scale_quant_dense_tokens(e(4096, D), e(4096, dtype=i32), e(4096, dtype=i32), e(4096, 128),
                                               e(1, dtype=torch.float32), e(1, dtype=i32))
         # Deterministic scatter: the scan (two BLOCK_A buckets), then the bucket path: top-4 and
@@ -460,7 +488,7 @@ def test_kernels_compile_for_sm90():
         """,
         ["moekit.ops._triton.gather_scatter"],
     )
-    assert_all_compiled(records, 26)
+    assert_all_compiled(records, 28)
     # The one-pass FP8 gather holds a row of 5120 on 2 warps in 64 registers per lane (16 rows in
     # flight per SM; a float32 or masked row took 96: 10 rows), 7168 in at most 96.
     quant = {(r["constants"]["N_CHUNKS"], r["constants"]["UNMASKED"]): r for r in records

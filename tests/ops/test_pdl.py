@@ -100,6 +100,11 @@ def test_pdl_setting_validated(monkeypatch):
     monkeypatch.setenv("MOEKIT_PDL", "yes")
     with pytest.raises(ValueError, match="MOEKIT_PDL"):
         _common._pdl_setting()
+    monkeypatch.setenv("MOEKIT_PDL_MODE", "3")
+    with pytest.raises(ValueError, match="MOEKIT_PDL_MODE"):
+        _common._pdl_mode_setting()
+    monkeypatch.setenv("MOEKIT_PDL_MODE", "2")
+    assert _common._pdl_mode_setting() == 2
     monkeypatch.setenv("MOEKIT_PDL", "0")
     assert _common._pdl_setting() is False
 

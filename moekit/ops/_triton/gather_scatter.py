@@ -163,7 +163,7 @@ def _gather_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, in
         rem = D - block_d
         w_tail = next_pow2(rem) if rem else 0
         width = block_d + w_tail
-        block_r = max(1, min(_QUANT_TILE // width, next_pow2(rows)))
+        block_r = _pow2_floor(max(1, min(_QUANT_TILE // width, next_pow2(rows))))  # tl.arange: a power of two
         target = _MIN_PROGRAMS_PER_SM * num_sms(device)
         while block_r > 1 and cdiv(rows, block_r) < target:
             block_r //= 2
@@ -386,11 +386,11 @@ def _quant_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int
     one_pass = D <= _ONE_PASS_MAX_D
     if one_pass:
         block_d = _quant_chunk(D)
-        n_chunks = cdiv(D, block_d)
+        n_chunks = max(1, cdiv(D, block_d))  # D = 0: one masked chunk (the rows get the eps scale)
     else:
         block_d, n_chunks = 4096, 1
     width = block_d * n_chunks
-    block_r = max(1, min(_QUANT_TILE // width, next_pow2(rows)))
+    block_r = _pow2_floor(max(1, min(_QUANT_TILE // width, next_pow2(rows))))  # tl.arange: a power of two
     target = _MIN_PROGRAMS_PER_SM * num_sms(device)
     while block_r > 1 and cdiv(rows, block_r) < target:
         block_r //= 2
@@ -450,7 +450,7 @@ def gather_scale_quant_dense_tokens(
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         N_CHUNKS=n_chunks,
-        UNMASKED=one_pass and block_r == 1 and D == n_chunks * block_d,
+        UNMASKED=one_pass and block_r == 1 and D == n_chunks * block_d and D > 0,
         num_warps=warps,
     )
     return out, out_scale
@@ -557,9 +557,13 @@ def _scatter_add_locked_kernel(
 # Per-device int32 token locks of the locked scatter-add, all zero between launches (every lock
 # taken is released); grown, never shrunk. A replaced buffer is kept alive in ``_RETIRED_LOCKS``:
 # a CUDA graph captured with it still takes its locks there, and freeing it would hand that
-# memory to another tensor under the graph.
+# memory to another tensor under the graph. ``_LOCKS_ZEROED`` holds, per device, the event that
+# follows a new buffer's memset until the host has seen it complete: until then a launch on any
+# stream waits for it (or, while capturing, takes the atomics), so a stream other than the one
+# that zeroed the buffer never sees it uninitialised.
 _LOCKS: dict = {}
 _RETIRED_LOCKS: list = []
+_LOCKS_ZEROED: dict = {}
 # The locked scatter-add from this many rows (H200, D = 5120 bf16, top-1: T = 2048 18.6 vs 19.1-19.5
 # µs atomic, T = 4096 34.6 vs 37.7-38.2, T = 16384 129 vs 144; below, the compare-and-swap round
 # trip is not hidden and atomics stay).
@@ -576,14 +580,27 @@ def _token_locks(out: torch.Tensor, T: int) -> Optional[torch.Tensor]:
         return None
     key = (out.device.type, out.device.index)
     buf = _LOCKS.get(key)
+    capturing = out.is_cuda and torch.cuda.is_current_stream_capturing()
     if buf is None or buf.numel() < T:
-        if out.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing:
             return None
         if buf is not None:
             _RETIRED_LOCKS.append(buf)
         buf = torch.zeros(max(T, 2 * (0 if buf is None else buf.numel()), 4096), dtype=torch.int32,
                           device=out.device)
         _LOCKS[key] = buf
+        if out.is_cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(out.device))
+            _LOCKS_ZEROED[key] = done
+    done = _LOCKS_ZEROED.get(key)
+    if done is not None:
+        if done.query():  # the memset has completed: every stream may use the buffer from now on
+            del _LOCKS_ZEROED[key]
+        elif capturing:  # a captured graph cannot wait on an event recorded outside it
+            return None
+        else:
+            torch.cuda.current_stream(out.device).wait_event(done)
     return buf
 
 
