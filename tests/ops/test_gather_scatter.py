@@ -128,22 +128,31 @@ def test_gather_scale_interpreter_both_tilings(monkeypatch, whole_row):
     assert torch.equal(out[w], ref.gather_scale_dense_tokens(x, tidx, eidx, s, v)[w])
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("T,E,K,D", INTERP_CASES[1:6])
-def test_gather_scale_quant_interpreter(T, E, K, D):
+def _check_quant_launcher(x, tidx, eidx, s, partial: bool = False):
+    """The FP8 gather's launcher into poisoned outputs, without and with ``scale_ub`` and a short
+    valid count, against the reference; ``partial``: some but not all rows must be written."""
     tri = _tri()
-    s, _, eidx, tidx = routing(T, E, K, start=min(1, E - 1), end=E, seed=3 * T + E)
-    x = randn(T, D, dtype=torch.bfloat16, seed=T)
+    T, D = x.shape
+    A = tidx.shape[0]
     for ub, mode in [(None, None), (torch.tensor([0.05]), "short")]:
-        v = vtc(_valid_rows(T, K, mode))
-        q = poison(torch.empty(T * K, D, dtype=FP8))
-        sc = poison(torch.empty(T * K))
+        v = vtc(_valid_rows(T, A // max(T, 1), mode))
+        q = poison(torch.empty(A, D, dtype=FP8))
+        sc = poison(torch.empty(A))
         tri.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v, out=q, out_scale=sc)
         rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v)
         w = gather_written(tidx, eidx, v)
+        if partial:
+            assert 0 < int(w.sum()) < A
         assert_poisoned(q, w)
         assert_poisoned(sc, w)
         check_fp8(q, sc, rq, rs, w)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,E,K,D", INTERP_CASES[1:6])
+def test_gather_scale_quant_interpreter(T, E, K, D):
+    s, _, eidx, tidx = routing(T, E, K, start=min(1, E - 1), end=E, seed=3 * T + E)
+    _check_quant_launcher(randn(T, D, dtype=torch.bfloat16, seed=T), tidx, eidx, s)
 
 
 @pytest.mark.interpreter
@@ -151,23 +160,11 @@ def test_gather_scale_quant_interpreter(T, E, K, D):
 def test_gather_scale_quant_interpreter_unmasked(D):
     """One row per program in whole chunks (the unmasked path with its early return for dropped
     rows): an expert range's -1 tail and a short valid count leave their rows untouched."""
-    tri = _tri()
     T, E, K = 5, 6, 2
-    block_r, block_d, n_chunks, one_pass, _ = tri._quant_tiles(T * K, D, torch.device("cpu"))
+    block_r, block_d, n_chunks, one_pass, _ = _tri()._quant_tiles(T * K, D, torch.device("cpu"))
     assert one_pass and block_r == 1 and n_chunks * block_d == D
     s, _, eidx, tidx = routing(T, E, K, start=2, end=E, seed=D)
-    x = randn(T, D, dtype=torch.bfloat16, seed=D)
-    for ub, mode in [(None, None), (torch.tensor([0.05]), "short")]:
-        v = vtc(_valid_rows(T, K, mode))
-        q = poison(torch.empty(T * K, D, dtype=FP8))
-        sc = poison(torch.empty(T * K))
-        tri.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v, out=q, out_scale=sc)
-        rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub, v)
-        w = gather_written(tidx, eidx, v)
-        assert 0 < int(w.sum()) < T * K
-        assert_poisoned(q, w)
-        assert_poisoned(sc, w)
-        check_fp8(q, sc, rq, rs, w)
+    _check_quant_launcher(randn(T, D, dtype=torch.bfloat16, seed=D), tidx, eidx, s, partial=True)
 
 
 @pytest.mark.interpreter

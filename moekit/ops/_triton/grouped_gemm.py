@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from moekit._checks import FP8_DTYPE
-from moekit.ops._common import cdiv, interpreting, launch, next_pow2, num_sms
+from moekit.ops._common import _capability_major, cdiv, interpreting, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
@@ -621,11 +621,6 @@ def _tma_ok(t: torch.Tensor, block: tuple[int, int]) -> bool:
     if block[1] * es < 16 or block[0] > 256:
         return False
     return t.shape[0] > 0 and t.shape[1] > 0
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
