@@ -208,12 +208,87 @@ def sweep_shuffling(cases) -> None:
                                                  False)), sets)
 
 
+WALKS = {
+    "load-after-store": {"_PIPELINE": False},
+    "pipelined": {"_PIPELINE": True},
+}
+
+
+def sweep_shuffle_walks(cases) -> None:
+    """The shuffle kernel's two ways through held rows (``WALKS``: the next unit's loads after
+    this unit's stores, or before them) x a few launch configs; every result checked against
+    ``moekit.reference``."""
+    import bench_shuffling as bsh
+
+    from moekit import reference
+    from moekit.ops.shuffling import combine_shuffling, split_shuffling
+    from moekit.ops._triton import shuffling as k
+    from moekit.reference.shuffling import shuffle_row_map
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    D = bsh.D
+    wt = triton.next_power_of_2(D % 2048) if D % 2048 else 0
+    for layout, EP, T in cases:
+        probe = bsh.make_set(layout, EP, T, 0)
+        n = rotations(2 * probe["moved"] * D * 2)
+        sets = [probe] + [bsh.make_set(layout, EP, T, seed) for seed in range(1, n)]
+        nbytes = 2 * probe["moved"] * D * 2
+        fl = floor_us(nbytes)
+        rows = probe["tokens"].shape[0]
+        cands = [None] + [(br, 2048, wt, max(1, min(triton.cdiv(rows, br), pps * sms)), w)
+                          for br, pps, w in ((1, 16, 4), (1, 8, 4), (1, 16, 2), (1, 24, 2), (2, 8, 8), (2, 4, 4),
+                                             (2, 6, 4), (2, 12, 4))]
+        s0 = probe
+        ro, rc = reference.combine_shuffling(s0["tokens"], s0["counts"], s0["start"], s0["end"], s0["padded"])
+        src, valid, _ = shuffle_row_map(s0["counts"], rows, s0["start"], s0["end"], s0["padded"])
+        covered = src[valid]
+        moved = s0["moved"]
+        for op in ("combine", "split"):
+            print(f"== {op} {layout} EP={EP} T={T}: floor {fl:.2f} us", flush=True)
+            if op == "combine":
+                make = lambda s: (lambda: combine_shuffling(s["tokens"], s["counts"], s["start"], s["end"], s["padded"]))
+            else:
+                make = lambda s: (lambda: split_shuffling(s["combined"], s["counts"], s["start"], s["end"],
+                                                          s["padded"], False))
+            for walk, switches in WALKS.items():
+                with contextlib.ExitStack() as st:
+                    for name, value in switches.items():
+                        st.enter_context(patched(k, name, value))
+                    res = []
+                    for cand in cands:
+                        with contextlib.ExitStack() as st2:
+                            if cand is not None:
+                                st2.enter_context(patched(k, "_config", lambda *a, _c=cand, **kw: _c))
+                            t = time_call(make, sets)
+                            good = "-"
+                            if isinstance(t, float):
+                                if op == "combine":
+                                    o, c = combine_shuffling(s0["tokens"], s0["counts"], s0["start"], s0["end"],
+                                                             s0["padded"])
+                                    good = bool(torch.equal(c, rc) and torch.equal(o[:moved], ro[:moved]))
+                                else:
+                                    back = split_shuffling(ro, s0["counts"], s0["start"], s0["end"], s0["padded"],
+                                                           False)
+                                    good = bool(torch.equal(back[covered], s0["tokens"][covered]))
+                        res.append((t, cand, good))
+                ok = sorted([r for r in res if isinstance(r[0], float)], key=lambda r: r[0])
+                d = res[0][0]
+                dtxt = f"{d:.2f} us {100 * fl / d:.1f}%" if isinstance(d, float) else str(d)
+                best = ", ".join(f"{t:.2f} ({100 * fl / t:.1f}%) {c[0]}r/{c[3] // sms}pps/{c[4]}w" if c else
+                                 f"{t:.2f} default" for t, c, _ in ok[:3])
+                wrong = [c for t, c, g in res if g is False]
+                print(f"   {walk:24s} default {dtxt} | best {best}" + (f" | WRONG {wrong}" if wrong else ""),
+                      flush=True)
+
+
 ALL = {
     "silu_mul": lambda: sweep_silu_mul([(2048, 2048), (2048, 8192), (16384, 2048)]),
     "silu_mul_quant": lambda: sweep_silu_mul_quant([(2048, 2048), (2048, 8192), (16384, 2048)]),
     "quantize": lambda: sweep_quantize([(2048, 5120), (16384, 5120)]),
     "gather_scatter": lambda: sweep_gather_scatter([(2048, 16, 1), (2048, 16, 4), (16384, 16, 4), (1, 16, 1)]),
     "shuffling": lambda: sweep_shuffling([("padded", 8, 4096), ("dense", 8, 4096)]),
+    "shuffle_walks": lambda: sweep_shuffle_walks([(lay, ep, t) for t in (4096, 16384) for lay in ("dense", "padded")
+                                                  for ep in (2, 8)]),
 }
 
 

@@ -149,6 +149,26 @@ def test_shuffling_interpreter(EP, E, rng, Tr, K, D, padded, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("pipeline", [False, True], ids=["load-after-store", "pipelined"])
+@pytest.mark.parametrize(
+    "EP,E,rng,Tr,K,D,padded",
+    [
+        (4, 8, (0, 8), 40, 2, 8, False),  # dense, every expert local: the walk is the source rows
+        (4, 16, (4, 12), 40, 2, 16, True),  # padded: combine finds each source row's rank block
+        (4, 16, (2, 9), 40, 2, 16, False),  # dense, some experts local: the same lookup
+        (2, 16, (0, 16), 3, 2, 5120, False),  # D = 5120 bf16: 2 x 2048 + a 1024 tail per row
+        (4, 16, (0, 16), 0, 1, 8, False),  # nothing moves
+    ],
+)
+def test_shuffling_interpreter_walks(monkeypatch, pipeline, EP, E, rng, Tr, K, D, padded):
+    """Rows held whole, the next unit's loaded after this unit's stores or before them
+    (pipelined), with programs looping over several units, give the reference's rows."""
+    monkeypatch.setattr(_tri(), "_PIPELINE", pipeline)
+    tokens, counts = make_case(EP, E, Tr, K, D, padded, seed=EP * 7 + D)
+    check_combine_split(tokens, counts, rng[0], rng[1], padded, launcher_combine, launcher_split)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("unroll", [0, 4], ids=["loop", "unrolled"])
 def test_shuffling_interpreter_long_rows(monkeypatch, unroll):
     """Rows of several main chunks (D = 5120 bf16: 2 x 2048 + 1024): loaded whole before they are
@@ -192,14 +212,14 @@ def test_shuffling_interpreter_split_writes_only_moved_rows():
 @pytest.mark.reference
 def test_config_shape_buckets():
     """Whole rows per unit: D = 5120 is two 2048-wide chunks plus a 1024-wide tail (no masked
-    lanes); the grid is one program per unit, capped per SM; 4 warps for 2 rows of 10 KB (the
+    lanes); the grid is one program per unit, capped per SM; 2 warps for one row of 10 KB (the
     measured best on the H200)."""
     tri = _tri()
     cpu = torch.device("cpu")
     n = tri.num_sms(cpu)
-    assert tri._config(4096, 5120, 2, 128, cpu)[:3] == (2, 2048, 1024)
-    assert tri._config(4096, 5120, 2, 128, cpu)[3] == min(2048, tri._MAX_PROGRAMS_PER_SM * n)
-    assert tri._config(4096, 5120, 2, 128, cpu)[4] == 4
+    assert tri._config(4096, 5120, 2, 128, cpu)[:3] == (1, 2048, 1024)
+    assert tri._config(4096, 5120, 2, 128, cpu)[3] == min(4096, tri._MAX_PROGRAMS_PER_SM * n)
+    assert tri._config(4096, 5120, 2, 128, cpu)[4] == 2
     assert tri._config(4096, 4096, 2, 128, cpu)[1:3] == (2048, 0)
     assert tri._config(64, 5120, 4, 16, cpu)[1:3] == (1024, 0)  # fp32: 4 KB chunks, five of them
     assert tri._config(64, 24, 1, 16, cpu)[1:3] == (16, 8)
