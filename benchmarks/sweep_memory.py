@@ -161,11 +161,12 @@ def sweep_gather_scatter(cases) -> None:
                     tiles.append((br, bd, triton.cdiv(D, bd), w))
         if K == 1 and T > 1:
             # Column-block tiles (BLOCK_R, BLOCK_D, 0, n_db, warps) and whole rows (head + tail).
-            gt = [(br, bd, 0, nd, w) for br, bd, nd, w in tiles]
-            gt += [(br, 4096, 1024, 1, w) for br in (1, 2, 4) for w in (1, 2, 4, 8) if br * 5120 >= 32 * w * 8]
+            gt = [(br, bd, 0, nd, w, 0) for br, bd, nd, w in tiles]
+            gt += [(br, 4096, 1024, 1, w, pps) for br in (1, 2, 4) for w in (1, 2, 4, 8) for pps in (4, 8, 16)
+                   if br * 5120 >= 32 * w * 8]
             sweep(f"gather_scale T={T} E={E}", g_bytes, k, "_gather_tiles", gt,
                   lambda s: (lambda: ops.gather_scale_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"])), sets)
-            qt = [(br, 4096, 1024, True, w) for br in (1, 2, 4) for w in (1, 2, 4, 8) if br * 5120 >= 32 * w * 8]
+            qt = [(br, 1024, 5, True, w) for br in (1, 2, 4) for w in (1, 2, 4, 8) if br * 5120 >= 32 * w * 8]
             sweep(f"gather_scale_quant T={T} E={E}", q_bytes, k, "_quant_tiles", qt,
                   lambda s: (lambda: ops.gather_scale_quant_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"])),
                   sets)
@@ -206,6 +207,44 @@ def sweep_shuffling(cases) -> None:
         sweep(f"split {layout} EP={EP} T={T}", nbytes, k, "_config", cands,
               lambda s: (lambda: split_shuffling(s["combined"], s["counts"], s["start"], s["end"], s["padded"],
                                                  False)), sets)
+
+
+def sweep_gather_stream(shapes) -> None:
+    """gather_scale: the buckets' choice ("default") against the persistent pipelined whole-row
+    kernel (``_gather_scale_stream_kernel``) at several programs per SM, rows per unit and warps;
+    every result checked against ``moekit.reference``. (Run 24 compared it with one whole row per
+    program, the kernel it replaced.)"""
+    import bench_gather_scatter as bgs
+
+    from moekit import ops, reference
+    from moekit.ops._triton import gather_scatter as k
+
+    D = bgs.D
+    for T, E in shapes:
+        a = T
+        nbytes = 2 * a * D * 2 + a * 10
+        fl = floor_us(nbytes)
+        n = rotations(nbytes)
+        sets = [bgs.make_set(T, E, 1, seed) for seed in range(n)]
+        s0 = sets[0]
+        want = reference.gather_scale_dense_tokens(s0["x"], s0["tidx"], s0["eidx"], s0["scores"])
+        make = lambda s: (lambda: ops.gather_scale_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"]))
+        res = []
+        for cand in [None] + [(pps, br, w) for pps in (4, 8, 16) for br in (1, 2) for w in (2, 4)]:
+            with contextlib.ExitStack() as st:
+                if cand is not None:
+                    pps, br, w = cand
+                    st.enter_context(patched(k, "_gather_tiles", lambda *a_, _c=(br, 4096, 1024, 1, w, pps), **kw: _c))
+                t = time_call(make, sets)
+                got = ops.gather_scale_dense_tokens(s0["x"], s0["tidx"], s0["eidx"], s0["scores"])
+                good = bool(torch.equal(got, want.to(got.dtype)))
+            res.append((t, cand, good))
+        d = res[0][0]
+        print(f"== gather_scale T={T} E={E}: floor {fl:.2f} us, default {d if isinstance(d, str) else f'{d:.2f}'} us",
+              flush=True)
+        for t, c, g in sorted([r for r in res if isinstance(r[0], float)], key=lambda r: r[0])[:8]:
+            name = "default" if c is None else f"stream {c[0]}pps/{c[1]}r/{c[2]}w"
+            print(f"   {t:8.2f} us  {100 * fl / t:5.1f}%  {name}" + ("" if g else "  WRONG"), flush=True)
 
 
 WALKS = {
@@ -287,6 +326,7 @@ ALL = {
     "quantize": lambda: sweep_quantize([(2048, 5120), (16384, 5120)]),
     "gather_scatter": lambda: sweep_gather_scatter([(2048, 16, 1), (2048, 16, 4), (16384, 16, 4), (1, 16, 1)]),
     "shuffling": lambda: sweep_shuffling([("padded", 8, 4096), ("dense", 8, 4096)]),
+    "gather_stream": lambda: sweep_gather_stream([(2048, 16), (4096, 16), (4096, 128), (16384, 16)]),
     "shuffle_walks": lambda: sweep_shuffle_walks([(lay, ep, t) for t in (4096, 16384) for lay in ("dense", "padded")
                                                   for ep in (2, 8)]),
 }

@@ -112,8 +112,8 @@ def test_gather_scale_interpreter(T, E, K, D):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("whole_row", [0, 1], ids=["column_blocks", "whole_rows"])
 def test_gather_scale_interpreter_both_tilings(monkeypatch, whole_row):
-    """Column-block tiles and whole rows (head + masked tail: D = 2880 is 2048 + 832 of a 1024
-    tail) give the same rows, and the same as the reference."""
+    """Column-block tiles and whole rows (the streamed kernel, head + masked tail: D = 2880 is
+    2048 + 832 of a 1024 tail) give the same rows, and the same as the reference."""
     tri = _tri()
     monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", whole_row)
     T, E, K, D = 9, 16, 2, 2880
@@ -121,6 +121,27 @@ def test_gather_scale_interpreter_both_tilings(monkeypatch, whole_row):
     s, _, eidx, tidx = routing(T, E, K, start=1, end=E, seed=5)
     x = randn(T, D, dtype=torch.float32, seed=5)
     v = vtc(T * K - 5)
+    out = poison(torch.empty(T * K, D))
+    tri.gather_scale_dense_tokens(x, tidx, eidx, s, v, out=out)
+    w = gather_written(tidx, eidx, v)
+    assert_poisoned(out, w)
+    assert torch.equal(out[w], ref.gather_scale_dense_tokens(x, tidx, eidx, s, v)[w])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("D,valid", [(2880, 13), (8, 18), (5120, 0)])
+def test_gather_scale_interpreter_stream(monkeypatch, D, valid):
+    """The persistent pipelined whole-row gather (each program loops over several units: 18 rows
+    on 4 programs), with a tail chunk (2880 = 2048 + a masked 1024), without one (8), and with
+    nothing valid: the reference's rows, untouched rows still poisoned."""
+    tri = _tri()
+    monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", 1)
+    monkeypatch.setattr(tri, "_GATHER_STREAM_PROGRAMS_PER_SM", 1)
+    T, E, K = 9, 16, 2
+    assert tri._gather_tiles(T * K, D, torch.device("cpu"))[3] == 1
+    s, _, eidx, tidx = routing(T, E, K, start=1, end=E, seed=6)
+    x = randn(T, D, dtype=torch.float32, seed=6)
+    v = vtc(valid)
     out = poison(torch.empty(T * K, D))
     tri.gather_scale_dense_tokens(x, tidx, eidx, s, v, out=out)
     w = gather_written(tidx, eidx, v)
@@ -733,6 +754,26 @@ def test_gather_scale_gpu(T, E, K, D, cuda):
         want = ref.gather_scale_dense_tokens(x, tidx, eidx, s, v)
         w = gather_written(tidx, eidx, v)
         assert torch.equal(got[w], want[w])
+        out = poison(torch.empty(T * K, D, dtype=torch.bfloat16, device=cuda))
+        tri.gather_scale_dense_tokens(x, tidx, eidx, s, v, out=out)
+        assert_poisoned(out, w)
+        assert torch.equal(out[w], want[w])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,D", GPU_CASES)
+def test_gather_scale_stream_gpu(monkeypatch, T, E, K, D, cuda):
+    """The persistent pipelined whole-row gather at every size (one program per SM: each loops
+    over many units), with and without a valid count."""
+    tri = _tri()
+    monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", 1)
+    monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", 1 << 30)
+    monkeypatch.setattr(tri, "_GATHER_STREAM_PROGRAMS_PER_SM", 1)
+    s, _, eidx, tidx = routing(T, E, K, start=1, end=E, column_major=True, seed=T, device=cuda)
+    x = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=2)
+    for v in (None, vtc(T * K // 2, cuda)):
+        want = ref.gather_scale_dense_tokens(x, tidx, eidx, s, v)
+        w = gather_written(tidx, eidx, v)
         out = poison(torch.empty(T * K, D, dtype=torch.bfloat16, device=cuda))
         tri.gather_scale_dense_tokens(x, tidx, eidx, s, v, out=out)
         assert_poisoned(out, w)

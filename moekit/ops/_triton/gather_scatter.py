@@ -12,6 +12,9 @@ Rows are skipped (left untouched) when they are at or past ``valid_token_count[0
 index is negative or out of range (the ``-1`` tail of ``index_shuffling``), so nothing is read or
 written out of bounds whatever the index values.
 
+The bf16 gather moves rows of 1024 or more columns whole (a head and a tail chunk) on a persistent,
+software-pipelined grid when there are 8-64 rows per SM (each step loads the next unit's rows and
+the indices of the one after, then stores the current unit), column-block tiles otherwise.
 The FP8 gather holds a whole row in registers in its own dtype as power-of-two chunks (D = 5120
 is 5 x 1024, no masked lanes) with 2 warps per row, takes the amax on the bit patterns and
 quantizes chunk by chunk: 64 registers per lane, 16 rows in flight per SM. The top-1 scatter-add
@@ -84,6 +87,16 @@ def _tiles(rows: int, D: int, device: torch.device, max_block_d: int = 1024) -> 
 
 
 @triton.jit
+def _gather_index(rows, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp):
+    """Token and expert of each row (int64) and whether the row moves."""
+    live = rows < n_rows
+    tok = tl.load(tok_ptr + rows * stride_tok, mask=live, other=-1).to(tl.int64)
+    exp = tl.load(exp_ptr + rows * stride_exp, mask=live, other=-1).to(tl.int64)
+    ok = live & (tok >= 0) & (tok < T) & (exp >= 0) & (exp < E)
+    return tok, exp, ok
+
+
+@triton.jit
 def _gather_scale_kernel(
     out_ptr,
     x_ptr,
@@ -105,55 +118,121 @@ def _gather_scale_kernel(
     HAS_VALID: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    W_TAIL: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
-    """A ``[BLOCK_R, BLOCK_D]`` tile (``n_db`` column blocks per row block), or, with ``n_db == 1``
-    and ``BLOCK_D + W_TAIL >= D``, whole rows: ``BLOCK_D`` columns plus a ``W_TAIL`` tail, both
-    loads issued before either store (the indices are read once per row, not once per column
-    block)."""
+    """A ``[BLOCK_R, BLOCK_D]`` tile (``n_db`` column blocks per row block), one per program."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     rb = pid // n_db
     db = pid - rb * n_db
     n_rows = _row_count(valid_ptr, A, HAS_VALID)
     rows = rb.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = rows < n_rows
-    tok = tl.load(tok_ptr + rows * stride_tok, mask=live, other=-1).to(tl.int64)
-    exp = tl.load(exp_ptr + rows * stride_exp, mask=live, other=-1).to(tl.int64)
-    ok = live & (tok >= 0) & (tok < T) & (exp >= 0) & (exp < E)
+    tok, exp, ok = _gather_index(rows, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp)
     s = tl.load(scores_ptr + tok * stride_st + exp * stride_se, mask=ok, other=0.0).to(tl.float32)
-
     d_lim = (D // 8) * 8
     cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
     m = ok[:, None] & (cols < d_lim)[None, :]
     x_row = x_ptr + (tok * (stride_x // 8) * 8)[:, None]
     o_row = out_ptr + (rows * (stride_out // 8) * 8)[:, None]
     v = tl.load(x_row + cols[None, :], mask=m, other=0.0)
+    tl.store(o_row + cols[None, :], (v.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gather_row(x_ptr, scores_ptr, tok, exp, ok, d_lim, stride_x, stride_st, stride_se,
+                BLOCK_D: tl.constexpr, W_TAIL: tl.constexpr):
+    """The rows' ``BLOCK_D`` head and ``W_TAIL`` tail columns (raw dtype) and their scores."""
+    s = tl.load(scores_ptr + tok * stride_st + exp * stride_se, mask=ok, other=0.0).to(tl.float32)
+    x_row = x_ptr + (tok * (stride_x // 8) * 8)[:, None]
+    cols = tl.arange(0, BLOCK_D)
+    v = tl.load(x_row + cols[None, :], mask=ok[:, None] & (cols < d_lim)[None, :], other=0.0,
+                eviction_policy="evict_first")
     if W_TAIL > 0:
         tcols = BLOCK_D + tl.arange(0, W_TAIL)
-        tm = ok[:, None] & (tcols < d_lim)[None, :]
-        tv = tl.load(x_row + tcols[None, :], mask=tm, other=0.0)
-    tl.store(o_row + cols[None, :], (v.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=m)
-    if W_TAIL > 0:
-        tl.store(o_row + tcols[None, :], (tv.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=tm)
+        tv = tl.load(x_row + tcols[None, :], mask=ok[:, None] & (tcols < d_lim)[None, :], other=0.0,
+                     eviction_policy="evict_first")
+    else:
+        tv = v
+    return v, tv, s
 
 
-# Whole-row gather (one program per row block, head + tail loads in flight together) from
-# _MIN to _MAX rows per SM; below, column-block tiles spread a few rows over more programs, and
-# above, column blocks measured faster too (H200, D = 5120 bf16: T = 2048 11.2 µs whole rows vs
-# 11.7 column blocks, T = 16384 86.2 vs 84.0). Set _MIN to 0 to always use column blocks (the
-# configuration sweep compares both).
+@triton.jit
+def _gather_scale_stream_kernel(
+    out_ptr,
+    x_ptr,
+    tok_ptr,
+    exp_ptr,
+    scores_ptr,
+    valid_ptr,
+    A,
+    T,
+    E,
+    D,
+    stride_x,
+    stride_out,
+    stride_tok,
+    stride_exp,
+    stride_st,
+    stride_se,
+    HAS_VALID: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    W_TAIL: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = 0,
+):
+    """Whole rows (``BLOCK_D`` head + ``W_TAIL`` tail, ``BLOCK_D + W_TAIL >= D``), a persistent
+    grid over units of ``BLOCK_R`` rows, software-pipelined: each step loads the next unit's rows
+    (their indices arrived during the previous step) and the indices of the unit after, then
+    scales and stores the current unit. Same results as ``_gather_scale_kernel``."""
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_rows = _row_count(valid_ptr, A, HAS_VALID)
+    n_units = tl.cdiv(n_rows, BLOCK_R)
+    step = nprog.to(tl.int64) * BLOCK_R
+    d_lim = (D // 8) * 8
+    cols = tl.arange(0, BLOCK_D)
+    odt = out_ptr.dtype.element_ty
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    tok, exp, ok = _gather_index(rows, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp)
+    v, tv, s = _gather_row(x_ptr, scores_ptr, tok, exp, ok, d_lim, stride_x, stride_st, stride_se, BLOCK_D, W_TAIL)
+    rows_n = rows + step
+    tok_n, exp_n, ok_n = _gather_index(rows_n, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp)
+    for _u in range(pid, n_units, nprog):
+        v_n, tv_n, s_n = _gather_row(x_ptr, scores_ptr, tok_n, exp_n, ok_n, d_lim, stride_x, stride_st, stride_se,
+                                     BLOCK_D, W_TAIL)
+        rows_nn = rows_n + step
+        tok_nn, exp_nn, ok_nn = _gather_index(rows_nn, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp)
+        o_row = out_ptr + (rows * (stride_out // 8) * 8)[:, None]
+        tl.store(o_row + cols[None, :], (v.to(tl.float32) * s[:, None]).to(odt), mask=ok[:, None] & (cols < d_lim)[None, :])
+        if W_TAIL > 0:
+            tcols = BLOCK_D + tl.arange(0, W_TAIL)
+            tl.store(o_row + tcols[None, :], (tv.to(tl.float32) * s[:, None]).to(odt),
+                     mask=ok[:, None] & (tcols < d_lim)[None, :])
+        rows, ok, v, tv, s = rows_n, ok_n, v_n, tv_n, s_n
+        rows_n, tok_n, exp_n, ok_n = rows_nn, tok_nn, exp_nn, ok_nn
+
+
+# Whole rows (head + tail chunks, ``_gather_scale_stream_kernel``) from _MIN to _MAX rows per
+# SM; below, column-block tiles spread a few rows over more programs, and above, column blocks
+# measured faster too (H200, D = 5120 bf16, run 24: T = 16384 83.3 µs column blocks vs 89.7 for
+# the best streamed whole rows). Set _MIN (or the programs per SM below) to 0 to always use
+# column blocks.
 _GATHER_WHOLE_ROW_MIN_ROWS_PER_SM = 8
 _GATHER_WHOLE_ROW_MAX_ROWS_PER_SM = 64
+# Whole rows run on a persistent, software-pipelined grid of this many programs per SM, 4 warps
+# for a row of 5120 (run 24: T = 2048 10.7 µs vs 11.5 one row per program; T = 4096 equal).
+_GATHER_STREAM_PROGRAMS_PER_SM = 8
 
 
-def _gather_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_R, BLOCK_D, W_TAIL, number of column blocks, num_warps) for the bf16/fp16/fp32
-    gather. Whole rows (the FP8 gather's head + tail split) from 8 to 64 rows per SM; column-block
-    tiles otherwise (measured; see the constants above)."""
+def _gather_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_R, BLOCK_D, W_TAIL, number of column blocks, num_warps, streamed programs per SM)
+    for the bf16/fp16/fp32 gather. Whole rows (the FP8 gather's head + tail split) on the
+    persistent pipelined kernel from 8 to 64 rows per SM; one column-block tile per program
+    otherwise (streamed programs per SM: 0). Measured; see the constants above."""
     if (
         _GATHER_WHOLE_ROW_MIN_ROWS_PER_SM
+        and _GATHER_STREAM_PROGRAMS_PER_SM
         and D <= _ONE_PASS_MAX_D
         and _GATHER_WHOLE_ROW_MIN_ROWS_PER_SM * num_sms(device)
         <= rows
@@ -167,10 +246,10 @@ def _gather_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, in
         target = _MIN_PROGRAMS_PER_SM * num_sms(device)
         while block_r > 1 and cdiv(rows, block_r) < target:
             block_r //= 2
-        # As the FP8 gather: 2 warps for a row of D = 5120, about ten rows in flight per SM.
-        return block_r, block_d, w_tail, 1, _pow2_floor(max(1, min(4, block_r * width // 2048)))
+        warps = _pow2_floor(max(1, min(8, block_r * width // 1024)))
+        return block_r, block_d, w_tail, 1, warps, _GATHER_STREAM_PROGRAMS_PER_SM
     block_r, block_d, n_db, warps = _tiles(rows, D, device)
-    return block_r, block_d, 0, n_db, warps
+    return block_r, block_d, 0, n_db, warps, 0
 
 
 def gather_scale_dense_tokens(
@@ -189,8 +268,34 @@ def gather_scale_dense_tokens(
         out = torch.empty((A, D), dtype=x.dtype, device=x.device)
     if A == 0 or D == 0 or T == 0:
         return out
-    block_r, block_d, w_tail, n_db, warps = _gather_tiles(A, D, x.device)
+    block_r, block_d, w_tail, n_db, warps, stream = _gather_tiles(A, D, x.device)
     has_valid = valid_token_count is not None
+    if stream:
+        grid = (max(1, min(cdiv(A, block_r), stream * num_sms(x.device))),)
+        launch(_gather_scale_stream_kernel)[grid](
+            out,
+            x,
+            token_indices,
+            expert_indices,
+            scores,
+            valid_token_count if has_valid else token_indices,
+            A,
+            T,
+            scores.shape[1],
+            D,
+            x.stride(0),
+            out.stride(0),
+            token_indices.stride(0),
+            expert_indices.stride(0),
+            scores.stride(0),
+            scores.stride(1),
+            HAS_VALID=has_valid,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            W_TAIL=w_tail,
+            num_warps=warps,
+        )
+        return out
     grid = (cdiv(A, block_r) * n_db,)
     launch(_gather_scale_kernel)[grid](
         out,
@@ -213,7 +318,6 @@ def gather_scale_dense_tokens(
         HAS_VALID=has_valid,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
-        W_TAIL=w_tail,
         num_warps=warps,
     )
     return out
@@ -382,7 +486,9 @@ def _quant_chunk(D: int, max_chunk: int = _QUANT_CHUNK) -> int:
 def _quant_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int, bool, int]:
     """(BLOCK_R, BLOCK_D, N_CHUNKS, one_pass, num_warps). One pass: a row is N_CHUNKS chunks of
     BLOCK_D columns (``_quant_chunk``; D = 5120 is 5 x 1024, no masked lanes); two passes over
-    4096-column blocks above ``_ONE_PASS_MAX_D``."""
+    4096-column blocks above ``_ONE_PASS_MAX_D``. (A persistent pipelined variant, as the bf16
+    gather's, measured 4-10% slower at T = 2048 / 4096: 95-136 registers for two rows in flight
+    per program against 64 for one; RESULTS.md run 26.)"""
     one_pass = D <= _ONE_PASS_MAX_D
     if one_pass:
         block_d = _quant_chunk(D)
