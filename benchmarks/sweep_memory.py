@@ -247,6 +247,23 @@ def sweep_gather_stream(shapes) -> None:
             print(f"   {t:8.2f} us  {100 * fl / t:5.1f}%  {name}" + ("" if g else "  WRONG"), flush=True)
 
 
+def sweep_quant_tiles(shapes) -> None:
+    """gather_scale_quant: rows per program x warps x chunk width of the one-pass kernel."""
+    import bench_gather_scatter as bgs
+
+    from moekit.ops import gather_scatter as ops
+    from moekit.ops._triton import gather_scatter as k
+
+    D = bgs.D
+    for T, E in shapes:
+        q_bytes = T * D * 2 + T * D + T * 4 + T * 10
+        sets = [bgs.make_set(T, E, 1, seed) for seed in range(rotations(q_bytes))]
+        qt = [(br, bd, D // bd, True, w) for bd in (512, 1024) for br in (1, 2) for w in (1, 2, 4, 8)
+              if br * D >= 32 * w * 8]
+        sweep(f"gather_scale_quant T={T} E={E}", q_bytes, k, "_quant_tiles", qt,
+              lambda s: (lambda: ops.gather_scale_quant_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"])), sets)
+
+
 WALKS = {
     "load-after-store": {"_PIPELINE": False},
     "pipelined": {"_PIPELINE": True},
@@ -326,6 +343,7 @@ ALL = {
     "quantize": lambda: sweep_quantize([(2048, 5120), (16384, 5120)]),
     "gather_scatter": lambda: sweep_gather_scatter([(2048, 16, 1), (2048, 16, 4), (16384, 16, 4), (1, 16, 1)]),
     "shuffling": lambda: sweep_shuffling([("padded", 8, 4096), ("dense", 8, 4096)]),
+    "quant_tiles": lambda: sweep_quant_tiles([(2048, 16), (2048, 128), (4096, 16)]),
     "gather_stream": lambda: sweep_gather_stream([(2048, 16), (4096, 16), (4096, 128), (16384, 16)]),
     "shuffle_walks": lambda: sweep_shuffle_walks([(lay, ep, t) for t in (4096, 16384) for lay in ("dense", "padded")
                                                   for ep in (2, 8)]),

@@ -809,6 +809,31 @@ def test_gather_scale_quant_gpu_two_pass(cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [5120, 16384])  # one pass (unmasked), two passes
+def test_gather_scale_quant_gpu_saturation_and_nan(D, cuda):
+    """Without the explicit clamp (the conversion saturates): an element far past the row's
+    scale_ub-capped amax saturates to +-448 as the reference's clamp does, and a row holding a NaN
+    comes out NaN with a NaN scale, as the reference."""
+    T, E, K = 64, 16, 1
+    s, _, eidx, tidx = routing(T, E, K, seed=10, device=cuda)
+    x = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=10)
+    x[3, 7] = float("nan")
+    x[5, 11], x[5, 12] = 1000.0, -1000.0
+    ub = torch.tensor([0.05], device=cuda)
+    q, sc = ops.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub)
+    rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s, ub)
+    w = gather_written(tidx, eidx, None, device=cuda)
+    nan_rows = (tidx == 3) & w
+    assert bool(nan_rows.any())
+    assert torch.isnan(sc[nan_rows]).all() and torch.isnan(rs[nan_rows]).all()
+    assert torch.isnan(q[nan_rows].float()).all() and torch.isnan(rq[nan_rows].float()).all()
+    big = (tidx == 5) & w
+    assert bool(big.any())
+    assert (q[big].float()[:, 11:13].abs() == 448).all()
+    check_fp8(q, sc, rq, rs, w & ~nan_rows)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,E,K,D", GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_scatter_add_gpu(T, E, K, D, dtype, cuda):
