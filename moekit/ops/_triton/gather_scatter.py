@@ -271,34 +271,7 @@ def gather_scale_dense_tokens(
         return out
     block_r, block_d, w_tail, n_db, warps, stream = _gather_tiles(A, D, x.device)
     has_valid = valid_token_count is not None
-    if stream:
-        grid = (max(1, min(cdiv(A, block_r), stream * num_sms(x.device))),)
-        launch(_gather_scale_stream_kernel)[grid](
-            out,
-            x,
-            token_indices,
-            expert_indices,
-            scores,
-            valid_token_count if has_valid else token_indices,
-            A,
-            T,
-            scores.shape[1],
-            D,
-            x.stride(0),
-            out.stride(0),
-            token_indices.stride(0),
-            expert_indices.stride(0),
-            scores.stride(0),
-            scores.stride(1),
-            HAS_VALID=has_valid,
-            BLOCK_R=block_r,
-            BLOCK_D=block_d,
-            W_TAIL=w_tail,
-            num_warps=warps,
-        )
-        return out
-    grid = (cdiv(A, block_r) * n_db,)
-    launch(_gather_scale_kernel)[grid](
+    args = (
         out,
         x,
         token_indices,
@@ -315,12 +288,16 @@ def gather_scale_dense_tokens(
         expert_indices.stride(0),
         scores.stride(0),
         scores.stride(1),
-        n_db,
-        HAS_VALID=has_valid,
-        BLOCK_R=block_r,
-        BLOCK_D=block_d,
-        num_warps=warps,
     )
+    if stream:
+        grid = (max(1, min(cdiv(A, block_r), stream * num_sms(x.device))),)
+        launch(_gather_scale_stream_kernel)[grid](
+            *args, HAS_VALID=has_valid, BLOCK_R=block_r, BLOCK_D=block_d, W_TAIL=w_tail, num_warps=warps
+        )
+    else:
+        grid = (cdiv(A, block_r) * n_db,)
+        launch(_gather_scale_kernel)[grid](*args, n_db, HAS_VALID=has_valid, BLOCK_R=block_r, BLOCK_D=block_d,
+                                           num_warps=warps)
     return out
 
 
