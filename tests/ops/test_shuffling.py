@@ -133,6 +133,8 @@ INTERP_CASES = [
     (2, 257, (0, 257), 3, 4, 8, False, torch.bfloat16),
     (2, 6, (3, 3), 3, 1, 8, False, torch.bfloat16),  # no local expert
     (4, 6, (0, 6), 0, 1, 8, True, torch.bfloat16),  # T = 0
+    (4, 6, (0, 6), 4, 1, 8, True, torch.bfloat16),  # padded, every expert local
+    (3, 5, (0, 5), 6, 2, 24, True, torch.float32),
     (2, 16, (0, 16), 1, 1, 2880, False, torch.bfloat16),
     # More row units than programs (the interpreter has 4 "SMs"): programs loop over units.
     (4, 8, (0, 8), 40, 2, 8, False, torch.bfloat16),
@@ -155,6 +157,7 @@ def test_shuffling_interpreter(EP, E, rng, Tr, K, D, padded, dtype):
     [
         (4, 8, (0, 8), 40, 2, 8, False),  # dense, every expert local: the walk is the source rows
         (4, 16, (4, 12), 40, 2, 16, True),  # padded: combine finds each source row's rank block
+        (4, 8, (0, 8), 40, 2, 16, True),  # padded, every expert local: the same lookup
         (4, 16, (2, 9), 40, 2, 16, False),  # dense, some experts local: the same lookup
         (2, 16, (0, 16), 3, 2, 5120, False),  # D = 5120 bf16: 2 x 2048 + a 1024 tail per row
         (4, 16, (0, 16), 0, 1, 8, False),  # nothing moves
@@ -341,6 +344,7 @@ GPU_CASES = [
     (8, 128, (0, 128), 7, 2, 24, False),
     (8, 257, (0, 257), 1, 4, 8, False),
     (4, 16, (0, 16), 0, 1, 5120, True),
+    (4, 16, (0, 16), 512, 2, 5120, True),  # padded, every expert local (the per-rank lookup)
     # The benchmark's padded layout: a buffer 8x larger than the rows that move.
     (8, 128, (16, 32), 512, 1, 5120, True),
 ]

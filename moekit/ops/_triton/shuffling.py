@@ -24,7 +24,9 @@ padded layout the buffer is ``EP`` times larger than what the local experts own.
 With ``init_with_zeros``, split then zero-fills the rank-major rows no segment covers (a second,
 store-only walk). Rows move as raw bits (integer views), so any 1/2/4-byte dtype works, FP8
 included. A row whose computed partner falls outside the buffer (inconsistent counts) is
-skipped rather than read or written out of bounds.
+skipped rather than read or written out of bounds; with inconsistent counts (a rank sending more
+than ``T // EP`` rows in the padded layout, or more rows than the buffer holds) the rows moved are
+unspecified, never out of bounds.
 
 A unit's row is ``[BLOCK_R, W_MAIN]`` chunks (4 KB of a row) plus a ``[BLOCK_R, W_TAIL]`` chunk
 for the ``D % W_MAIN`` tail columns, so D = 5120 bf16 is 2 x 2048 + 1024 columns with no masked
@@ -159,8 +161,9 @@ def _shuffle_kernel(
     d_stride = (stride_out // 8) * 8
     d_lim = (D // 8) * 8
     # The walked index i in [0, moved rows) is the source row itself for split and for combine
-    # of the dense layout with every expert local; otherwise a cheap per-rank lookup gives it.
-    IDENTITY: tl.constexpr = (not COMBINE) or ALL_EXPERTS
+    # of the dense layout with every expert local; otherwise a cheap per-rank lookup gives it (the
+    # padded layout's rank blocks start at r * rows_per_rank, whatever the counts).
+    IDENTITY: tl.constexpr = (not COMBINE) or (ALL_EXPERTS and not PADDED)
     # Rows of up to N_MAIN main chunks are held whole in registers: their loads go out as soon as
     # the source rows are known, ahead of the tables and lookups that place them.
     HOLD: tl.constexpr = N_MAIN > 0
