@@ -77,6 +77,14 @@ def _line(name, nbytes, make, sets, peer=None, fresh=None):
           f"{100 * fl / late:.1f} | {m} | {eq} |", flush=True)
 
 
+def _candidate_row(name, fns, nbytes):
+    """Time one scatter candidate (its callables over the input sets) and print its table row."""
+    fns[0]()
+    us = bench_us(fns, replays=30)
+    fl = floor_us(nbytes)
+    print(f"| {name} | {fl:.2f} | {us:.2f} | {100 * fl / us:.1f} | — | — | — | — | — | — |", flush=True)
+
+
 def _unique_rmw_kernel():
     import triton
     import triton.language as tl
@@ -208,12 +216,8 @@ def main() -> int:
                     return lambda: rmw[(triton.cdiv(T, br) * n_db,)](
                         s["out"], s["rows"], s["tidx"], T, T, D, n_db, BLOCK_R=br, BLOCK_D=bd, num_warps=w)
 
-                fns = [mk(s) for s in sets]
-                fns[0]()
-                us = bench_us(fns, replays=30)
-                fl = floor_us(s_bytes)
-                print(f"| top-1 plain read-add-write T={T} ({br}x{bd}, {w} warps) | {fl:.2f} | {us:.2f} | "
-                      f"{100 * fl / us:.1f} | — | — | — | — | — | — |", flush=True)
+                _candidate_row(f"top-1 plain read-add-write T={T} ({br}x{bd}, {w} warps)", [mk(s) for s in sets],
+                               s_bytes)
             locked = _locked_rmw_kernel()
             locks = torch.zeros(T * triton.cdiv(D, 512), dtype=torch.int32, device="cuda")
             for bd, n_ch, w, pf in ((1024, 1, 2, False), (1024, 1, 2, True), (1024, 1, 4, True),
@@ -229,12 +233,8 @@ def main() -> int:
                 locked[(T * n_db,)](chk, sets[0]["rows"], sets[0]["tidx"], locks, T, T, D, n_db, BLOCK_D=bd,
                                     N_CH=n_ch, PREFETCH=pf, num_warps=w)
                 ok = torch.allclose(chk.float(), want, atol=0.05, rtol=0.01) and int(locks.sum()) == 0
-                fns = [mk(s) for s in sets]
-                fns[0]()
-                us = bench_us(fns, replays=30)
-                fl = floor_us(s_bytes)
-                print(f"| top-1 locked read-add-write T={T} ({n_ch}x{bd}, {w} warps, prefetch {pf}; correct {ok}) | "
-                      f"{fl:.2f} | {us:.2f} | {100 * fl / us:.1f} | — | — | — | — | — | — |", flush=True)
+                _candidate_row(f"top-1 locked read-add-write T={T} ({n_ch}x{bd}, {w} warps, prefetch {pf}; "
+                               f"correct {ok})", [mk(s) for s in sets], s_bytes)
             # Duplicates (top-4 indices) through the locked kernel: still correct?
             s4 = bgs.make_set(T // 4, 16, 4, 99)
             chk = s4["out"].clone()
