@@ -100,6 +100,31 @@ def test_silu_mul_quant_two_pass_interpreter(dtype, F):
     assert_scales_close(s, rs)
 
 
+def _check_nan_row(fn, T, F, dtype, device="cpu"):
+    """A row whose x0 holds a NaN (in its last column) quantizes to a NaN scale and NaN values,
+    as the reference (``torch.amax`` keeps it; a float max instruction would drop it); the other
+    rows are unaffected."""
+    x0, x1 = _inputs(T, F, dtype, device, seed=F, pad=8)
+    x0[1, -1] = float("nan")
+    q, s = fn(x0, x1)
+    rq, rs = ref.silu_mul_quant(x0, x1)
+    assert torch.isnan(rs[1]) and torch.isnan(s[1].cpu()), f"scale of the NaN row: {float(s[1])}"
+    assert torch.isnan(q[1].float()).all() and torch.isnan(rq[1].float()).all()
+    keep = torch.arange(T, device=q.device) != 1
+    assert_fp8_close(q[keep], rq[keep.cpu()])
+    assert_scales_close(s[keep], rs[keep.cpu()])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("F,dtype", [(24, torch.bfloat16), (8200, torch.float32)], ids=["one_pass", "two_pass"])
+def test_silu_mul_quant_nan_row_interpreter(F, dtype):
+    from moekit.ops._triton import activation as tri
+
+    elem = torch.empty(0, dtype=dtype).element_size()
+    assert tri.silu_mul_quant_config(3, F, elem, torch.device("cpu")).one_pass == (F == 24)
+    _check_nan_row(tri.silu_mul_quant, 3, F, dtype)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("stages", [1, 3])
 def test_grid_stride_loop_interpreter(monkeypatch, stages):
@@ -313,6 +338,12 @@ def test_silu_mul_quant_gpu(case, cuda):
     rq, rs = ref.silu_mul_quant(x0, x1, ub)
     assert_fp8_close(q, rq)
     assert_scales_close(s, rs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,F", [(4, 2048), (3, 20000), (16384, 8192)])  # one pass, two passes, persistent
+def test_silu_mul_quant_nan_row_gpu(T, F, cuda):
+    _check_nan_row(silu_mul_quant, T, F, torch.bfloat16, cuda)
 
 
 @pytest.mark.gpu

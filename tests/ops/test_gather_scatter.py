@@ -244,6 +244,28 @@ def test_gather_scale_quant_interpreter_two_pass(monkeypatch):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_gather_scale_quant_interpreter_nan_row(monkeypatch, one_pass):
+    """A row holding a NaN quantizes to a NaN scale and NaN values on both paths, as the
+    reference (torch.amax propagates it); the two-pass path's running max once dropped it."""
+    tri = _tri()
+    if not one_pass:
+        monkeypatch.setattr(tri, "_ONE_PASS_MAX_D", 64)
+    T, E, K, D = 6, 4, 1, 200
+    s, _, eidx, tidx = routing(T, E, K, seed=12)
+    x = randn(T, D, dtype=torch.bfloat16, seed=12)
+    x[3, 150] = float("nan")  # in the second column block of the two-pass path
+    q, sc = tri.gather_scale_quant_dense_tokens(x, tidx, eidx, s)
+    rq, rs = ref.gather_scale_quant_dense_tokens(x, tidx, eidx, s)
+    w = gather_written(tidx, eidx, None)
+    nan_rows = (tidx == 3) & w
+    assert bool(nan_rows.any())
+    assert torch.isnan(rs[nan_rows]).all() and torch.isnan(sc[nan_rows]).all()
+    assert torch.isnan(q[nan_rows].float()).all()
+    check_fp8(q, sc, rq, rs, w & ~nan_rows)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("T,E,K,D", INTERP_CASES)
 def test_scatter_add_interpreter(T, E, K, D):
     """Atomic (fp32/fp16: the interpreter has no bf16 atomics) and deterministic (bf16 too)."""

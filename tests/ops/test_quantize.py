@@ -180,6 +180,30 @@ def test_two_pass_and_empty_interpreter():
     _check(tri.quantize_fp8_row(torch.empty(3, 0)), _expected(torch.empty(3, 0)))
 
 
+def _check_nan_row(quantize, shape, dtype, device="cpu"):
+    """A row holding a NaN (in its last column) quantizes to a NaN scale and NaN values, as the
+    reference (``torch.amax`` keeps it; a float max instruction would drop it); the other rows
+    are unaffected."""
+    a = _rand(shape, dtype, device, seed=shape[-1])
+    a[1, -1] = float("nan")
+    q, s = quantize(a)
+    rq, rs = _expected(a)
+    assert torch.isnan(rs[1]) and torch.isnan(s[1].cpu()), f"scale of the NaN row: {float(s[1])}"
+    assert torch.isnan(q[1].float()).all() and torch.isnan(rq[1].float()).all()
+    keep = torch.arange(shape[0]) != 1
+    _check((q[keep], s[keep]), (rq[keep], rs[keep]))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape,dtype", [((3, 40), torch.bfloat16), ((3, 8200), torch.float32)], ids=["one_pass", "two_pass"])
+def test_nan_row_interpreter(shape, dtype):
+    from moekit.ops._triton import quantize as tri
+
+    elem = torch.empty(0, dtype=dtype).element_size()
+    assert tri.quantize_config(*shape, elem, torch.device("cpu")).one_pass == (shape[1] == 40)
+    _check_nan_row(tri.quantize_fp8_row, shape, dtype)
+
+
 # ----------------------------------------------------------------------------- reference tier
 
 
@@ -365,3 +389,9 @@ def test_int64_offsets_gpu(cuda):
     q, s = quantize_fp8_row(a)
     tail = slice(T - 16, T)
     _check((q[tail], s[tail]), _expected(a[tail]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4, 5120), (3, 20000), (16384, 5120)], ids=str)
+def test_nan_row_gpu(shape, cuda):
+    _check_nan_row(quantize_fp8_row, shape, torch.bfloat16, cuda)

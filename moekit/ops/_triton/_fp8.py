@@ -27,4 +27,9 @@ def to_fp8(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
         sub = (a + magic) - magic
         sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
         v = tl.where(a < 0.015625, sub, normal)
+        # The interpreter also turns a NaN into a finite value (0x7C, 384): write the NaN pattern
+        # (0x7F is NaN in e4m3fn and in e5m2) where the input is NaN, as the GPU's cvt does.
+        q = v.to(dtype).to(tl.int8, bitcast=True)
+        q = tl.where(v != v, tl.full(v.shape, 0x7F, tl.int8), q)
+        return q.to(dtype, bitcast=True)
     return v.to(dtype)

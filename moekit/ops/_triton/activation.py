@@ -37,9 +37,11 @@ from moekit.ops._triton.quantize import (
     MAX_ROWS,
     PipeConfig,
     fp8_saturate,
+    max_nan,
     np_row_config,
     pipe_row_config,
     prev_pow2,
+    row_amax,
     row_scales,
 )
 from moekit.ops._triton._pdl import pdl_prologue
@@ -190,7 +192,7 @@ def _silu_mul_quant_kernel(
             cols = tl.arange(0, BLOCK_F)[None, :]
             mask = row_ok[:, None] & (cols < F)
             y = _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, cols, mask, "evict_first", FAST)
-            inv, scale = row_scales(tl.max(tl.abs(y), axis=1), ub, EPS, HAS_UB, MAX_FP8)
+            inv, scale = row_scales(row_amax(y), ub, EPS, HAS_UB, MAX_FP8)
             tl.store(scale_ptr + rows, scale, mask=row_ok)
             q = fp8_saturate(y * inv[:, None], MAX_FP8, EMULATE)
             tl.store(y_ptr + r64 * stride_y + cols, to_fp8(q, out_ty, EMULATE), mask=mask)
@@ -201,8 +203,8 @@ def _silu_mul_quant_kernel(
                 mask = row_ok[:, None] & (cols < F)
                 # The row is read again below: keep it in L2.
                 y = _silu_mul_tile(x0_ptr, x1_ptr, r64, stride_x0, stride_x1, cols, mask, "evict_last", FAST)
-                acc = tl.maximum(acc, tl.abs(y))
-            inv, scale = row_scales(tl.max(acc, axis=1), ub, EPS, HAS_UB, MAX_FP8)
+                acc = max_nan(acc, tl.abs(y))
+            inv, scale = row_scales(tl.reduce(acc, 1, max_nan), ub, EPS, HAS_UB, MAX_FP8)
             tl.store(scale_ptr + rows, scale, mask=row_ok)
             for f0 in tl.range(0, F, BLOCK_F):
                 cols = f0 + tl.arange(0, BLOCK_F)[None, :]

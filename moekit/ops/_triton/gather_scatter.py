@@ -40,6 +40,7 @@ from moekit._checks import FP8_DTYPE, FP8_MAX
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
 from moekit.ops._triton._pdl import pdl_prologue
+from moekit.ops._triton.quantize import row_scales
 from moekit.reference.quantize import FUSED_EPS
 
 # Elements a program moves per tile (8 KB of bf16): large enough for 16-byte vectors on every lane
@@ -411,22 +412,21 @@ def _gather_scale_quant_kernel(
         # sign-symmetric), so the row stays in its own dtype until it is quantized.
         amax = _abs_from_bits(tl.max(bits, axis=1), x_ptr.dtype.element_ty) * tl.abs(s)
     else:
-        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+        # The running max on bit patterns as well: a float max (max.f32) drops a NaN, and the
+        # reference's torch.amax keeps it.
+        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.int32)
         for d0 in tl.range(0, D, BLOCK_D):
             c = d0 + cols
             m = ok[:, None] & (c < d_lim)[None, :]
-            v = tl.load(x_row + c[None, :], mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(v * s[:, None]))
-        amax = tl.max(acc, axis=1)
+            v = tl.load(x_row + c[None, :], mask=m, other=0.0, eviction_policy="evict_last")
+            acc = tl.maximum(acc, _abs_bits(v))
+        amax = _abs_from_bits(tl.max(acc, axis=1), x_ptr.dtype.element_ty) * tl.abs(s)
 
-    # As the float32 reference: amax floored at eps, clamped to scale_ub (a NaN amax stays NaN,
-    # as torch.clamp keeps it); inv = 448 / amax and the dequant scale 1 / inv, both correctly
-    # rounded divisions (div_rn: the GPU's `/` may lower to an approximate division).
-    amax = tl.maximum(amax, EPS, propagate_nan=tl.PropagateNan.ALL)
+    ub = 0.0
     if HAS_UB:
-        amax = tl.minimum(amax, tl.load(ub_ptr).to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
-    inv = tl.div_rn(tl.full(amax.shape, MAX_FP8, tl.float32), amax)
-    tl.store(scale_ptr + rows, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), inv), mask=ok)
+        ub = tl.load(ub_ptr).to(tl.float32)
+    inv, scale = row_scales(amax, ub, EPS, HAS_UB, MAX_FP8)
+    tl.store(scale_ptr + rows, scale, mask=ok)
 
     if ONE_PASS:
         for i in tl.static_range(N_CHUNKS):

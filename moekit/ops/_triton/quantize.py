@@ -243,14 +243,28 @@ def row_offsets(rows, INNER, S_OUTER, S_INNER, TWO_LEVEL: tl.constexpr):
 
 
 @triton.jit
+def max_nan(a, b):
+    """``max(a, b)`` that keeps a NaN, as ``torch.amax`` does (``tl.maximum``'s default lowers to
+    ``max.f32``, which returns the other operand; this is ``max.NaN.f32``, the same cost)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_amax(v):
+    """Per-row ``max |v|`` of a 2-D tile, NaN if the row holds one (the reference's amax)."""
+    return tl.reduce(tl.abs(v), 1, max_nan)
+
+
+@triton.jit
 def row_scales(amax, ub, eps, HAS_UB: tl.constexpr, MAX_FP8: tl.constexpr):
     """Per-row ``(inv, dequant scale)`` from the row max: ``amax`` floored at ``eps``, clamped to
     ``ub`` (the loaded ``scale_ub`` when ``HAS_UB``); ``inv = 448 / amax`` and ``scale = 1 / inv``,
     both correctly rounded float32 divisions (``div_rn``, not the approximate ``/``) as in the
-    float32 reference, so scales match it bit for bit. ``eps`` must be float32 (or constexpr)."""
-    amax = tl.maximum(amax, eps)
+    float32 reference, so scales match it bit for bit. ``eps`` must be float32 (or constexpr).
+    A NaN ``amax`` stays NaN (``torch.clamp`` keeps it): the row's scale and values come out NaN."""
+    amax = tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL)
     if HAS_UB:
-        amax = tl.minimum(amax, ub)
+        amax = tl.minimum(amax, ub, propagate_nan=tl.PropagateNan.ALL)
     inv = tl.div_rn(tl.full(amax.shape, MAX_FP8, tl.float32), amax)
     scale = tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), inv)
     return inv, scale
@@ -331,11 +345,11 @@ def _quantize_fp8_row_kernel(
             # Columns [0, BLOCK_K) and, when BLOCK_K2 > 0, [BLOCK_K, BLOCK_K + BLOCK_K2).
             cols = tl.arange(0, BLOCK_K)
             x = _load_cols(a_row, cols, live, K)
-            amax = tl.max(tl.abs(x), axis=1)
+            amax = row_amax(x)
             if BLOCK_K2 > 0:
                 cols2 = BLOCK_K + tl.arange(0, BLOCK_K2)
                 x2 = _load_cols(a_row, cols2, live, K)
-                amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=1))
+                amax = max_nan(amax, row_amax(x2))
             inv, scale = row_scales(amax, ub, eps32, HAS_UB, MAX_FP8)
             tl.store(scale_ptr + rows, scale, mask=row_ok)
             _store_fp8(q_row, cols, row_ok, K_OUT, x * inv[:, None], MAX_FP8, EMULATE)
@@ -347,8 +361,8 @@ def _quantize_fp8_row_kernel(
                 cols = k0 + tl.arange(0, BLOCK_K)
                 m_in = live[:, None] & (cols < K)[None, :]
                 x = tl.load(a_row[:, None] + cols[None, :], mask=m_in, other=0.0, eviction_policy="evict_last")
-                acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))  # the row is read again below
-            inv, scale = row_scales(tl.max(acc, axis=1), ub, eps32, HAS_UB, MAX_FP8)
+                acc = max_nan(acc, tl.abs(x.to(tl.float32)))  # the row is read again below
+            inv, scale = row_scales(tl.reduce(acc, 1, max_nan), ub, eps32, HAS_UB, MAX_FP8)
             tl.store(scale_ptr + rows, scale, mask=row_ok)
             for k0 in tl.range(0, K_OUT, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
