@@ -40,10 +40,14 @@ def _pdl_setting() -> bool:
 # False) turns it off.
 PDL = _pdl_setting()
 # Kernels whose successor is scheduled only as their programs exit (``USE_PDL=2``) rather than at
-# once. None by default: the early trigger measured as fast or faster for every kernel that keeps
-# PDL (benchmarks/sweep_pdl.py; the EP shuffle, whose grid stays resident, gained 1-2% in all
-# eight cells with its rows loaded whole, after losing 3-5% with the earlier chunk loop).
-PDL_LATE_TRIGGER: set[str] = set()
+# once. The early trigger measured as fast or faster for every other kernel that keeps PDL
+# (benchmarks/sweep_pdl.py; the EP shuffle, whose grid stays resident, gained 1-2% in all eight
+# cells with its rows loaded whole). index_shuffling's last kernel is the exception (H200, run 35,
+# RESULTS.md session 6): when it triggers at once, the next grid's programs are placed on the SMs
+# beside its one wave of programs, unevenly; a one-wave successor (index_shuffling's own first
+# kernel, replayed) then runs as slow as its most loaded SM. Late: T = 16384 E = 256 top-8 31.4 ->
+# 23.2 µs, E = 128 top-4 17.4 -> 14.0, T = 2048 7.3 -> 6.6; T <= 128 and E = 384 within 1 µs.
+PDL_LATE_TRIGGER: set[str] = {"_place_kernel"}
 # Kernels launched without PDL: the grouped GEMM's tiled and streaming kernels. With them on PDL
 # behind kernels that trigger at once, the whole layer measured 4-10% slower at T = 2048 than
 # without PDL (H200, Llama 4 Scout and Qwen3-30B bf16, RESULTS.md session 4); without them it is

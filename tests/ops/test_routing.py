@@ -132,6 +132,22 @@ def test_interp_paths(force, bt, pw, dtype, T, E, K, start, end, vtc):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("vtc", [None, 45])
+def test_interp_scan_in_several_passes(monkeypatch, vtc):
+    """The histogram scan of the 3-launch path over more programs than one scan tile holds
+    (24 programs in tiles of 16 rows, the second one partial): the running sum carried between
+    passes gives the same offsets and counts as the reference."""
+    tri = _interp()
+    monkeypatch.setattr(tri, "SCAN_CB", 16)
+    T, E, K = 70, 6, 2
+    assert tri.plan(T, E, K, torch.bfloat16, 4, force="multi3", block_tokens=1).programs == 24
+    s = tie_free_scores(T, E, dtype=torch.bfloat16, seed=70)
+    v = vtc_tensor(vtc)
+    got = tri.index_shuffling(s, None, None, v, K, force="multi3", block_tokens=1)
+    assert_same(got, ref_of(s, None, None, v, K), f"vtc={vtc}")
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("force,bt,pw", [(None, None, None), ("multi", 2, True), ("multi3", 4, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_interp_column_major(force, bt, pw, dtype):

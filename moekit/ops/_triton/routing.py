@@ -81,9 +81,12 @@ PROGRAMS_PER_SM = 8
 PROGRAMS_PER_SM_CHUNKED = 11
 PROGRAMS_PER_SM_GATHER = 2
 MAX_HIST = 3 << 18
-# Kernel B tile: SCAN_CB programs' histograms x SCAN_EC experts.
-SCAN_EC = 8
-SCAN_CB = 512
+# Kernel B tile: up to SCAN_CB programs' histograms (all of them when they fit: one pass, no
+# carried sum between passes) x SCAN_EC experts. H200 (RESULTS.md session 6): 4 x 1024 against
+# 8 x 512 takes T = 16384 top-8 from 23.4 to 21.3 µs at E = 256 and 27.4 to 26.3 at E = 384, and
+# E = 128 top-4 from 14.2 to 12.7; at T = 2048 (512 programs) 4 x 512 gives 7.7 against 8.5.
+SCAN_EC = 4
+SCAN_CB = 1024
 # Ranks are packed into the top 15 bits of an int32 next to the 16-bit expert.
 MAX_TOKENS_PER_PROGRAM = 32767
 
@@ -573,7 +576,7 @@ def index_shuffling(
     )  # fmt: skip
     if not p.fused_scan:
         launch(_scan_blocks_kernel)[(p.hs // SCAN_EC,)](
-            hist, counts, p.programs, E, p.hs, EC=SCAN_EC, CB=SCAN_CB, num_warps=4
+            hist, counts, p.programs, E, p.hs, EC=SCAN_EC, CB=min(SCAN_CB, max(16, next_pow2(p.programs))), num_warps=4
         )
     rows_per_prog = p.iters * p.bt * top_k
     launch(_place_kernel)[(p.programs,)](
