@@ -42,7 +42,7 @@ PDL = _pdl_setting()
 # Kernels whose successor is scheduled only as their programs exit (``USE_PDL=2``) rather than at
 # once. The early trigger measured as fast or faster for every other kernel that keeps PDL
 # (benchmarks/sweep_pdl.py; the EP shuffle, whose grid stays resident, gained 1-2% in all eight
-# cells with its rows loaded whole). index_shuffling's last kernel is the exception (H200, run 35,
+# cells with its rows loaded whole). index_shuffling's last kernel is the exception (H200, run 36,
 # RESULTS.md session 6): when it triggers at once, the next grid's programs are placed on the SMs
 # beside its one wave of programs, unevenly; a one-wave successor (index_shuffling's own first
 # kernel, replayed) then runs as slow as its most loaded SM. Late: T = 16384 E = 256 top-8 31.4 ->

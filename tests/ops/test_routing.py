@@ -237,8 +237,8 @@ def test_interp_plan_thresholds():
     assert tri.plan(128, 128, 4, bf, 132).launches == 2
     assert tri.plan(64, 16, 1, f32, 132).path == "single" and tri.plan(128, 16, 1, f32, 132).path == "multi"
     p = tri.plan(16384, 384, 8, bf, 132)
-    assert (p.chunks, p.block_c, p.hs, p.bt, p.iters, p.programs) == (3, 128, 384, 4, 3, 1366)
-    assert p.programs <= tri.PROGRAMS_PER_SM_CHUNKED * 132
+    assert (p.chunks, p.block_c, p.hs, p.bt, p.iters, p.programs) == (3, 128, 384, 4, 4, 1024)
+    assert p.programs <= tri.PROGRAMS_PER_SM * 132
     p = tri.plan(16384, 128, 4, bf, 132)
     assert (p.chunks, p.hs, p.bt, p.iters, p.programs) == (1, 128, 8, 2, 1024)
     assert tri.plan(4096, 257, 16, bf, 132).chunks == 3 and tri.plan(4096, 400, 8, bf, 132).chunks == 1
@@ -569,7 +569,7 @@ def test_gpu_paths_ranges_valid_count(force, pw, dtype, T, E, K, start, end, vtc
 @pytest.mark.parametrize(
     "T,E,K,start,end,vtc",
     [
-        (16384, 384, 8, None, None, None),  # the benchmark cell: 3 sub-tiles x 1366 programs
+        (16384, 384, 8, None, None, None),  # the benchmark cell: 4 sub-tiles x 1024 programs
         (16384, 384, 8, 64, 320, 16000),
         (5000, 320, 4, 0, 160, 4999),
         (3000, 257, 16, 1, 257, None),

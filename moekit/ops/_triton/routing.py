@@ -74,11 +74,11 @@ FUSED_SCAN_TOTAL = 1 << 20  # entries read by all programs together
 PAIR_M = 32
 # Programs of the multi-program path per SM before they loop over sub-tiles (one-warp programs
 # of the pairwise kernel need several per SM), and a cap on the histogram entries they write.
-# The chunked one-warp kernel (E <= 3/4 of its power of two, e.g. 384) holds 48 keys per thread
-# in about 153 registers on sm_90 (12 CTAs fit an SM): 11 programs per SM, so T=16384 / E=384
-# takes 3 sub-tiles per program instead of 4 (the kernel is latency-bound at 2 warps/scheduler).
+# The chunked one-warp kernel (E <= 3/4 of its power of two, e.g. 384) takes the same 8: at 11
+# (3 sub-tiles instead of 4 at T=16384 / E=384, 1366 programs) it was faster while the scan ran
+# in 8 x 512 tiles, but with the one-pass scan 1024 programs win, 24.5 against 26.1 µs (H200,
+# RESULTS.md session 6).
 PROGRAMS_PER_SM = 8
-PROGRAMS_PER_SM_CHUNKED = 11
 PROGRAMS_PER_SM_GATHER = 2
 MAX_HIST = 3 << 18
 # Kernel B tile: up to SCAN_CB programs' histograms (all of them when they fit: one pass, no
@@ -493,8 +493,6 @@ def plan(
         # Three chunks of block_e / 4 experts when they hold E: a quarter less key work.
         if chunks is None:
             chunks = 3 if block_e >= 64 and 4 * E <= 3 * block_e else 1
-        if chunks == 3 and warps == 1:
-            per_sm = PROGRAMS_PER_SM_CHUNKED
     else:
         bt = max(1, (MULTI_TILE // shrink) // block_e)
         warps, per_sm = _warps(bt * block_e, key64, 8), PROGRAMS_PER_SM_GATHER
