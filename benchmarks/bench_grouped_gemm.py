@@ -417,10 +417,10 @@ def main() -> int:
     else:
         plan = [(s, m) for s in SHAPES for m in MS]
     if args.tune:
-        from moekit.ops._triton import grouped_gemm as tri
+        from sweep_gemm import tune
 
         shapes = [(m, s[2], s[3], s[1], dt) for s, m in plan for dt in dtypes]
-        tri.tune(shapes, args.tune)
+        tune(shapes, args.tune)
         print(f"tuned table written to {args.tune} ({time.time() - t0:.0f} s)")
         return 0
     rows: list[dict] = []

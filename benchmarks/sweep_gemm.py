@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Ahead-of-time tuning of the grouped GEMM on the GPU: times the heuristic's configuration and
-its alternatives (``moekit.ops._triton.grouped_gemm.candidate_configs``) for the shapes given, and
+its alternatives (``candidate_configs`` below) for the shapes given, and
 writes the winners as a JSON table (the format ``$MOEKIT_GG_TUNED`` / ``grouped_gemm_tuned.json``
 reads).
 
@@ -13,6 +13,8 @@ or ``N:K:G:M:dtype``.
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, replace
+from typing import Optional
 import json
 import os
 import sys
@@ -24,9 +26,95 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
+from moekit import settings  # noqa: E402
+from moekit._checks import FP8_DTYPE  # noqa: E402
+from moekit.ops._common import next_pow2, num_sms  # noqa: E402
+from moekit.ops._triton.gg_config import (  # noqa: E402
+    GemmConfig,
+    config_key,
+    expected_groups_hit,
+    heuristic_config,
+    save_table,
+)
+from moekit.ops._triton.grouped_gemm import grouped_gemm  # noqa: E402
+
 DEFAULT = ("deepseek-w2:16384:bf16,deepseek-w2:16384:fp8,qwen3-w2:16384:fp8,maverick-tp8-w2:16384:fp8,"
            "qwen3-w2:16:fp8,maverick-tp8-w2:16:fp8,qwen3-w2:128:fp8,maverick-tp8-w2:1:fp8,qwen3-w2:1:fp8,"
            "scout-tp8-w13:1:bf16,scout-tp8-w13:1:fp8")
+
+
+def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> list[GemmConfig]:
+    """A dozen configurations around the heuristic's choice (same kind first, then the other)."""
+    h = heuristic_config(M, N, K, G, fp8, elem, sms)
+    kpow = max(16, next_pow2(K))
+    out = [h]
+    if h.kind == "gemv":
+        for bn in sorted({max(1, h.block_n // 2), h.block_n, min(16, h.block_n * 2)}):
+            for bk in sorted({max(16, h.block_k // 2), h.block_k, min(kpow, h.block_k * 2)}):
+                stages = 1 + max(2, min(6, (32 * 1024) // (bn * bk * elem)))
+                out.append(GemmConfig("gemv", 1, bn, bk, stages, 4, use_tma=False))
+        h = replace(h, kind="stream", block_m=16, block_n=64, block_k=max(16, min(kpow, 256 // elem)), stages=5,
+                    use_tma=True)
+        out.append(h)
+    if h.kind == "stream":
+        for bn in sorted({max(16, h.block_n // 2), h.block_n, min(128, h.block_n * 2)}):
+            for bk in sorted({max(16, h.block_k // 2), h.block_k, min(kpow, h.block_k * 2)}):
+                stage = (bn + h.block_m) * bk * elem
+                stages = max(2, min(6, (128 * 1024) // stage))
+                warps = 8 if bn * h.block_m >= 16384 else (2 if bn * h.block_m <= 256 else 4)
+                for tma in (True, False):
+                    out.append(GemmConfig("stream", h.block_m, bn, bk, stages, warps, use_tma=tma))
+    bk = 128 if elem == 1 else (64 if elem == 2 else 32)
+    for bm, bn, k, stages in ((128, 128, bk, 4), (128, 128, 2 * bk, 3), (128, 256, bk, 3), (64, 256, bk, 3),
+                              (64, 256, bk, 4), (64, 128, bk, 4)):
+        for flatten in (True, False):
+            if flatten and elem == 1 and bm * bn >= 128 * 256:
+                continue  # spills
+            out.append(GemmConfig("tiled", bm, bn, k, stages, 8, flatten=flatten))
+    seen, uniq = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            uniq.append(c)
+    return uniq
+
+
+def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "cuda", log=print) -> dict:
+    """Time ``candidate_configs`` for each ``(M, N, K, G, dtype)`` in ``shapes`` (rows spread by
+    a random routing) and return {config_key: best config}; written as JSON to ``path`` when
+    given (point $MOEKIT_GG_TUNED at it, or save it as ``moekit/ops/_triton/grouped_gemm_tuned.json``)."""
+    from moekit.benchmarking import bench_us, rotations
+    from moekit.testing import random_m_sizes
+
+    table = {}
+    sms = num_sms(torch.device(device))
+    for M, N, K, G, dtype in shapes:
+        fp8 = dtype == FP8_DTYPE
+        x = torch.randn(M, K, device=device).to(dtype)
+        w = (torch.randn(G * N, K, device=device) / K**0.5).to(dtype)
+        # Several routings, cycled: the weights one call touches must not all sit in the L2.
+        touched = expected_groups_hit(M, G) * N * K * x.element_size()
+        ms_sets = [random_m_sizes(M, G, top_k=1, device=device, seed=i) for i in range(rotations(touched))]
+        xs = torch.rand(M, device=device) if fp8 else None
+        ws = torch.rand(G * N, device=device) if fp8 else None
+        best = None
+        for cfg in candidate_configs(M, N, K, G, fp8, x.element_size(), sms):
+            calls = [lambda ms=ms: grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, config=cfg) for ms in ms_sets]
+            try:
+                t = bench_us(calls, replays=10)
+            except Exception as e:  # a config that does not compile or launch is skipped
+                log(f"  skip {cfg}: {type(e).__name__}")
+                continue
+            log(f"  {t:9.2f} us  {cfg}")
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        if best is not None:
+            key = config_key(M, N, K, G, fp8, x.element_size())
+            table[key] = asdict(best[1])
+            log(f"{key}: {best[0]:.1f} us {best[1]}")
+    if path:
+        save_table(table, path)
+    return table
 
 
 def parse(spec: str) -> list:
@@ -49,13 +137,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=DEFAULT)
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh (QUICK=1); no effect")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("MOEKIT_BENCH_DIR", "."), "gg_tuned.json"))
+    ap.add_argument("--out", default=os.path.join(settings.get().bench_dir or ".", "gg_tuned.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("sweep_gemm: needs a CUDA GPU; nothing to do on this machine.")
         return 0
-    from moekit.ops._triton.grouped_gemm import tune
-
     t0 = time.time()
     table = {}
     for shape in parse(args.shapes):

@@ -33,16 +33,13 @@ from moekit.benchmarking import bench_us, floor_us, rotations, try_import_mslk  
 
 def _timed(make, sets, mode: int):
     """mode 0: PDL off; 1: every kernel triggers its successor at once; 2: as its programs exit."""
-    from moekit.ops import _common
+    from moekit import settings
 
-    _common.PDL, _common.PDL_MODE = mode > 0, (mode or None)
-    try:
+    with settings.override(pdl=mode > 0, pdl_mode=mode or None):
         fns = [make(s) for s in sets]
         out = fns[0]()
         torch.cuda.synchronize()
         return bench_us(fns, replays=30), out
-    finally:
-        _common.PDL, _common.PDL_MODE = True, None
 
 
 def _equal(a, b) -> bool:
@@ -196,13 +193,12 @@ def main() -> int:
             return lambda s: (lambda: fn(s["out"], s["rows"], s["tidx"], **kw))
 
         def fresh(pdl, s=sets[0]):
-            from moekit.ops import _common
+            from moekit import settings
 
-            _common.PDL = pdl
-            o = s["out"].clone()
-            ops.scatter_add_dense_tokens(o, s["rows"], s["tidx"])
-            torch.cuda.synchronize()
-            _common.PDL = True
+            with settings.override(pdl=pdl):
+                o = s["out"].clone()
+                ops.scatter_add_dense_tokens(o, s["rows"], s["tidx"])
+                torch.cuda.synchronize()
             return o
 
         peer = sc(mslk["scatter_add_dense_tokens"]) if "scatter_add_dense_tokens" in mslk else None

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from moekit import settings
+
 # Measured ceilings of one H200 (shared/ANCHORS.md).
 COPY_TBPS = 4.25
 BF16_TFLOPS = 679.0
@@ -118,8 +120,8 @@ def markdown_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None
 
 
 def save_rows(name: str, rows: Sequence[dict], meta: Optional[dict] = None) -> Optional[str]:
-    """Write rows as JSON to ``$OUT/<name>.json`` (or ``$MOEKIT_BENCH_DIR``) when set."""
-    out_dir = os.environ.get("MOEKIT_BENCH_DIR") or os.environ.get("OUT")
+    """Write rows as JSON to ``settings.bench_dir`` ($MOEKIT_BENCH_DIR, else $OUT) when set."""
+    out_dir = settings.get().bench_dir
     if not out_dir:
         return None
     os.makedirs(out_dir, exist_ok=True)

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import os
 import warnings
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from moekit import settings
 
 from moekit.comm._triton_tail import (
     SENTINEL16,
@@ -106,8 +107,8 @@ def _symm_moe_tail_fake(handle, m, eps, two_shot, latent_source, expert_weights,
 
 def _host_error_mirror(R: int) -> Optional[torch.Tensor]:
     """A pinned host tensor the kernel can write (UVA): lets the next call see a timeout without
-    a device synchronization. Disabled with MOEKIT_COMM_HOST_ERRORS=0."""
-    if os.environ.get("MOEKIT_COMM_HOST_ERRORS", "1") == "0":
+    a device synchronization. Disabled by ``settings.comm_host_errors`` ($MOEKIT_COMM_HOST_ERRORS=0)."""
+    if not settings.get().comm_host_errors:
         return None
     try:
         return torch.zeros(R, dtype=torch.int32, pin_memory=True)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
+
+from moekit import settings
 
 try:  # Triton is optional: without it every op runs its PyTorch reference.
     import triton  # noqa: F401  (only probing that it imports)
@@ -26,19 +28,15 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
-def _pdl_setting() -> bool:
-    v = os.environ.get("MOEKIT_PDL", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"MOEKIT_PDL must be '0' or '1', got {v!r}")
-    return v == "1"
-
-
 # Programmatic dependent launch (Hopper and newer): kernels that declare a ``USE_PDL`` constexpr
 # are launched with ``launch_pdl`` so that their grid is scheduled while the previous kernel on
 # the stream drains; they wait (``griddepcontrol.wait``) before touching memory, then let the next
-# kernel be scheduled in turn (``moekit.ops._triton._pdl``). ``$MOEKIT_PDL=0`` (or setting this to
-# False) turns it off.
-PDL = _pdl_setting()
+# kernel be scheduled in turn (``moekit.ops._triton._pdl``). ``settings.pdl`` ($MOEKIT_PDL=0) turns
+# it off; ``settings.pdl_skip`` ($MOEKIT_PDL_SKIP) names the kernels left out, by default the
+# grouped GEMM's tiled and streaming kernels: with them on PDL behind kernels that trigger at once,
+# the whole layer measured 4-10% slower at T = 2048 than without PDL (H200, Llama 4 Scout and
+# Qwen3-30B bf16, RESULTS.md session 4); without them it is level there and keeps the decode gain.
+#
 # Kernels whose successor is scheduled only as their programs exit (``USE_PDL=2``) rather than at
 # once. The early trigger measured as fast or faster for every other kernel that keeps PDL
 # (benchmarks/sweep_pdl.py; the EP shuffle, whose grid stays resident, gained 1-2% in all eight
@@ -47,26 +45,8 @@ PDL = _pdl_setting()
 # beside its one wave of programs, unevenly; a one-wave successor (index_shuffling's own first
 # kernel, replayed) then runs as slow as its most loaded SM. Late: T = 16384 E = 256 top-8 31.4 ->
 # 23.2 µs, E = 128 top-4 17.4 -> 14.0, T = 2048 7.3 -> 6.6; T <= 128 and E = 384 within 1 µs.
-PDL_LATE_TRIGGER: set[str] = {"_place_kernel"}
-# Kernels launched without PDL: the grouped GEMM's tiled and streaming kernels. With them on PDL
-# behind kernels that trigger at once, the whole layer measured 4-10% slower at T = 2048 than
-# without PDL (H200, Llama 4 Scout and Qwen3-30B bf16, RESULTS.md session 4); without them it is
-# level there and keeps the decode gain (Scout T = 1: 146 vs 152 µs). ``$MOEKIT_PDL_SKIP``
-# (comma-separated kernel names) replaces the set.
-PDL_SKIP: set[str] = (
-    {k for k in os.environ["MOEKIT_PDL_SKIP"].split(",") if k}
-    if "MOEKIT_PDL_SKIP" in os.environ
-    else {"_gg_tiled_kernel", "_gg_stream_kernel"}
-)
-# Experiments (benchmarks/sweep_pdl.py, ``$MOEKIT_PDL_MODE``): force one mode (1 or 2) everywhere.
-def _pdl_mode_setting() -> Optional[int]:
-    v = os.environ.get("MOEKIT_PDL_MODE", "")
-    if v not in ("", "1", "2"):
-        raise ValueError(f"MOEKIT_PDL_MODE must be unset, '1' or '2', got {v!r}")
-    return int(v) if v else None
-
-
-PDL_MODE: Optional[int] = _pdl_mode_setting()
+# ``settings.pdl_mode`` ($MOEKIT_PDL_MODE, experiments) forces one mode everywhere.
+PDL_LATE_TRIGGER: frozenset = frozenset({"_place_kernel", "_route_place_kernel"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +58,7 @@ def _pdl_ok(args: tuple) -> bool:
     """PDL for this launch: enabled, on a real CUDA tensor of an sm_90+ device, and never under
     tracing (torch.compile): the ``griddepcontrol`` inline asm is not pure, and inductor's mutation
     analysis would then count every argument as written."""
-    if not PDL or interpreting():
+    if not settings.get().pdl or interpreting():
         return False
     t = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if t is None or not t.is_cuda or torch.version.hip is not None or torch.compiler.is_compiling():
@@ -103,8 +83,9 @@ class _PdlLauncher:
         run = self.wrapped[grid]
 
         def go(*args: Any, **kwargs: Any) -> Any:
-            if self.name not in PDL_SKIP and _pdl_ok(args):
-                mode = PDL_MODE or (2 if self.name in PDL_LATE_TRIGGER else 1)
+            s = settings.get()
+            if self.name not in s.pdl_skip and _pdl_ok(args):
+                mode = s.pdl_mode or (2 if self.name in PDL_LATE_TRIGGER else 1)
                 kwargs.update(USE_PDL=mode, launch_pdl=True)
             else:
                 kwargs["USE_PDL"] = 0

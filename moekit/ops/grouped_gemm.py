@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
+from moekit import settings
 from moekit._checks import FP8_DTYPE, INDEX_DTYPES, check_multiple, check_tensor
 from moekit.ops._common import use_triton
 
@@ -215,13 +216,13 @@ def _grouped_gemm_fp8_rowwise_scatter_add_op(
 
 
 # Dense FP8 on CUDA: the Triton kernel (1 group) below this many rows, torch._scaled_mm (cuBLASLt /
-# CUTLASS row-wise) from there on when the layout allows. Override with $MOEKIT_F8_DENSE in
-# {"triton", "scaled_mm"}; the benchmark measures both (bench_grouped_gemm.py --dense).
+# CUTLASS row-wise) from there on when the layout allows. ``settings.f8_dense`` ($MOEKIT_F8_DENSE)
+# pins "triton" or "scaled_mm"; the benchmark measures both (bench_grouped_gemm.py --dense).
 SCALED_MM_MIN_ROWS = 1024
 
 
 def _dense_backend(XQ: torch.Tensor, WQ: torch.Tensor, bias: Optional[torch.Tensor]) -> str:
-    choice = os.environ.get("MOEKIT_F8_DENSE", "auto")
+    choice = settings.get().f8_dense
     if choice == "triton":
         return "triton"
     M, K = XQ.shape

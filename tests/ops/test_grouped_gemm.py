@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from moekit import settings
 from moekit.ops.grouped_gemm import f8f8bf16_rowwise, grouped_gemm, grouped_gemm_fp8_rowwise
 from moekit.reference.quantize import quantize_fp8_row
 from moekit.testing import assert_close, assert_poisoned, poison, random_m_sizes
@@ -406,7 +407,7 @@ def test_heuristic_buckets():
         for (G, N, K) in ((16, 2048, 5120), (256, 7168, 2048), (128, 2048, 768), (128, 1536, 2048), (4, 40, 24)):
             for fp8 in (False, True):
                 cfg = sel(M, N, K, G, fp8, 1 if fp8 else 2, 132)
-                assert (cfg.kind == "gemv") == (M <= tri.GEMV_MAX_M)
+                assert (cfg.kind == "gemv") == (M <= settings.get().gg_gemv_max_m)
                 lo = 1 if cfg.kind == "gemv" else 16
                 for b in (cfg.block_m, cfg.block_n, cfg.block_k):
                     assert b >= lo and b & (b - 1) == 0
@@ -614,22 +615,19 @@ def test_cpu_bad_input(case):
 
 
 @pytest.mark.reference
-def test_tuned_table_lookup(tmp_path, monkeypatch):
+def test_tuned_table_lookup(tmp_path):
+    from moekit import settings
+
     tri = _tri()
     table = {tri.config_key(64, 512, 256, 8, False, 2): dict(kind="stream", block_m=32, block_n=64, block_k=128,
                                                              stages=3, warps=4)}  # fmt: skip
     path = tmp_path / "t.json"
     tri.save_table(table, str(path))
-    monkeypatch.setattr(tri, "_TUNED", None)
-    monkeypatch.setenv("MOEKIT_GG_TUNED", str(path))
-    tri.select_config.cache_clear()
-    try:
+    with settings.override(gg_tuned=str(path)):
         c = tri.select_config(60, 512, 256, 8, False, 2, 132)
         assert (c.kind, c.block_m, c.block_n) == ("stream", 32, 64)
-    finally:
-        monkeypatch.setattr(tri, "_TUNED", None)
-        monkeypatch.delenv("MOEKIT_GG_TUNED")
-        tri.select_config.cache_clear()
+    c = tri.select_config(60, 512, 256, 8, False, 2, 132)  # the table is gone with the override
+    assert c == tri.heuristic_config(60, 512, 256, 8, False, 2, 132)
 
 
 # ==============================================================================================
@@ -889,12 +887,14 @@ def test_gpu_cuda_graph_replay(M, dtype, scatter, cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 64, 2048])
 @pytest.mark.parametrize("backend", ["triton", "auto"])
-def test_gpu_f8f8bf16_rowwise(M, backend, cuda, monkeypatch):
-    monkeypatch.setenv("MOEKIT_F8_DENSE", backend)
+def test_gpu_f8f8bf16_rowwise(M, backend, cuda):
+    from moekit import settings
+
     N, K = 2880, 1536
     xq, wq, xs, ws = _inputs(M, 1, N, K, FP8, seed=M, device=cuda)
     bias = torch.randn(N, device=cuda).to(torch.bfloat16)
-    y = f8f8bf16_rowwise(xq, wq, xs, ws, bias)
+    with settings.override(f8_dense=backend):
+        y = f8f8bf16_rowwise(xq, wq, xs, ws, bias)
     want = (xq.float() @ wq.float().T) * xs[:, None] * ws[None, :] + bias.float()
     assert y.dtype == torch.bfloat16
     assert_close(y.float(), want, tol=6e-2)

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from moekit import settings
 from moekit.ops import _common
 
 triton = pytest.importorskip("triton")
@@ -59,12 +60,11 @@ def test_launcher_passes_use_pdl_always(monkeypatch):
     w = _Wrapped()
     t = torch.zeros(2)
     monkeypatch.setattr(_common, "_pdl_ok", lambda args: True)
-    monkeypatch.setattr(_common, "PDL_LATE_TRIGGER", {"_shuffle_kernel"})
     _common._PdlLauncher(w, "_gather_scale_kernel")[(3,)](t, 1, X=2)
-    _common._PdlLauncher(w, "_shuffle_kernel")[(3,)](t, 1, X=2)  # listed: late trigger
-    monkeypatch.setattr(_common, "PDL_MODE", 2)
-    _common._PdlLauncher(w, "_gather_scale_kernel")[(3,)](t, 1, X=2)
-    _common._PdlLauncher(w, "_gg_tiled_kernel")[(3,)](t, 1, X=2)  # skipped by default
+    _common._PdlLauncher(w, "_place_kernel")[(3,)](t, 1, X=2)  # listed: late trigger
+    with settings.override(pdl_mode=2):
+        _common._PdlLauncher(w, "_gather_scale_kernel")[(3,)](t, 1, X=2)
+        _common._PdlLauncher(w, "_gg_tiled_kernel")[(3,)](t, 1, X=2)  # skipped by default
     monkeypatch.setattr(_common, "_pdl_ok", lambda args: False)
     _common._PdlLauncher(w, "_gather_scale_kernel")[(3,)](t, 1, X=2)
     assert [c[2] for c in w.calls] == [
@@ -80,7 +80,7 @@ def test_launcher_passes_use_pdl_always(monkeypatch):
 @pytest.mark.reference
 def test_pdl_off_where_it_must_be(monkeypatch):
     """Never for CPU or meta tensors (the interpreter, tracing), never when disabled."""
-    monkeypatch.setattr(_common, "PDL", True)
+    assert settings.get().pdl
     assert not _common._pdl_ok((torch.zeros(2),))
     assert not _common._pdl_ok((torch.empty(2, device="meta"),))
     assert not _common._pdl_ok((1, 2.0))
@@ -91,22 +91,19 @@ def test_pdl_off_where_it_must_be(monkeypatch):
     if torch.cuda.is_available():
         x = torch.zeros(2, device="cuda")
         assert _common._pdl_ok((x,)) == (torch.cuda.get_device_capability()[0] >= 9)
-        monkeypatch.setattr(_common, "PDL", False)
-        assert not _common._pdl_ok((x,))
+        with settings.override(pdl=False):
+            assert not _common._pdl_ok((x,))
 
 
 @pytest.mark.reference
-def test_pdl_setting_validated(monkeypatch):
-    monkeypatch.setenv("MOEKIT_PDL", "yes")
+def test_pdl_setting_validated():
     with pytest.raises(ValueError, match="MOEKIT_PDL"):
-        _common._pdl_setting()
-    monkeypatch.setenv("MOEKIT_PDL_MODE", "3")
+        settings.from_environ({"MOEKIT_PDL": "yes"})
     with pytest.raises(ValueError, match="MOEKIT_PDL_MODE"):
-        _common._pdl_mode_setting()
-    monkeypatch.setenv("MOEKIT_PDL_MODE", "2")
-    assert _common._pdl_mode_setting() == 2
-    monkeypatch.setenv("MOEKIT_PDL", "0")
-    assert _common._pdl_setting() is False
+        settings.from_environ({"MOEKIT_PDL_MODE": "3"})
+    assert settings.from_environ({"MOEKIT_PDL_MODE": "2"}).pdl_mode == 2
+    assert settings.from_environ({"MOEKIT_PDL": "0"}).pdl is False
+    assert settings.from_environ({"MOEKIT_PDL_SKIP": "a,b"}).pdl_skip == {"a", "b"}
 
 
 @pytest.mark.reference

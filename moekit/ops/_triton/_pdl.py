@@ -1,4 +1,4 @@
-"""Programmatic dependent launch, the kernel side (see ``moekit.ops._common.PDL``)."""
+"""Programmatic dependent launch, the kernel side (see ``moekit.ops._common`` and ``moekit.settings``)."""
 
 import triton
 import triton.language as tl

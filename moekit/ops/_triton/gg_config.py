@@ -1,0 +1,193 @@
+"""Launch configurations of the grouped GEMM: shape buckets and size rules (no autotuning at call
+time), or an ahead-of-time tuned table (``settings.gg_tuned`` / ``$MOEKIT_GG_TUNED``, written by
+``benchmarks/sweep_gemm.py``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from moekit import settings
+from moekit.ops._common import cdiv, next_pow2
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration. ``kind``: "gemv" (CUDA cores, per row and N slice; ``block_m``
+    is ignored), "stream" (swap-AB, per group and N slice) or "tiled" (persistent). ``use_tma``:
+    ask for TMA descriptors (used only when the strides allow; never by "gemv")."""
+
+    kind: str
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int
+    group_m: int = 8
+    use_tma: bool = True
+    flatten: bool = True
+
+
+def expected_groups_hit(M: int, G: int) -> float:
+    """Expected number of non-empty groups when M rows land uniformly on G groups."""
+    if M <= 0:
+        return 0.0
+    return G * (1.0 - (1.0 - 1.0 / G) ** M) if G > 1 else 1.0
+
+
+def _m_bucket(M: int) -> int:
+    return next_pow2(max(M, 1))
+
+
+# Ahead-of-time tuned table: {"<key>": {GemmConfig fields}}, read from ``settings.gg_tuned``
+# ($MOEKIT_GG_TUNED), else from grouped_gemm_tuned.json next to this file when present (written by
+# ``benchmarks/sweep_gemm.py``).
+_DEFAULT_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grouped_gemm_tuned.json")
+_TUNED: Optional[dict] = None
+
+
+def _tuned_table() -> dict:
+    global _TUNED
+    if _TUNED is None:
+        path = settings.get().gg_tuned or _DEFAULT_TABLE
+        _TUNED = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                _TUNED = json.load(f)
+    return _TUNED
+
+
+def save_table(table: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+
+
+def use_table(table: Optional[dict]) -> None:
+    """Install a tuned table for this process (None: re-read ``settings.gg_tuned`` / the default)."""
+    global _TUNED
+    _TUNED = table
+    select_config.cache_clear()
+
+
+def config_key(M: int, N: int, K: int, G: int, fp8: bool, elem: int) -> str:
+    return f"m{_m_bucket(M)}_n{N}_k{K}_g{G}_{'fp8' if fp8 else f'b{elem}'}"
+
+
+@functools.lru_cache(maxsize=4096)
+def select_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> GemmConfig:
+    """The launch configuration for a shape: a tuned entry when $MOEKIT_GG_TUNED names a table
+    holding this shape bucket, else the heuristic below. Cheap (cached per shape)."""
+    tuned = _tuned_table().get(config_key(M, N, K, G, fp8, elem))
+    if tuned:
+        return GemmConfig(**tuned)
+    return heuristic_config(M, N, K, G, fp8, elem, sms)
+
+
+# Shared memory one streaming program may use: two programs per SM (228 KB per SM, 1 KB each
+# reserved), so that one streams while the other fills or drains its pipeline.
+_STREAM_SMEM = 110 * 1024
+
+
+def gemv_config(M: int, N: int, K: int, elem: int, sms: int) -> GemmConfig:
+    """GEMV kernel: weight slices of ``block_n`` rows, K tiles of about 8 KB of weights (at most
+    512 FP8 values; a power of two dividing K when one of at least 128 elements does: no K masks),
+    about 32 KB of them in flight. ``block_n``: the widest (up to 16) that still gives about two programs per SM; on
+    short rows (K under 4 KB of weights) no wider than 16 KB of weights per program. Measured on
+    the H200 (one row, routings rotated past the L2): Scout TP8 w13 bf16 8 rows 5.5 µs vs 6.2 at
+    4; Maverick TP8 w2 16 KB programs (bf16 8 rows 5.9 vs 6.4 at 16; FP8 16 rows 4.1 vs 4.6 at
+    8); DeepSeek w2 FP8 8 rows 7.8 vs 8.8 at 16; Llama 4 w2 FP8 (K = 8192) 16 rows 13.8 vs 14.7."""
+    block_n = 1
+    row_bytes = K * elem
+    for bn in (16, 8, 4, 2):
+        if M * cdiv(N, bn) >= (9 * sms) // 5 and (row_bytes >= 4096 or bn * row_bytes <= 16384):
+            block_n = bn
+            break
+    # K tiles of ~8 KB of weights, at most 512 wide for FP8 (run 6: DeepSeek w2 8 x 512 7.8 µs vs
+    # 8 x 1024 8.9; Maverick / Qwen3 / Llama 4 at or within 5% of their best with 512).
+    target = max(64, 8192 // (block_n * elem))
+    if elem == 1:
+        target = min(target, 512)
+    div = K & -K  # the largest power of two dividing K
+    block_k = min(target, div) if div >= 128 else min(target, max(16, next_pow2(K)))
+    # Pipeline depth: about 32 KB of weights in flight per program (num_stages - 1 tiles).
+    stages = 1 + max(2, min(6, (32 * 1024) // (block_n * block_k * elem)))
+    return GemmConfig("gemv", 1, block_n, block_k, stages, 4, use_tma=False)
+
+
+def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> GemmConfig:
+    # Problems of at most ``settings.gg_gemv_max_m`` rows in all run the GEMV kernel (0: never).
+    if M <= settings.get().gg_gemv_max_m:
+        return gemv_config(M, N, K, elem, sms)
+    hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
+    rows_per_group = M / hits
+    kpow = next_pow2(K)
+    # 48+ rows per group take the tiled kernel (64 x 256 tiles), unless it would leave SMs idle
+    # (few groups: e.g. one group of 64 rows is 2 x cdiv(N, 256) tiles) where the streaming
+    # kernel still spreads the weights over every SM.
+    tiled_tiles = (M / 64 + hits) * cdiv(N, 256)
+    if rows_per_group < 48 or (rows_per_group <= 64 and tiled_tiles < sms):
+        # Streaming: the weights of the hit experts are the traffic. Rows tile: room for about
+        # twice the mean group size, so a group rarely needs a second pass over its weights.
+        block_m = min(128, max(16, next_pow2(int(math.ceil(2 * rows_per_group - 1e-3)))))
+        # N slice: 128 or 64 rows (warpgroup MMA tiles, asynchronous and pipelined) when that
+        # still gives every SM a slice: the slices then run in one wave (two programs per SM)
+        # or in many, and the weights stream at the HBM rate. Narrower (synchronous MMA)
+        # slices only when even 64-row slices leave SMs idle.
+        block_n = 0
+        for bn in (128, 64):
+            if bn <= max(16, next_pow2(N)) and hits * cdiv(N, bn) >= sms:
+                block_n = bn
+                break
+        if block_n == 0:
+            block_n = 32 if N > 16 and hits * cdiv(N, 32) >= sms else 16
+        # 16x16 tiles: 4 warps would duplicate the MMA work (warps beyond the tile replicate).
+        warps = 8 if block_n * block_m >= 128 * 128 else (2 if block_n * block_m <= 256 else 4)
+        # K slice: about 16 KB of weights per pipeline stage (32 KB for FP8 with 16-row x tiles:
+        # 128 x 256 slices, 3 stages, measured 5-10% faster than 128 x 128 x 6 on Maverick / Qwen3
+        # shapes at M = 16 and 128), x slice at most 16 KB (8 KB for the 2-warp 16x16 tiles, whose pointer loads
+        # would otherwise run out of registers).
+        cap = 32 if elem == 4 else (512 if warps == 2 else 1024) // elem
+        w_stage = 32768 if elem == 1 and block_m <= 16 else 16384
+        block_k = min(w_stage // (block_n * elem), 16384 // (block_m * elem), cap, max(kpow, 16))
+        block_k = max(16, block_k)
+        stage_bytes = (block_n + block_m) * block_k * elem
+        if block_n >= 64 and warps == 4:  # two programs per SM (registers allow it too)
+            stages = max(2, min(6, _STREAM_SMEM // stage_bytes))
+        else:
+            stages = max(2, min(8 if warps == 2 else 6, (128 * 1024) // stage_bytes))
+        return GemmConfig("stream", block_m, block_n, block_k, stages, warps)
+    # Tiled persistent: compute-bound (or nearly) tiles. Groups of under ~200 rows waste less of
+    # their last row tile with 64-row tiles; 64 x 256 with four stages was the measured best from
+    # 64 to 128 rows per group (DeepSeek w2 FP8 at M = 16384: 999 µs vs 1113 for 128 x 256 and
+    # 1211 for the streaming kernel; Llama 4 w13 / w2 at M = 1024: 652 / 341 µs vs 683 / 373).
+    block_m = 64 if rows_per_group < 192 else 128
+    block_k = 128 if elem == 1 else (64 if elem == 2 else 32)
+    block_n = 256 if N >= 256 else max(16, next_pow2(N))
+    est_tiles = (M / block_m + hits) * cdiv(N, block_n)
+    if block_n == 256 and est_tiles < 4 * sms:
+        block_n = 128
+    stage_bytes = (block_m + block_n) * block_k * elem
+    stages = max(2, min(4, (176 * 1024) // stage_bytes))
+    # The fused (flattened) loop keeps a second epilogue buffer: FP8 128x256 would spill with it,
+    # and with float32 tiles the stages plus that buffer pass the 227 KB a block may use.
+    out_elem = 4 if elem == 4 else 2
+    # Tiled kernel: let Triton fuse the persistent tile loop with the K loop (one software pipeline
+    # across tiles, as Triton's persistent Hopper matmul does); ``settings.gg_flatten`` turns it off.
+    flatten = (
+        settings.get().gg_flatten
+        and not (elem == 1 and block_m * block_n >= 128 * 256)
+        and stages * stage_bytes + block_m * block_n * out_elem <= 220 * 1024
+    )
+    return GemmConfig("tiled", block_m, block_n, block_k, stages, 8, flatten=flatten)
+
+
+
+@settings.on_change
+def _settings_changed() -> None:
+    global _TUNED
+    _TUNED = None
+    select_config.cache_clear()

@@ -1,0 +1,360 @@
+"""Triton kernels of the grouped GEMM (see ``moekit.ops._triton.grouped_gemm`` for the paths, the
+epilogue and the numerics; ``gg_config`` picks their launch configurations)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moekit.ops._triton._pdl import pdl_prologue
+
+# ----------------------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _group_table(m_sizes_ptr, G, M, HAS_MSIZES: tl.constexpr, G_BLOCK: tl.constexpr):
+    """Per group: (index, first row, row count), the rows clipped to [0, M)."""
+    gi = tl.arange(0, G_BLOCK)
+    if HAS_MSIZES:
+        sizes = tl.load(m_sizes_ptr + gi, mask=gi < G, other=0).to(tl.int64)
+    else:  # one group holding every row (dense GEMM)
+        sizes = tl.where(gi == 0, M, 0).to(tl.int64)
+    sizes = tl.maximum(sizes, 0)
+    ends = tl.cumsum(sizes, axis=0)
+    starts = tl.minimum(ends - sizes, M)
+    ends = tl.minimum(ends, M)
+    return gi, starts.to(tl.int32), (ends - starts).to(tl.int32)
+
+
+@triton.jit
+def _pick(vec, sel):
+    """The element of ``vec`` where ``sel`` is true (0 when none)."""
+    return tl.sum(tl.where(sel, vec, 0), axis=0)
+
+
+@triton.jit
+def _epilogue(
+    acc,
+    offs_m,
+    m_mask,
+    offs_n,
+    n_mask,
+    g,
+    N,
+    y_ptr,
+    stride_ym,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    tw_ptr,
+    idx_ptr,
+    T_OUT,
+    FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_TW: tl.constexpr,
+    SCATTER: tl.constexpr,
+):
+    """``acc`` [BM, BN] float32 for rows ``offs_m`` and expert columns ``offs_n`` of group ``g``:
+    scale (FP8), add bias, weight by token, then store or scatter-add. One helper on purpose:
+    inductor's mutation analysis (torch.compile) follows pointers into called @triton.jit
+    functions coarsely; computing the store address from values loaded in another helper made it
+    count every input pointer of the kernel as written (tests/ops/test_grouped_gemm.py checks)."""
+    col = g.to(tl.int64) * N + offs_n
+    if FP8:
+        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+        ws = tl.load(ws_ptr + col, mask=n_mask, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
+        acc = acc + b[None, :]
+    if HAS_TW:
+        tw = tl.load(tw_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
+        acc = acc * tw[:, None]
+    val = acc.to(y_ptr.dtype.element_ty)
+    if SCATTER:
+        dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
+        ok = m_mask & (dst >= 0) & (dst < T_OUT)
+        ptrs = y_ptr + dst[:, None] * stride_ym + offs_n[None, :]
+        tl.atomic_add(ptrs, val, mask=ok[:, None] & n_mask[None, :], sem="relaxed")
+    else:
+        ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(ptrs, val, mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming (swap-AB) kernel: few rows per group
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gg_stream_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    m_sizes_ptr,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    tw_ptr,
+    idx_ptr,
+    M,
+    N,
+    K,
+    G,
+    T_OUT,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_MSIZES: tl.constexpr,
+    FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_TW: tl.constexpr,
+    SCATTER: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
+    nonempty = rows > 0
+    rank = tl.cumsum(nonempty.to(tl.int32), axis=0) - 1
+    n_items = tl.sum(nonempty.to(tl.int32), axis=0) * n_blocks
+    # Usually one item per program (the grid covers min(G, M) groups); capped grids loop.
+    for item in tl.range(pid, n_items, n_progs):
+        j = item // n_blocks  # rank of the group among the non-empty ones
+        nb = item % n_blocks
+        sel = nonempty & (rank == j)
+        g = _pick(gi, sel)
+        m_begin = _pick(starts, sel)
+        m_end = m_begin + _pick(rows, sel)
+        n0 = nb * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        w_row0 = g * N + n0  # < G * N < 2**31 (checked by the launcher)
+        w_rows = w_row0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        for m0 in range(m_begin, m_end, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < m_end
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < K
+                if USE_TMA:
+                    w_t = w_ptr.load([w_row0, k0])
+                else:
+                    w_t = tl.load(
+                        w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0,
+                    )
+                # x through pointers: masked rows (other groups, past M) cost no traffic.
+                x_t = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                acc = tl.dot(w_t, tl.trans(x_t), acc)
+            _epilogue(
+                tl.trans(acc), offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
+                xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER,
+            )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMV kernel: a handful of rows in all (decode of one or a few tokens)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gg_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    m_sizes_ptr,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    tw_ptr,
+    idx_ptr,
+    M,
+    N,
+    K,
+    G,
+    T_OUT,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_MSIZES: tl.constexpr,
+    FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_TW: tl.constexpr,
+    SCATTER: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    """One program = one row of x and ``BLOCK_N`` rows of its expert's weights, over all of K.
+    CUDA-core FMAs into a ``[BLOCK_N, BLOCK_K]`` float32 accumulator (every thread owns its
+    elements: no dependency chain but the K loop), one reduction over K at the end. The grid is
+    ``M * cdiv(N, BLOCK_N)`` (a few hundred short programs, several resident per SM), rows of a
+    same expert run side by side so that their shared weight tiles come from L2."""
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    m = pid % M
+    nb = pid // M
+    gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
+    # The group holding row m (the ranges are disjoint), -1 for rows past sum(m_sizes): those are
+    # left untouched. One reduction: it sits between the sizes load and the first weight load.
+    g = _pick(gi + 1, (m >= starts) & (m < starts + rows)) - 1
+    if g >= 0:
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        col = g.to(tl.int64) * N + offs_n
+        w_rows = w_ptr + col[:, None] * stride_wn
+        x_row = x_ptr + m.to(tl.int64) * stride_xm
+        # Epilogue operands are loaded before the K loop: their latency hides under the weight
+        # stream instead of adding a dependent round trip after the reduction.
+        post = tl.full((BLOCK_N,), 1.0, tl.float32)
+        if FP8:
+            post = post * tl.load(xs_ptr + m) * tl.load(ws_ptr + col, mask=n_mask, other=0.0)
+        bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
+        tw = 1.0
+        if HAS_TW:
+            tw = tl.load(tw_ptr + m).to(tl.float32)
+        dst = m.to(tl.int64)
+        if SCATTER:
+            dst = tl.load(idx_ptr + m).to(tl.int64)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w_t = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+                x_t = tl.load(x_row + offs_k)
+            else:
+                k_mask = offs_k < K
+                w_t = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                x_t = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+            acc += w_t.to(tl.float32) * x_t.to(tl.float32)[None, :]
+        out = tl.sum(acc, axis=1)
+        if FP8:
+            out = out * post
+        if HAS_BIAS:
+            out = out + bias
+        if HAS_TW:
+            out = out * tw
+        val = out.to(y_ptr.dtype.element_ty)
+        if SCATTER:
+            ok = (dst >= 0) & (dst < T_OUT)
+            tl.atomic_add(y_ptr + dst * stride_ym + offs_n, val, mask=n_mask & ok, sem="relaxed")
+        else:
+            tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs_n, val, mask=n_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiled persistent kernel: many rows per group
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gg_tiled_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    m_sizes_ptr,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    tw_ptr,
+    idx_ptr,
+    M,
+    N,
+    K,
+    G,
+    T_OUT,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_MSIZES: tl.constexpr,
+    FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_TW: tl.constexpr,
+    SCATTER: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
+    tiles = m_tiles * n_tiles_n
+    tiles_end = tl.cumsum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0)
+    band_tiles = GROUP_M * n_tiles_n
+    for t in tl.range(pid, total, n_progs, flatten=FLATTEN):
+        g = tl.sum((tiles_end <= t).to(tl.int32), axis=0)
+        sel = gi == g
+        local = t - (_pick(tiles_end, sel) - _pick(tiles, sel))
+        m_begin = _pick(starts, sel)
+        m_end = m_begin + _pick(rows, sel)
+        mt_g = _pick(m_tiles, sel)
+        # Grouped order inside the expert: bands of GROUP_M row tiles sweep the N tiles, so the
+        # tiles that run together share their x rows and w columns in L2.
+        first_m = (local // band_tiles) * GROUP_M
+        band_m = tl.minimum(mt_g - first_m, GROUP_M)
+        in_band = local % band_tiles
+        tile_m = first_m + in_band % band_m
+        tile_n = in_band // band_m
+        m0 = m_begin + tile_m * BLOCK_M
+        n0 = tile_n * BLOCK_N
+        w_row0 = g * N + n0
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < m_end
+        n_mask = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            if USE_TMA:
+                a = x_ptr.load([m0, k0])
+                b = w_ptr.load([w_row0, k0])
+            else:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < K
+                a = tl.load(
+                    x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )
+                b = tl.load(
+                    w_ptr + (w_row0.to(tl.int64) + tl.arange(0, BLOCK_N))[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )
+            if FAST_ACCUM:
+                acc = tl.dot(a, tl.trans(b), acc)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+        _epilogue(
+            acc, offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
+            xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER,
+        )  # fmt: skip

@@ -1,0 +1,171 @@
+"""Every run-time setting of moekit in one place: environment variables, read once, and a way to
+pin a choice for a block of code (tests, benchmarks) without touching module globals.
+
+    from moekit import settings
+    settings.get().pdl                       # the current value
+    with settings.override(moe_path="decode"):
+        ...                                  # code here sees the pinned value
+
+Environment variables (all optional; README.md lists them too):
+
+| variable | setting | default | meaning |
+|---|---|---|---|
+| ``MOEKIT_PDL`` | ``pdl`` | 1 | programmatic dependent launch on Hopper+ (0: off) |
+| ``MOEKIT_PDL_SKIP`` | ``pdl_skip`` | the grouped GEMM's tiled and streaming kernels | kernels launched without PDL (comma-separated names) |
+| ``MOEKIT_PDL_MODE`` | ``pdl_mode`` | per kernel | force every PDL kernel's trigger: 1 early, 2 late (experiments) |
+| ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
+| ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 64 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k) |
+| ``MOEKIT_GG_TUNED`` | ``gg_tuned`` | none | JSON table of grouped-GEMM configurations (``benchmarks/tune_gemm.py`` writes it) |
+| ``MOEKIT_GG_GEMV_MAX_M`` | ``gg_gemv_max_m`` | 4 | grouped GEMMs of at most this many rows run the GEMV kernel |
+| ``MOEKIT_GG_TMA`` | ``gg_tma`` | 1 | TMA descriptors in the grouped GEMM where the strides allow |
+| ``MOEKIT_GG_FLATTEN`` | ``gg_flatten`` | 1 | the tiled GEMM's fused (flattened) tile + K loop |
+| ``MOEKIT_GG_STREAM_PPS`` | ``gg_stream_pps`` | 4 | streaming GEMM grid cap, programs per SM |
+| ``MOEKIT_F8_DENSE`` | ``f8_dense`` | auto | dense FP8 GEMM backend: ``auto``, ``triton``, ``scaled_mm`` |
+| ``MOEKIT_COMM_HOST_ERRORS`` | ``comm_host_errors`` | 1 | the collective mirrors timeouts to pinned host memory |
+| ``MOEKIT_BENCH_DIR`` | ``bench_dir`` | ``$OUT`` | where benchmarks write their JSON rows |
+
+A malformed value raises ``ValueError`` naming the variable when the settings are first read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["Settings", "get", "override", "on_change", "reload"]
+
+MOE_PATHS = ("auto", "decode", "sorted")
+F8_DENSE = ("auto", "triton", "scaled_mm")
+_DEFAULT_PDL_SKIP = frozenset({"_gg_tiled_kernel", "_gg_stream_kernel"})
+
+
+@dataclass(frozen=True)
+class Settings:
+    pdl: bool = True
+    pdl_skip: frozenset = _DEFAULT_PDL_SKIP
+    pdl_mode: Optional[int] = None
+    moe_path: str = "auto"
+    decode_max_rows: int = 64
+    gg_tuned: Optional[str] = None
+    gg_gemv_max_m: int = 4
+    gg_tma: bool = True
+    gg_flatten: bool = True
+    gg_stream_pps: int = 4
+    f8_dense: str = "auto"
+    comm_host_errors: bool = True
+    bench_dir: Optional[str] = None
+    # Not from the environment: kernel-choice knobs that tests pin to reach every path.
+    knobs: dict = field(default_factory=dict)
+
+    def knob(self, name: str, default: Any) -> Any:
+        """A pinned tuning knob (``override(knobs={name: value})``), else ``default``."""
+        return self.knobs.get(name, default)
+
+
+def _flag(env: dict, name: str, default: bool) -> bool:
+    v = env.get(name)
+    if v is None or v == "":
+        return default
+    if v not in ("0", "1"):
+        raise ValueError(f"{name} must be '0' or '1', got {v!r}")
+    return v == "1"
+
+
+def _int(env: dict, name: str, default: int, lo: int = 0) -> int:
+    v = env.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}") from None
+    if n < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    return n
+
+
+def _choice(env: dict, name: str, default: str, choices: tuple) -> str:
+    v = env.get(name) or default
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {v!r}")
+    return v
+
+
+def from_environ(env: Optional[dict] = None) -> Settings:
+    """Settings read from ``env`` (default ``os.environ``)."""
+    env = os.environ if env is None else env
+    mode = env.get("MOEKIT_PDL_MODE", "")
+    if mode not in ("", "1", "2"):
+        raise ValueError(f"MOEKIT_PDL_MODE must be unset, '1' or '2', got {mode!r}")
+    skip = _DEFAULT_PDL_SKIP
+    if "MOEKIT_PDL_SKIP" in env:
+        skip = frozenset(k for k in env["MOEKIT_PDL_SKIP"].split(",") if k)
+    return Settings(
+        pdl=_flag(env, "MOEKIT_PDL", True),
+        pdl_skip=skip,
+        pdl_mode=int(mode) if mode else None,
+        moe_path=_choice(env, "MOEKIT_MOE_PATH", "auto", MOE_PATHS),
+        decode_max_rows=_int(env, "MOEKIT_DECODE_MAX_ROWS", 64),
+        gg_tuned=env.get("MOEKIT_GG_TUNED") or None,
+        gg_gemv_max_m=_int(env, "MOEKIT_GG_GEMV_MAX_M", 4),
+        gg_tma=_flag(env, "MOEKIT_GG_TMA", True),
+        gg_flatten=_flag(env, "MOEKIT_GG_FLATTEN", True),
+        gg_stream_pps=_int(env, "MOEKIT_GG_STREAM_PPS", 4, lo=1),
+        f8_dense=_choice(env, "MOEKIT_F8_DENSE", "auto", F8_DENSE),
+        comm_host_errors=_flag(env, "MOEKIT_COMM_HOST_ERRORS", True),
+        bench_dir=env.get("MOEKIT_BENCH_DIR") or env.get("OUT") or None,
+    )
+
+
+_current: Optional[Settings] = None
+_listeners: list[Callable[[], None]] = []
+
+
+def get() -> Settings:
+    """The settings in force (read from the environment on first use)."""
+    global _current
+    if _current is None:
+        _current = from_environ()
+    return _current
+
+
+def _set(s: Settings) -> None:
+    global _current
+    _current = s
+    for fn in _listeners:
+        fn()
+
+
+def reload() -> Settings:
+    """Re-read the environment (e.g. after changing ``os.environ``)."""
+    _set(from_environ())
+    return get()
+
+
+def on_change(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register ``fn`` (e.g. a cache's ``cache_clear``) to run whenever the settings change."""
+    _listeners.append(fn)
+    return fn
+
+
+@contextlib.contextmanager
+def override(**changes: Any) -> Iterator[Settings]:
+    """Pin settings for the ``with`` block (``knobs={...}`` merges into the pinned knobs)."""
+    names = {f.name for f in dataclasses.fields(Settings)}
+    for k in changes:
+        if k not in names:
+            raise TypeError(f"override: unknown setting {k!r}; settings are {sorted(names)}")
+    if "moe_path" in changes and changes["moe_path"] not in MOE_PATHS:
+        raise ValueError(f"moe_path must be one of {MOE_PATHS}, got {changes['moe_path']!r}")
+    before = get()
+    if "knobs" in changes:
+        changes["knobs"] = {**before.knobs, **changes["knobs"]}
+    _set(dataclasses.replace(before, **changes))
+    try:
+        yield get()
+    finally:
+        _set(before)
