@@ -1,6 +1,12 @@
-"""Whole MoE layer: moekit vs plain PyTorch vs MSLK (top-1 sigmoid shapes), one process.
+"""The routed experts of one MoE layer, from router logits to output: moekit (automatic pipeline,
+and the sorted one pinned) vs vLLM 0.33's Triton fused_moe (routing precomputed: its
+``us_moe_only``; bf16 and its fp8_w8a8 per-channel variant) vs MSLK (top-1 sigmoid) vs plain
+PyTorch, one process, every output checked against a float32 reference before it is timed.
 
-    python benchmarks/bench_layer.py [--quick] [--models llama4-scout,deepseek-v3] [--dtype bf16|fp8]
+    python benchmarks/bench_layer.py [--quick] [--models qwen3-30b-a3b,deepseek-v3-tp8] [--dtype bf16,fp8]
+        [--tokens 1,4,16,64,256]
+
+vLLM's harness is found at $MOEKIT_VLLM_HARNESS, .peers/vllm_fused_moe or ../shared/peers/vllm_fused_moe.
 """
 
 from __future__ import annotations
@@ -17,28 +23,37 @@ from moekit.benchmarking import markdown_table, save_rows
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--models", default="llama4-scout,llama4-maverick,deepseek-v3,qwen3-30b-a3b,mixtral-8x7b")
+    p.add_argument("--models", default=None, help="default: qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout "
+                   "(--quick: the first two)")
     p.add_argument("--dtype", default="bf16,fp8")
     p.add_argument("--tokens", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_layer needs CUDA; nothing to do on this machine")
         return 0
-    models = a.models.split(",")
-    if a.quick:
-        models = models[:1] + (["deepseek-v3"] if "deepseek-v3" in models[1:] else [])
+    models = (a.models or "qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout").split(",")
+    if a.quick and not a.models:
+        models = models[:2]
     tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else (_bench.GPU_TOKENS_QUICK if a.quick else _bench.GPU_TOKENS)
-    rows = []
-    for m in models:
-        for dt in a.dtype.split(","):
+    rows, wrong = [], []
+    for dt in a.dtype.split(","):  # every model in bf16 first: a run cut short loses FP8 rows first
+        for m in models:
             print(f"== {m} {dt}", flush=True)
             try:
                 rows += _bench.run(m, tokens, dt == "fp8", a.quick)
+                save_rows("bench_layer", rows)  # after every model: a run cut short keeps its rows
+            except AssertionError as exc:  # a wrong result: fail the benchmark (after the other models)
+                print(f"   {m} {dt} WRONG RESULT: {exc}")
+                wrong.append(f"{m} {dt}: {exc}")
             except Exception as exc:  # keep the other models' rows
                 print(f"   {m} {dt} failed: {type(exc).__name__}: {exc}")
-    cols = ["model", "T", "dtype", "floor_us", "moekit_us", "det_us", "torch_us", "mslk_us", "floor/moekit", "moekit/torch", "moekit/mslk"]
+    cols = ["model", "T", "dtype", "path", "floor_us", "moekit_us", "sorted_us", "det_us", "vllm_us", "torch_us",
+            "mslk_us", "floor/moekit", "moekit/vllm", "moekit/mslk", "moekit/torch"]  # fmt: skip
     print(markdown_table(rows, cols))
     save_rows("bench_layer", rows)
+    if wrong:
+        print("wrong results:\n" + "\n".join(wrong))
+        return 1
     return 0
 
 

@@ -108,62 +108,225 @@ def mslk_pipeline(mslk, x: torch.Tensor, w: dict, w13_DE_layout: torch.Tensor, w
 def expected_bytes(s: ModelShape, w: dict, x: torch.Tensor, cfg: RoutingConfig, fp8: bool = False) -> float:
     """Bytes that must move: the weights of the experts actually hit, the shared expert, x and out."""
     sel, _ = route(x @ w["router_DE"], cfg, w.get("e_score_correction_bias"))
-    hit = torch.unique(torch.topk(sel, cfg.top_k, dim=-1).indices).numel()
-    elt = 1 if fp8 else w["w13_e2FD"].element_size()
-    per_expert = 3 * s.D * s.F * elt
-    shared = 3 * s.D * s.shared_F * w["router_DE"].element_size() if s.shared_F else 0
-    return hit * per_expert + shared + 2 * x.numel() * x.element_size()
+    return routed_bytes(s, sel, cfg.top_k, fp8, w["w13_e2FD"].element_size(), x) + (
+        3 * s.D * s.shared_F * w["router_DE"].element_size() if s.shared_F else 0
+    )
+
+
+def routed_bytes(s: ModelShape, sel: torch.Tensor, top_k: int, fp8: bool, elem: int, x: torch.Tensor) -> float:
+    """Weights of the experts hit by the top-k of ``sel`` (1 byte each for FP8), plus x and out."""
+    hit = torch.unique(torch.topk(sel, top_k, dim=-1).indices).numel()
+    return hit * 3 * s.D * s.F * (1 if fp8 else elem) + 2 * x.numel() * x.element_size()
+
+
+def _vllm_harness():
+    """vLLM 0.33's Triton fused_moe harness (a benchmark peer, never a dependency): found at
+    ``$MOEKIT_VLLM_HARNESS``, ``.peers/vllm_fused_moe`` or ``../shared/peers/vllm_fused_moe``."""
+    import importlib
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for d in (os.environ.get("MOEKIT_VLLM_HARNESS"), os.path.join(root, ".peers", "vllm_fused_moe"),
+              os.path.join(root, "..", "shared", "peers", "vllm_fused_moe")):  # fmt: skip
+        if d and os.path.exists(os.path.join(d, "vllm_fused_moe.py")):
+            if d not in sys.path:
+                sys.path.insert(0, d)
+            try:
+                return importlib.import_module("vllm_fused_moe")
+            except Exception as exc:  # keep the other columns
+                print(f"   vLLM harness at {d} does not import: {type(exc).__name__}: {exc}")
+                return None
+    return None
+
+
+def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
+    """Relative error of a pipeline's output; a wrong result stops the benchmark before timing."""
+    from moekit.testing import rel_error
+
+    err = rel_error(got.float(), want.float())
+    if not err <= tol:
+        raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.1e} against the float32 reference")
+    return err
+
+
+def _reference_routed(x, w13, w2, ids, weights, on_input):
+    """float32 routed-experts output for the given top-k (weights on input or output)."""
+    T, D = x.shape
+    F = w2.shape[2]
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1).long()
+    wt = weights.reshape(-1).float()
+    tok = torch.arange(T, device=x.device).repeat_interleave(ids.shape[1])
+    for e in torch.unique(flat).tolist():
+        sel = (flat == e).nonzero().flatten()
+        xs = x[tok[sel]].float()
+        if on_input:
+            xs = xs * wt[sel, None]
+        h = xs @ w13[e].float().T
+        y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2[e].float().T
+        if not on_input:
+            y = y * wt[sel, None]
+        out.index_add_(0, tok[sel], y)
+    return out
 
 
 def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
+    """One row per T: the routed experts of one layer, **from router logits to output**, for
+    moekit (``moe_forward(logits_TE=...)``, the automatic pipeline, and the sorted one pinned),
+    vLLM 0.33's Triton fused_moe with the routing precomputed (its ``us_moe_only``), MSLK's
+    pipeline (top-1 sigmoid) and plain torch; each checked against a float32 reference before it
+    is timed. Inputs rotate over several routings so the experts' weights are not served from L2."""
+    from moekit import settings
+    from moekit.benchmarking import rotations
+    from moekit.reference.routing import routing_weights
+
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     s = MODEL_SHAPES[model]
     cfg = routing_config(s)
     dtype = torch.bfloat16 if cuda else torch.float32
     w = random_expert_weights(s, dtype=dtype, device=device, seed=0)
+    bias = w.get("e_score_correction_bias")
     q = None
     if fp8:
         w13q, w13s = quantize_expert_weights(w["w13_e2FD"])
         w2q, w2s = quantize_expert_weights(w["w2_eDF"])
         q = {"w13": w13q, "w13_scale": w13s, "w2": w2q, "w2_scale": w2s}
+    w13 = q["w13"] if fp8 else w["w13_e2FD"]
+    w2 = q["w2"] if fp8 else w["w2_eDF"]
+    deq13 = (q["w13"].float() * q["w13_scale"][..., None]) if fp8 else w["w13_e2FD"]
+    deq2 = (q["w2"].float() * q["w2_scale"][..., None]) if fp8 else w["w2_eDF"]
     mslk = try_import_mslk() if cuda else None
-    mslk_ok = mslk is not None and s.top_k == 1 and s.score_func == "sigmoid" and s.E in (16, 32, 128, 320)
+    mslk_ok = mslk is not None and s.top_k == 1 and s.score_func == "sigmoid" and s.E in (16, 32, 128, 320) and not fp8
+    vllm = _vllm_harness() if cuda else None
+    on_input = cfg.apply_router_weight_on_input
+    tol = 8e-2 if fp8 else 2e-2
+    reps = 5 if quick else 20
     rows = []
     for T in tokens:
         g = torch.Generator(device="cpu").manual_seed(T)
-        xs = [torch.randn(T, s.D, generator=g).to(dtype).to(device) for _ in range(2 if cuda else 1)]
-        it = iter(range(10**9))
-        pick: Callable[[], torch.Tensor] = lambda: xs[next(it) % len(xs)]  # noqa: E731
+        x0 = torch.randn(T, s.D, generator=g).to(dtype).to(device)
+        l0 = (x0 @ w["router_DE"]).float()
+        touched = routed_bytes(s, route(l0, cfg, bias)[0], cfg.top_k, fp8, dtype.itemsize, x0)
+        n_sets = rotations(touched, max_sets=8) if cuda else 1
+        sets = []
+        for i in range(n_sets):
+            x = x0 if i == 0 else torch.randn(T, s.D, generator=g).to(dtype).to(device)
+            logits = (x @ w["router_DE"]).float()
+            wts, ids = routing_weights(logits, cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group,
+                                       topk_group=cfg.topk_group, e_score_correction_bias=bias,
+                                       routed_scaling_factor=cfg.routed_scaling_factor)  # fmt: skip
+            sets.append(dict(x=x, logits=logits, tw=wts.contiguous(), ti=ids.to(torch.int32).contiguous()))
         row: dict = {"model": model, "T": T, "dtype": "fp8" if fp8 else str(dtype).replace("torch.", "")}
-        nbytes = expected_bytes(s, w, xs[0], cfg, fp8)
-        flops = 2 * T * s.top_k * 3 * s.D * s.F + (2 * T * 3 * s.D * s.shared_F)
-        row["floor_us"] = floor_us(nbytes, flops, fp8=fp8)
-        reps = 5 if quick else 20
-        row["moekit_us"] = bench_us(lambda: moekit_pipeline(pick(), w, cfg, q), replays=reps)
-        if cuda and s.top_k > 1:  # the atomics-free combine (rows stored, then summed per token)
-            row["det_us"] = bench_us(lambda: moekit_pipeline(pick(), w, cfg, q, deterministic=True), replays=reps)
-        try:
-            row["torch_us"] = bench_us(lambda: torch_pipeline(pick(), w, cfg), replays=reps)
-        except Exception as exc:  # torch._grouped_mm needs sm_90+ on CUDA
-            row["torch_us"] = None
-            row["torch_error"] = type(exc).__name__
-        if mslk_ok and not fp8:
+        nbytes = sum(routed_bytes(s, route(st["logits"], cfg, bias)[0], cfg.top_k, fp8, dtype.itemsize, st["x"])
+                     for st in sets) / n_sets  # fmt: skip
+        row["floor_us"] = floor_us(nbytes, 2 * T * s.top_k * 3 * s.D * s.F, fp8=fp8)
+        ref0 = _reference_routed(sets[0]["x"], deq13, deq2, sets[0]["ti"], sets[0]["tw"], on_input)
+
+        def ours(st, path=None, det=False):
+            return moe_forward(
+                st["x"], None, w13, w2, cfg, e_score_correction_bias=bias, logits_TE=st["logits"],
+                w13_scale_e2F=q["w13_scale"] if fp8 else None, w2_scale_eD=q["w2_scale"] if fp8 else None,
+                deterministic=det, path=path,
+            )  # fmt: skip
+
+        from moekit.layers.experts import choose_path
+
+        row["path"] = choose_path(T * s.top_k, s.E)
+        row["moekit_err"] = _check("moekit", ours(sets[0]), ref0, tol)
+        row["moekit_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
+        if cuda and row["path"] == "decode":  # the sorted pipeline on the same rows (before/after)
+            with settings.override(moe_path="sorted"):
+                _check("moekit sorted", ours(sets[0]), ref0, tol)
+                row["sorted_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
+        if cuda and s.top_k > 1 and not quick:
+            row["det_us"] = bench_us([lambda st=st: ours(st, det=True) for st in sets], replays=reps)
+        if vllm is not None and not on_input:
+            try:
+                if fp8:
+                    v13, v13s = vllm.quantize_weight_per_channel_fp8(w["w13_e2FD"])
+                    v2, v2s = vllm.quantize_weight_per_channel_fp8(w["w2_eDF"])
+
+                    def theirs(st):
+                        return vllm.vllm_moe_fp8(st["x"], v13, v13s, v2, v2s, st["tw"], st["ti"])
+                else:
+
+                    def theirs(st):
+                        return vllm.vllm_moe(st["x"], w["w13_e2FD"], w["w2_eDF"], st["tw"], st["ti"])
+
+                row["vllm_err"] = _check("vllm", theirs(sets[0]), ref0, tol)
+                row["vllm_us"] = bench_us([lambda st=st: theirs(st) for st in sets], replays=reps)
+            except Exception as exc:
+                row["vllm_us"] = None
+                row["vllm_error"] = f"{type(exc).__name__}: {exc}"[:120]
+                print(f"   vLLM T={T}: {row['vllm_error']}")
+        if not quick or T <= 64:
+            try:
+                row["torch_us"] = bench_us([lambda st=st: torch_routed(st["x"], st["logits"], w, cfg)
+                                            for st in sets], replays=reps)  # fmt: skip
+            except Exception as exc:  # torch._grouped_mm needs sm_90+ on CUDA
+                row["torch_us"] = None
+                row["torch_error"] = type(exc).__name__
+        if mslk_ok:
             try:
                 w13l = w["w13_e2FD"].reshape(-1, s.D)
                 w2l = w["w2_eDF"].reshape(-1, s.F)
-                row["mslk_us"] = bench_us(lambda: mslk_pipeline(mslk, pick(), w, w13l, w2l), replays=reps)
+                _check("mslk", mslk_routed(sets[0]["x"], sets[0]["logits"], w, w13l, w2l), ref0, tol)
+                row["mslk_us"] = bench_us([lambda st=st: mslk_routed(st["x"], st["logits"], w, w13l, w2l)
+                                           for st in sets], replays=reps)  # fmt: skip
             except Exception as exc:
                 row["mslk_us"] = None
                 row["mslk_error"] = f"{type(exc).__name__}: {exc}"[:80]
         row["floor/moekit"] = row["floor_us"] / row["moekit_us"]
-        if row.get("torch_us"):
-            row["moekit/torch"] = row["moekit_us"] / row["torch_us"]
-        if row.get("mslk_us"):
-            row["moekit/mslk"] = row["moekit_us"] / row["mslk_us"]
+        for peer in ("vllm", "torch", "mslk", "sorted"):
+            if row.get(f"{peer}_us"):
+                row[f"moekit/{peer}"] = row["moekit_us"] / row[f"{peer}_us"]
         rows.append(row)
-        print(f"  T={T}: moekit {row['moekit_us']:.1f} us (floor {row['floor_us']:.1f})", flush=True)
+        extra = f", vLLM {row['vllm_us']:.1f}" if row.get("vllm_us") else ""
+        print(f"  T={T}: moekit {row['moekit_us']:.1f} us ({row['path']}; floor {row['floor_us']:.1f}{extra})",
+              flush=True)  # fmt: skip
     return rows
+
+
+def torch_routed(x: torch.Tensor, logits: torch.Tensor, w: dict, cfg: RoutingConfig) -> torch.Tensor:
+    """The routed experts with stock PyTorch from router logits (``torch_pipeline`` less the router
+    GEMM and the shared expert)."""
+    E = w["router_DE"].shape[1]
+    F = w["w2_eDF"].shape[2]
+    sel, weights = route(logits, cfg, w.get("e_score_correction_bias"))
+    ids = torch.topk(sel, cfg.top_k, dim=-1).indices.reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    tok = order // cfg.top_k
+    eid = ids[order]
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, ids, torch.ones_like(ids))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    wt = weights[tok, eid]
+    xs = x[tok]
+    if cfg.apply_router_weight_on_input:
+        xs = (xs.float() * wt.unsqueeze(1)).to(x.dtype)
+    h = torch._grouped_mm(xs, w["w13_e2FD"].transpose(1, 2), offs=offs)
+    z = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+    y = torch._grouped_mm(z, w["w2_eDF"].transpose(1, 2), offs=offs)
+    if not cfg.apply_router_weight_on_input:
+        y = (y.float() * wt.unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def mslk_routed(x: torch.Tensor, logits: torch.Tensor, w: dict, w13l: torch.Tensor, w2l: torch.Tensor):
+    """MSLK 1.1.0's routed experts from router logits (top-1 sigmoid, score on the input)."""
+    from mslk.gemm.triton.grouped_gemm import grouped_gemm as m_gg  # type: ignore
+    from mslk.moe import gather_scale_dense_tokens, silu_mul  # type: ignore
+
+    E = w["router_DE"].shape[1]
+    F = w["w2_eDF"].shape[2]
+    scores = torch.sigmoid(logits.to(x.dtype))
+    counts, eidx, tidx = torch.ops.mslk.index_shuffling(scores)
+    xg = gather_scale_dense_tokens(x, tidx.flatten(), eidx.flatten(), scores)
+    h = m_gg(xg, w13l, counts[:E], _use_warp_specialization=False)
+    z = silu_mul(h[:, :F], h[:, F:])
+    out = torch.zeros_like(x)
+    return m_gg(z, w2l, counts[:E], _use_warp_specialization=False, _output_tensor=out, _scatter_add_indices=tidx)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -183,7 +346,8 @@ def main(args: argparse.Namespace) -> int:
     where = "CUDA" if cuda else "CPU (reference path; times are not representative)"
     print(f"moekit bench: model={model} tokens={tokens} dtype={args.dtype} on {where}")
     rows = run(model, tokens, fp8, args.quick)
-    cols = ["model", "T", "dtype", "floor_us", "moekit_us", "torch_us", "mslk_us", "floor/moekit", "moekit/torch", "moekit/mslk"]
+    cols = ["model", "T", "dtype", "path", "floor_us", "moekit_us", "sorted_us", "vllm_us", "torch_us", "mslk_us",
+            "floor/moekit", "moekit/vllm", "moekit/torch", "moekit/mslk"]  # fmt: skip
     print(markdown_table(rows, [c for c in cols if any(c in r for r in rows)]))
     save_rows(f"layer_{model}_{args.dtype}", rows)
     if args.json:

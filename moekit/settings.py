@@ -16,7 +16,8 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
 | ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 64 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k) |
 | ``MOEKIT_GG_TUNED`` | ``gg_tuned`` | none | JSON table of grouped-GEMM configurations (``benchmarks/tune_gemm.py`` writes it) |
-| ``MOEKIT_GG_GEMV_MAX_M`` | ``gg_gemv_max_m`` | 4 | grouped GEMMs of at most this many rows run the GEMV kernel |
+| ``MOEKIT_GG_GEMV_MAX_M`` | ``gg_gemv_max_m`` | 4 | grouped GEMMs of at most this many rows run the GEMV kernel (0: never) |
+| ``MOEKIT_GG_GEMV_SPREAD_MAX_M`` | ``gg_gemv_spread_max_m`` | 8 | ... and up to this many rows when they rarely share an expert (top-k decode) |
 | ``MOEKIT_GG_TMA`` | ``gg_tma`` | 1 | TMA descriptors in the grouped GEMM where the strides allow |
 | ``MOEKIT_GG_FLATTEN`` | ``gg_flatten`` | 1 | the tiled GEMM's fused (flattened) tile + K loop |
 | ``MOEKIT_GG_STREAM_PPS`` | ``gg_stream_pps`` | 4 | streaming GEMM grid cap, programs per SM |
@@ -52,6 +53,7 @@ class Settings:
     decode_max_rows: int = 64
     gg_tuned: Optional[str] = None
     gg_gemv_max_m: int = 4
+    gg_gemv_spread_max_m: int = 8
     gg_tma: bool = True
     gg_flatten: bool = True
     gg_stream_pps: int = 4
@@ -112,6 +114,7 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         decode_max_rows=_int(env, "MOEKIT_DECODE_MAX_ROWS", 64),
         gg_tuned=env.get("MOEKIT_GG_TUNED") or None,
         gg_gemv_max_m=_int(env, "MOEKIT_GG_GEMV_MAX_M", 4),
+        gg_gemv_spread_max_m=_int(env, "MOEKIT_GG_GEMV_SPREAD_MAX_M", 8),
         gg_tma=_flag(env, "MOEKIT_GG_TMA", True),
         gg_flatten=_flag(env, "MOEKIT_GG_FLATTEN", True),
         gg_stream_pps=_int(env, "MOEKIT_GG_STREAM_PPS", 4, lo=1),

@@ -287,6 +287,7 @@ def moekit_experts_forward(
 ) -> torch.Tensor:
     """The ``ExpertsInterface`` function: ``[T, D]`` routed-experts output of ``hidden_states``
     ``[T, D]`` for the model's routing ``top_k_index`` / ``top_k_weights`` ``[T, K]``."""
+    from moekit.layers.experts import run_experts
     from moekit.ops import gather_scale_dense_tokens, grouped_gemm, scatter_add_dense_tokens, silu_mul
 
     if _needs_autograd(self, hidden_states, top_k_weights):
@@ -317,6 +318,16 @@ def moekit_experts_forward(
     dense_w.scatter_(1, top_k_index.long(), top_k_weights)
     token_weights = dense_w[token_ids.clamp(min=0).long(), expert_ids.clamp(min=0).long()]
 
+    out = torch.zeros((T, plan.D), dtype=dtype, device=x.device)
+    post_norm = getattr(self, "has_post_expert_norm", False)
+    if plan.fast_swiglu and plan.b13 is None and plan.b2 is None and not post_norm:
+        # The standard SwiGLU experts: moekit's one experts pipeline (the fused decode kernels at
+        # small batches).
+        run_experts(
+            x, plan.w13.view(E, 2 * F, plan.D), plan.w2.view(E, plan.D, F), m_sizes, token_ids=token_ids,
+            expert_ids=expert_ids, row_weights=token_weights.float(), out=out, deterministic=deterministic,
+        )  # fmt: skip
+        return out.to(hidden_states.dtype)
     unit = torch.ones((1, 1), dtype=torch.float32, device=x.device).expand(T, E)
     xg = gather_scale_dense_tokens(x, token_ids, expert_ids, unit)
     h = grouped_gemm(xg, plan.w13, m_sizes, bias=plan.b13)
@@ -328,8 +339,7 @@ def moekit_experts_forward(
         if z.stride(-1) != 1:
             z = z.contiguous()
 
-    out = torch.zeros((T, plan.D), dtype=dtype, device=x.device)
-    if not getattr(self, "has_post_expert_norm", False):
+    if not post_norm:
         grouped_gemm(
             z, plan.w2, m_sizes, bias=plan.b2, token_weights=token_weights, _output_tensor=out,
             _scatter_add_indices=token_ids, deterministic=deterministic,

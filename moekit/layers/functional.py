@@ -1,11 +1,14 @@
 """The MetaShuffling MoE forward on one GPU, as a function of tensors (no module state).
 
-``route`` turns router logits into two dense ``[T, E]`` tensors: the scores whose top-k
-``index_shuffling`` takes (selection) and the weight of every (token, expert) pair. Both are built
-with static-shape torch ops, so the whole forward has no host sync and is CUDA-graph capturable.
-``moe_forward`` then runs: index_shuffling -> gather (+ scale, + FP8 quant) -> grouped GEMM (gate|up)
--> SwiGLU (+ FP8 quant) -> grouped GEMM (down) with the fused scatter-add into the shared
-expert's output (or zeros).
+``moe_forward``: router logits -> ``route_and_shuffle`` (score function, top-k, weights and the
+expert-sorted row layout, one launch for decode-sized batches; it also zeroes the output) ->
+``moekit.layers.experts.run_experts`` (the decode pipeline: gate|up GEMM reading the token rows
+by index with SwiGLU fused, down GEMM with the router weight and the scatter-add; or the sorted
+pipeline: gather (+ FP8 quant) -> grouped GEMM -> SwiGLU -> grouped GEMM + scatter-add). No host
+sync anywhere: CUDA-graph capturable.
+
+``route`` is the same routing as dense ``[T, E]`` torch ops (selection scores and weights), kept
+for callers that want the scores themselves.
 """
 
 from __future__ import annotations
@@ -15,15 +18,16 @@ from typing import Optional
 
 import torch
 
-from moekit._checks import check_int, check_tensor
-from moekit.reference.routing import SCORE_FUNCS
+from moekit._checks import FP8_DTYPE, check_tensor
+from moekit.ops.routing import SCORE_DTYPES, check_routing_options, dense_route
 
 __all__ = ["RoutingConfig", "route", "quantize_expert_weights", "moe_forward"]
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """How router logits become expert choices and weights (see ``moekit.reference.routing_weights``)."""
+    """How router logits become expert choices and weights (``moekit.reference.routing_weights``'s
+    contract). Validated on construction; the fit with the number of experts when used."""
 
     top_k: int = 1
     score_func: str = "sigmoid"
@@ -34,13 +38,19 @@ class RoutingConfig:
     apply_router_weight_on_input: bool = True
 
     def __post_init__(self) -> None:
-        check_int("top_k", self.top_k, lo=1)
-        if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
-        if (self.n_group is None) != (self.topk_group is None):
-            raise ValueError(
-                f"n_group and topk_group go together, got n_group={self.n_group}, topk_group={self.topk_group}"
+        check_routing_options(
+            self.top_k, self.score_func, self.renormalize, self.n_group, self.topk_group, self.routed_scaling_factor
+        )
+        if not isinstance(self.apply_router_weight_on_input, bool):
+            raise TypeError(
+                f"apply_router_weight_on_input must be a bool, got {type(self.apply_router_weight_on_input).__name__}"
             )
+
+    def check_experts(self, num_experts: int) -> None:
+        check_routing_options(
+            self.top_k, self.score_func, self.renormalize, self.n_group, self.topk_group,
+            self.routed_scaling_factor, num_experts,
+        )  # fmt: skip
 
 
 def route(
@@ -52,35 +62,12 @@ def route(
     of a chosen (token, expert) pair is read from the second tensor. Matches
     ``moekit.reference.routing_weights`` up to ties.
     """
-    logits = logits_TE.float()
-    T, E = logits.shape
-    k = cfg.top_k
-    if k > E:
-        raise ValueError(f"top_k ({k}) must be <= the number of experts ({E})")
-    if cfg.score_func == "topk_softmax":
-        # softmax over the selected k: exp(l - max) / sum over the top-k of exp(l - max).
-        top = torch.topk(logits, k, dim=-1).values
-        ex = torch.exp(logits - top[:, :1])
-        weights = ex / torch.exp(top - top[:, :1]).sum(dim=-1, keepdim=True)
-        return logits, weights * cfg.routed_scaling_factor
-    scores = torch.sigmoid(logits) if cfg.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
-    choice = scores
-    if e_score_correction_bias is not None:
-        choice = scores + e_score_correction_bias.float()
-    if cfg.n_group is not None:
-        G = cfg.n_group
-        per = E // G
-        top2 = torch.topk(choice.view(T, G, per), min(2, per), dim=-1).values.sum(dim=-1)
-        gids = torch.topk(top2, cfg.topk_group, dim=-1).indices
-        gmask = torch.zeros(T, G, dtype=torch.bool, device=logits.device).scatter_(1, gids, True)
-        choice = choice.masked_fill(~gmask.repeat_interleave(per, dim=1), float("-inf"))
-    weights = scores
-    if cfg.renormalize:
-        ids = torch.topk(choice, k, dim=-1).indices
-        weights = scores / scores.gather(1, ids).sum(dim=-1, keepdim=True)
-    if cfg.routed_scaling_factor != 1.0:
-        weights = weights * cfg.routed_scaling_factor
-    return choice, weights
+    check_tensor("logits_TE", logits_TE, ndim=2, dtype=SCORE_DTYPES)
+    cfg.check_experts(logits_TE.shape[1])
+    return dense_route(
+        logits_TE, cfg.top_k, cfg.score_func, cfg.renormalize, cfg.n_group, cfg.topk_group, e_score_correction_bias,
+        cfg.routed_scaling_factor,
+    )  # fmt: skip
 
 
 def quantize_expert_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +76,9 @@ def quantize_expert_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
     q, s = quantize_rows(w.float(), eps=1e-12)
     return q, s
+
+
+_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def moe_forward(
@@ -104,76 +94,72 @@ def moe_forward(
     w13_scale_e2F: Optional[torch.Tensor] = None,
     w2_scale_eD: Optional[torch.Tensor] = None,
     deterministic: bool = False,
+    use_fast_accum: bool = True,
+    path: Optional[str] = None,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer, added into ``shared_out_TD`` (or zeros); returns ``[T, D]``.
 
     BF16 weights, or FP8 e4m3fn weights with row-wise dequant scales (``w13_scale_e2F``,
-    ``w2_scale_eD``), in which case activations are quantized row-wise on the fly.
-    ``deterministic`` uses the atomics-free scatter-add (bitwise reproducible for top-k > 1).
-    ``logits_TE`` (e.g. computed in float32 by the caller) replaces ``x_TD @ router_DE``.
+    ``w2_scale_eD``): activations are then quantized row-wise on the fly on the sorted pipeline and
+    kept 16-bit on the decode pipeline (weight-only FP8). ``deterministic`` uses the atomics-free
+    scatter-add (bitwise reproducible for top-k > 1). ``logits_TE`` (e.g. computed in float32 by
+    the caller) replaces ``x_TD @ router_DE``. ``use_fast_accum``: FP8 tensor-core accumulation
+    (sorted pipeline). ``path``: ``"auto"`` (``settings.moe_path``), ``"decode"`` or ``"sorted"``
+    (see ``moekit.layers.experts``).
     """
-    from moekit.ops import (
-        gather_scale_dense_tokens,
-        gather_scale_quant_dense_tokens,
-        grouped_gemm,
-        grouped_gemm_fp8_rowwise,
-        index_shuffling,
-        silu_mul,
-        silu_mul_quant,
-    )
+    from moekit.layers.experts import run_experts
+    from moekit.ops import route_and_shuffle
 
-    check_tensor("x_TD", x_TD, ndim=2)
+    if not isinstance(cfg, RoutingConfig):
+        raise TypeError(f"cfg must be a RoutingConfig, got {type(cfg).__name__}")
+    check_tensor("x_TD", x_TD, ndim=2, dtype=_X_DTYPES)
     T, D = x_TD.shape
+    dev = x_TD.device
     if logits_TE is None:
         if router_DE is None:
             raise ValueError("moe_forward needs router_DE or logits_TE, got neither")
+        check_tensor("router_DE", router_DE, ndim=2, dtype=x_TD.dtype, device=dev)
+        if router_DE.shape[0] != D:
+            raise ValueError(f"router_DE must have shape ({D}, E) for x_TD's D={D}, got {tuple(router_DE.shape)}")
         logits_TE = x_TD @ router_DE
-    check_tensor("logits_TE", logits_TE, ndim=2)
+    check_tensor("logits_TE", logits_TE, ndim=2, dtype=SCORE_DTYPES, device=dev)
+    if logits_TE.shape[0] != T:
+        raise ValueError(f"logits_TE must have shape ({T}, E) for x_TD's T={T} tokens, got {tuple(logits_TE.shape)}")
     E = logits_TE.shape[1]
-    check_tensor("w13_e2FD", w13_e2FD, shape=(E, None, D))
-    F = w13_e2FD.shape[1] // 2
-    check_tensor("w2_eDF", w2_eDF, shape=(E, D, F))
-    fp8 = w13_e2FD.dtype == torch.float8_e4m3fn
-    if fp8 and (w13_scale_e2F is None or w2_scale_eD is None):
-        raise ValueError("FP8 expert weights need w13_scale_e2F and w2_scale_eD")
-
-    sel, weights = route(logits_TE, cfg, e_score_correction_bias)
-    counts, expert_ids, token_ids = index_shuffling(sel, top_k=cfg.top_k)
-    m_sizes = counts[:E]
-
-    on_input = cfg.apply_router_weight_on_input
-    gather_scores = weights if on_input else torch.ones((1, 1), device=x_TD.device).expand(T, E)
-    token_weights = None
-    if not on_input:
-        safe_t = token_ids.clamp(min=0).long()
-        safe_e = expert_ids.clamp(min=0).long()
-        token_weights = weights[safe_t, safe_e]
-
-    out = shared_out_TD if shared_out_TD is not None else torch.zeros_like(x_TD)
-    if not fp8:
-        xg = gather_scale_dense_tokens(x_TD, token_ids, expert_ids, gather_scores)
-        h = grouped_gemm(xg, w13_e2FD.view(-1, D), m_sizes)
-        z = silu_mul(h[:, :F], h[:, F:])
-        return grouped_gemm(
-            z,
-            w2_eDF.view(-1, F),
-            m_sizes,
-            token_weights=token_weights,
-            _output_tensor=out,
-            _scatter_add_indices=token_ids,
-            deterministic=deterministic,
+    cfg.check_experts(E)
+    check_tensor("w13_e2FD", w13_e2FD, ndim=3, device=dev)
+    if w13_e2FD.shape[0] != E or w13_e2FD.shape[2] != D or w13_e2FD.shape[1] % 2:
+        raise ValueError(
+            f"w13_e2FD must have shape (E, 2F, D) = ({E}, 2F, {D}) for {E} experts, got {tuple(w13_e2FD.shape)}"
         )
-    xq, xs = gather_scale_quant_dense_tokens(x_TD, token_ids, expert_ids, gather_scores)
-    h = grouped_gemm_fp8_rowwise(xq, w13_e2FD.view(-1, D), m_sizes, xs, w13_scale_e2F.reshape(-1))
-    zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
-    return grouped_gemm_fp8_rowwise(
-        zq,
-        w2_eDF.view(-1, F),
-        m_sizes,
-        zs,
-        w2_scale_eD.reshape(-1),
-        token_weights=token_weights,
-        _output_tensor=out,
-        _scatter_add_indices=token_ids,
-        deterministic=deterministic,
-    )
+    F = w13_e2FD.shape[1] // 2
+    check_tensor("w2_eDF", w2_eDF, shape=(E, D, F), dtype=w13_e2FD.dtype, device=dev)
+    fp8 = w13_e2FD.dtype == FP8_DTYPE
+    if fp8:
+        if w13_scale_e2F is None or w2_scale_eD is None:
+            raise ValueError("FP8 expert weights need w13_scale_e2F and w2_scale_eD")
+        check_tensor("w13_scale_e2F", w13_scale_e2F, dtype=torch.float32, device=dev)
+        check_tensor("w2_scale_eD", w2_scale_eD, dtype=torch.float32, device=dev)
+        if w13_scale_e2F.numel() != E * 2 * F or w2_scale_eD.numel() != E * D:
+            raise ValueError(
+                f"w13_scale_e2F / w2_scale_eD must have E*2F = {E * 2 * F} / E*D = {E * D} elements, got "
+                f"{tuple(w13_scale_e2F.shape)} / {tuple(w2_scale_eD.shape)}"
+            )
+    elif w13_e2FD.dtype != x_TD.dtype:
+        raise TypeError(f"w13_e2FD must have x_TD's dtype {x_TD.dtype} (or float8_e4m3fn), got {w13_e2FD.dtype}")
+    out_dtype = torch.bfloat16 if fp8 else x_TD.dtype
+    if shared_out_TD is not None:
+        check_tensor("shared_out_TD", shared_out_TD, shape=(T, D), dtype=out_dtype, device=dev)
+        out = shared_out_TD
+    else:
+        out = torch.empty((T, D), dtype=out_dtype, device=dev)  # zeroed by the routing launch
+    counts, expert_ids, token_ids, row_weights = route_and_shuffle(
+        logits_TE, cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group, topk_group=cfg.topk_group,
+        e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=cfg.routed_scaling_factor,
+        zero_buffer=None if shared_out_TD is not None else out,
+    )  # fmt: skip
+    return run_experts(
+        x_TD, w13_e2FD, w2_eDF, counts[:E], token_ids=token_ids, expert_ids=expert_ids, row_weights=row_weights,
+        weight_on_input=cfg.apply_router_weight_on_input, w13_scale=w13_scale_e2F, w2_scale=w2_scale_eD, out=out,
+        deterministic=deterministic, use_fast_accum=use_fast_accum, path=path,
+    )  # fmt: skip

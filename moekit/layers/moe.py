@@ -29,6 +29,7 @@ import torch
 
 from moekit._checks import FP8_DTYPE, check_int, check_tensor, same_device
 from moekit.layers.functional import RoutingConfig, moe_forward, quantize_expert_weights
+from moekit.layers.experts import choose_path, run_experts
 from moekit.reference.quantize import DEFAULT_EPS, FUSED_EPS, quantize_rows
 from moekit.reference.routing import SCORE_FUNCS, routing_weights
 
@@ -850,9 +851,16 @@ class BaselineMoE(torch.nn.Module):
         if a.apply_router_weight_on_input:
             xs = xs.float() * w_N.unsqueeze(1)  # FP8 quantizes the scaled float32 rows directly
         re = self.routed_experts
+        # MetaShufflingMoE's decode pipeline uses FP8 weights weight-only (16-bit activations).
+        weight_only = re.is_fp8_rowwise and choose_path(T * K, E) == "decode"
         if not re.is_fp8_rowwise:
             xs = xs.to(x_TD.dtype)
-        if re.is_fp8_rowwise:
+        if weight_only:
+            w13d, w2d = re.dequantized()
+            h = self._per_expert(xs.float(), w13d.float(), None, counts_E, 0.0)
+            z = _silu_mul_f32(h).to(torch.bfloat16).float()
+            y = self._per_expert(z, w2d.float(), None, counts_E, 0.0).to(torch.bfloat16)
+        elif re.is_fp8_rowwise:
             h = self._per_expert(xs, re.w13.data, re.w13_scale, counts_E, FUSED_EPS)
             y = self._per_expert(_silu_mul_f32(h), re.w2.data, re.w2_scale, counts_E, FUSED_EPS)
         else:
@@ -954,7 +962,20 @@ class MetaShufflingMoE(BaselineMoE):
         return moe_forward(
             x_TD, None, re.w13.data, re.w2.data, self.cfg, e_score_correction_bias=self.e_score_correction_bias_E,
             logits_TE=logits_TE, shared_out_TD=shared, w13_scale_e2F=re.w13_scale, w2_scale_eD=re.w2_scale,
-            deterministic=self.args.deterministic,
+            deterministic=self.args.deterministic, use_fast_accum=self.args.use_fast_accum,
+        )  # fmt: skip
+
+    def _route(
+        self, logits_TE: torch.Tensor, start: int, end: int, zero_buffer: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``route_and_shuffle`` with this layer's routing, experts ``[start, end)`` kept."""
+        from moekit.ops import route_and_shuffle
+
+        c = self.cfg
+        return route_and_shuffle(
+            logits_TE, c.top_k, c.score_func, c.renormalize, n_group=c.n_group, topk_group=c.topk_group,
+            e_score_correction_bias=self.e_score_correction_bias_E, routed_scaling_factor=c.routed_scaling_factor,
+            expert_index_start=start, expert_index_end=end, zero_buffer=zero_buffer,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1005,20 +1026,8 @@ class MetaShufflingMoE(BaselineMoE):
         """
         import torch.distributed as dist
 
-        from moekit.layers.functional import route
-        from moekit.ops import (
-            gather_scale_dense_tokens,
-            gather_scale_quant_dense_tokens,
-            grouped_gemm,
-            grouped_gemm_fp8_rowwise,
-            index_shuffling,
-            silu_mul,
-            silu_mul_quant,
-        )
-
         a, re = self.args, self.routed_experts
         R, (T, D), E, e, K = a.ep_size, x_TD.shape, a.num_experts, a.num_local_experts, a.top_k
-        F = re.hidden_dim
         e0 = a.expert_start
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -1033,36 +1042,16 @@ class MetaShufflingMoE(BaselineMoE):
         all_gather(logits_all, logits_TE, group=self.ep_group)
         shared = self.shared_forward(x_TD) if self.shared_experts is not None else None
 
-        sel, weights = route(logits_all, self.cfg, self.e_score_correction_bias_E)
-        counts, expert_ids, token_ids = index_shuffling(sel, expert_index_start=e0, expert_index_end=e0 + e, top_k=K)
-        m_sizes = counts[e0 : e0 + e]
-        local_w = weights[:, e0 : e0 + e]
-        token_weights = None
-        if a.apply_router_weight_on_input:
-            gather_scores = local_w
-        else:
-            gather_scores = torch.ones((1, 1), dtype=torch.float32, device=x_TD.device).expand(R * T, e)
-            token_weights = local_w[token_ids.clamp(min=0).long(), expert_ids.clamp(min=0).long()]
         out_dtype = torch.bfloat16 if re.is_fp8_rowwise else x_TD.dtype
-        partial = torch.zeros(R * T, D, dtype=out_dtype, device=x_TD.device)
-        if re.is_fp8_rowwise:
-            xq, xs = gather_scale_quant_dense_tokens(x_all, token_ids, expert_ids, gather_scores)
-            h = grouped_gemm_fp8_rowwise(xq, re.w13.data.view(-1, D), m_sizes, xs, re.w13_scale.reshape(-1),
-                                         a.use_fast_accum)  # fmt: skip
-            zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
-            grouped_gemm_fp8_rowwise(
-                zq, re.w2.data.view(-1, F), m_sizes, zs, re.w2_scale.reshape(-1), a.use_fast_accum,
-                token_weights=token_weights, _output_tensor=partial, _scatter_add_indices=token_ids,
-                deterministic=a.deterministic,
-            )  # fmt: skip
-        else:
-            xg = gather_scale_dense_tokens(x_all, token_ids, expert_ids, gather_scores)
-            h = grouped_gemm(xg, re.w13.data.view(-1, D), m_sizes)
-            z = silu_mul(h[:, :F], h[:, F:])
-            grouped_gemm(
-                z, re.w2.data.view(-1, F), m_sizes, token_weights=token_weights, _output_tensor=partial,
-                _scatter_add_indices=token_ids, deterministic=a.deterministic,
-            )  # fmt: skip
+        partial = torch.empty(R * T, D, dtype=out_dtype, device=x_TD.device)  # zeroed by the routing launch
+        counts, expert_ids, token_ids, row_weights = self._route(logits_all, e0, e0 + e, zero_buffer=partial)
+        # The pipeline the single-GPU layer would take for all R * T tokens (same numerics).
+        run_experts(
+            x_all, re.w13.data, re.w2.data, counts[e0 : e0 + e], token_ids=token_ids, expert_ids=expert_ids,
+            row_weights=row_weights, weight_on_input=a.apply_router_weight_on_input, w13_scale=re.w13_scale,
+            w2_scale=re.w2_scale, out=partial, deterministic=a.deterministic, use_fast_accum=a.use_fast_accum,
+            path=choose_path(R * T * K, E),
+        )  # fmt: skip
         if a.uses_dedup_comm:
             # Sum the TP shards' partial rows first (inside the TP group), this rank's column
             # slice only, then over the EP group: 1 / tp_size of the bytes between EP ranks.
@@ -1155,40 +1144,30 @@ class MetaShufflingMoE(BaselineMoE):
         """
         import torch.distributed as dist
 
-        from moekit.layers.functional import route
         from moekit.ops import (
             combine_shuffling,
             gather_scale_dense_tokens,
             gather_scale_quant_dense_tokens,
-            grouped_gemm,
-            grouped_gemm_fp8_rowwise,
-            index_shuffling,
             scatter_add_dense_tokens,
-            silu_mul,
-            silu_mul_quant,
             split_shuffling,
         )
 
         a, re = self.args, self.routed_experts
         R, (T, D), E, e, K = a.ep_size, x_TD.shape, a.num_experts, a.num_local_experts, a.top_k
-        F = re.hidden_dim
         dev, group = x_TD.device, self.ep_group
         fp8 = re.is_fp8_rowwise
-        on_input = a.apply_router_weight_on_input
-        side_band = fp8 or not on_input  # per-row float32 metadata travels with the rows
         out_dtype = torch.bfloat16 if fp8 else x_TD.dtype
         x_TD = x_TD.contiguous()
         N = T * K
 
         # 1. Local routing: rows sorted by global expert (all E in range: every row is valid).
         if T:
-            sel, weights = route(self.router_logits(x_TD), self.cfg, self.e_score_correction_bias_E)
-            counts, expert_ids, token_ids = index_shuffling(sel, top_k=K)
+            counts, expert_ids, token_ids, row_weights = self._route(self.router_logits(x_TD), 0, E)
             send_counts_E = counts[:E]
         else:  # a rank without tokens still takes part in every collective
-            weights = torch.zeros(0, E, dtype=torch.float32, device=dev)
             send_counts_E = torch.zeros(E, dtype=torch.int32, device=dev)
             expert_ids = token_ids = torch.zeros(0, dtype=torch.int32, device=dev)
+            row_weights = torch.zeros(0, dtype=torch.float32, device=dev)
 
         # 2. Counts: send_counts_E[r*e + j] rows go to rank r's local expert j; recv_counts_Re[r, j]
         #    rows come from rank r for this rank's local expert j. Then the one host sync.
@@ -1199,19 +1178,20 @@ class MetaShufflingMoE(BaselineMoE):
         send_splits, recv_splits = per_rank.cpu().tolist()  # host sync (the documented exception)
         N_recv = sum(recv_splits)
 
-        # 3. Send rows (+ side band), all-to-all; the shared expert overlaps the exchange.
-        gather_scores = weights if on_input else torch.ones((1, 1), dtype=torch.float32, device=dev).expand(T, E)
-        meta_N8 = torch.zeros(N, 8, dtype=torch.float32, device=dev) if side_band else None
+        # 3. Send rows (FP8: quantized row-wise, half the bytes) with a float32 side band per row
+        #    (FP8 dequant scale, router weight: the receiver applies it on the expert's input or
+        #    output), all-to-all; the shared expert overlaps the exchange.
+        ones = torch.ones((1, 1), dtype=torch.float32, device=dev).expand(T, E)
+        meta_N8 = torch.zeros(N, 8, dtype=torch.float32, device=dev)
+        meta_N8[:, 1] = row_weights
         if fp8:
             if T:
-                send_x, x_scale = gather_scale_quant_dense_tokens(x_TD, token_ids, expert_ids, gather_scores)
+                send_x, x_scale = gather_scale_quant_dense_tokens(x_TD, token_ids, expert_ids, ones)
                 meta_N8[:, 0] = x_scale
             else:
                 send_x = torch.empty(0, D, dtype=FP8_DTYPE, device=dev)
         else:
-            send_x = gather_scale_dense_tokens(x_TD, token_ids, expert_ids, gather_scores) if T else x_TD[:0]
-        if not on_input and T:
-            meta_N8[:, 1] = weights[token_ids.long(), expert_ids.long()]
+            send_x = gather_scale_dense_tokens(x_TD, token_ids, expert_ids, ones) if T else x_TD[:0]
         dedup = a.uses_dedup_comm
         if dedup:  # only this TP rank's column slice crosses the EP group
             Ds, c0 = self._dedup_slice(D)
@@ -1220,10 +1200,8 @@ class MetaShufflingMoE(BaselineMoE):
         else:
             recv_x = torch.empty(N_recv, D, dtype=send_x.dtype, device=dev)
             works = [_all_to_all_rows(recv_x, send_x, recv_splits, send_splits, group)]
-        recv_meta = None
-        if side_band:
-            recv_meta = torch.empty(N_recv, 8, dtype=torch.float32, device=dev)
-            works.append(_all_to_all_rows(recv_meta, meta_N8, recv_splits, send_splits, group))
+        recv_meta = torch.empty(N_recv, 8, dtype=torch.float32, device=dev)
+        works.append(_all_to_all_rows(recv_meta, meta_N8, recv_splits, send_splits, group))
         shared = self.shared_forward(x_TD) if self.shared_experts is not None and T else None
         for w in works:
             w.wait()
@@ -1233,19 +1211,12 @@ class MetaShufflingMoE(BaselineMoE):
         # 4. Local experts on the received rows, expert-major, then back to rank-major.
         if N_recv:
             xe, counts_out = combine_shuffling(recv_x, recv_counts_Re)
-            m_sizes = counts_out[:e]
-            me = combine_shuffling(recv_meta, recv_counts_Re)[0] if side_band else None
-            token_weights = None if on_input else me[:, 1].contiguous()
-            if fp8:
-                h = grouped_gemm_fp8_rowwise(xe, re.w13.data.view(-1, D), m_sizes, me[:, 0].contiguous(),
-                                             re.w13_scale.reshape(-1), a.use_fast_accum)  # fmt: skip
-                zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
-                y = grouped_gemm_fp8_rowwise(zq, re.w2.data.view(-1, F), m_sizes, zs, re.w2_scale.reshape(-1),
-                                             a.use_fast_accum, token_weights=token_weights)  # fmt: skip
-            else:
-                h = grouped_gemm(xe, re.w13.data.view(-1, D), m_sizes)
-                z = silu_mul(h[:, :F], h[:, F:])
-                y = grouped_gemm(z, re.w2.data.view(-1, F), m_sizes, token_weights=token_weights)
+            me = combine_shuffling(recv_meta, recv_counts_Re)[0]
+            y = run_experts(
+                xe, re.w13.data, re.w2.data, counts_out[:e], row_weights=me[:, 1].contiguous(),
+                weight_on_input=a.apply_router_weight_on_input, x_scale=me[:, 0].contiguous() if fp8 else None,
+                w13_scale=re.w13_scale, w2_scale=re.w2_scale, use_fast_accum=a.use_fast_accum,
+            )  # fmt: skip
             back = split_shuffling(y, recv_counts_Re)
         else:
             back = torch.empty(0, D, dtype=out_dtype, device=dev)
@@ -1255,7 +1226,7 @@ class MetaShufflingMoE(BaselineMoE):
         y_N = torch.empty(N, back.shape[1], dtype=out_dtype, device=dev)
         _all_to_all_rows(y_N, back, send_splits, recv_splits, group).wait()
 
-        # 5. Rows back onto their tokens (same row order as this rank's index_shuffling).
+        # 5. Rows back onto their tokens (same row order as this rank's routing).
         if dedup:
             routed = torch.zeros(T, y_N.shape[1], dtype=out_dtype, device=dev)
             if N:

@@ -46,7 +46,7 @@ from moekit.ops._common import use_triton
 # attribute: load the module itself.
 _ref = importlib.import_module("moekit.reference.grouped_gemm")
 
-__all__ = ["grouped_gemm", "grouped_gemm_fp8_rowwise", "f8f8bf16_rowwise"]
+__all__ = ["grouped_gemm", "grouped_gemm_fp8_rowwise", "grouped_gemm_swiglu", "f8f8bf16_rowwise"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -71,11 +71,12 @@ def _validate(
     output: Optional[torch.Tensor],
     indices: Optional[torch.Tensor],
     out_dtype: Optional[torch.dtype],
+    w_dtype: Optional[torch.dtype] = None,
 ) -> tuple[int, int, int, int]:
     check_tensor("x", x, ndim=2, dtype=x_dtypes)
     M, K = x.shape
     dev = x.device
-    check_tensor("w", w, ndim=2, dtype=x.dtype, device=dev)
+    check_tensor("w", w, ndim=2, dtype=w_dtype or x.dtype, device=dev)
     check_tensor("m_sizes", m_sizes, ndim=1, dtype=INDEX_DTYPES, device=dev)
     G = m_sizes.shape[0]
     if G < 1:
@@ -135,12 +136,13 @@ def _grouped_gemm_op(
     bias: Optional[torch.Tensor] = None,
     token_weights: Optional[torch.Tensor] = None,
     use_fast_accum: bool = True,
+    w_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     if use_triton(x):
         from moekit.ops._triton import grouped_gemm as _tri
 
-        return _tri.grouped_gemm(x, w, m_sizes, bias=_flat(bias), token_weights=token_weights)
-    return _ref.grouped_gemm(x, w, m_sizes, bias, token_weights)
+        return _tri.grouped_gemm(x, w, m_sizes, bias=_flat(bias), token_weights=token_weights, w_scale=_flat(w_scale))
+    return _ref.grouped_gemm(x, w, m_sizes, bias, token_weights, w_scale=w_scale)
 
 
 @triton_op("moekit::grouped_gemm_scatter_add", mutates_args=("output",))
@@ -154,17 +156,19 @@ def _grouped_gemm_scatter_add_op(
     token_weights: Optional[torch.Tensor] = None,
     use_fast_accum: bool = True,
     deterministic: bool = False,
+    w_scale: Optional[torch.Tensor] = None,
 ) -> None:
     if use_triton(x):
         from moekit.ops._triton import grouped_gemm as _tri
 
         _tri.grouped_gemm(
             x, w, m_sizes, bias=_flat(bias), token_weights=token_weights, out=output,
-            scatter_indices=scatter_add_indices, deterministic=deterministic,
+            scatter_indices=scatter_add_indices, deterministic=deterministic, w_scale=_flat(w_scale),
         )  # fmt: skip
         return
     _ref.grouped_gemm(
-        x, w, m_sizes, bias, token_weights, _output_tensor=output, _scatter_add_indices=scatter_add_indices
+        x, w, m_sizes, bias, token_weights, _output_tensor=output, _scatter_add_indices=scatter_add_indices,
+        w_scale=w_scale,
     )
 
 
@@ -213,6 +217,25 @@ def _grouped_gemm_fp8_rowwise_scatter_add_op(
         x, w, m_sizes, x_scale, w_scale, token_weights=token_weights, _output_tensor=output,
         _scatter_add_indices=scatter_add_indices,
     )  # fmt: skip
+
+
+@triton_op("moekit::grouped_gemm_swiglu", mutates_args=())
+def _grouped_gemm_swiglu_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    m_sizes: torch.Tensor,
+    gather_indices: Optional[torch.Tensor] = None,
+    row_scales: Optional[torch.Tensor] = None,
+    x_scale: Optional[torch.Tensor] = None,
+    w_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    if use_triton(x):
+        from moekit.ops._triton import gg_swiglu as _sw
+
+        return _sw.grouped_gemm_swiglu(x, w13, m_sizes, gather_indices, row_scales, _flat(x_scale), _flat(w_scale))
+    return _ref.grouped_gemm_swiglu(
+        x, w13, m_sizes, gather_indices=gather_indices, row_scales=row_scales, x_scale=x_scale, w_scale=w_scale
+    )
 
 
 # Dense FP8 on CUDA: the Triton kernel (1 group) below this many rows, torch._scaled_mm (cuBLASLt /
@@ -281,6 +304,7 @@ def grouped_gemm(
     _output_tensor: Optional[torch.Tensor] = None,
     _scatter_add_indices: Optional[torch.Tensor] = None,
     deterministic: bool = False,
+    w_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``y[i] = (x[i] @ w_g.T + bias[g]) * token_weights[i]`` for row ``i`` of group ``g``.
 
@@ -289,13 +313,23 @@ def grouped_gemm(
     (rows past ``sum(m_sizes)`` unwritten), or, with ``_output_tensor [T, N]`` and
     ``_scatter_add_indices [M]``, adds row i into ``_output_tensor[idx[i]]`` and returns
     ``_output_tensor`` (atomics; ``deterministic=True`` for a reproducible order).
+    ``w_scale [G * N]`` float32 (moekit): ``w`` is FP8 e4m3fn with row-wise dequant scales and x
+    stays 16-bit (weight-only FP8: no activation quantization; decode, where the weights are the
+    traffic).
     """
-    _validate(x, w, m_sizes, _FLOATS, bias, token_weights, _output_tensor, _scatter_add_indices, x.dtype)
+    _validate(x, w, m_sizes, _FLOATS, bias, token_weights, _output_tensor, _scatter_add_indices, x.dtype,
+              w_dtype=None if w_scale is None else FP8_DTYPE)  # fmt: skip
+    if w_scale is not None:
+        check_tensor("w_scale", w_scale, dtype=torch.float32, device=x.device)
+        if w_scale.numel() != w.shape[0]:
+            raise ValueError(
+                f"w_scale must have {w.shape[0]} elements (one per row of w), got shape {tuple(w_scale.shape)}"
+            )
     if _output_tensor is None:
-        return torch.ops.moekit.grouped_gemm(x, w, m_sizes, bias, token_weights, bool(use_fast_accum))
+        return torch.ops.moekit.grouped_gemm(x, w, m_sizes, bias, token_weights, bool(use_fast_accum), w_scale)
     torch.ops.moekit.grouped_gemm_scatter_add(
         x, w, m_sizes, _output_tensor, _scatter_add_indices, bias, token_weights, bool(use_fast_accum),
-        bool(deterministic),
+        bool(deterministic), w_scale,
     )  # fmt: skip
     return _output_tensor
 
@@ -329,6 +363,69 @@ def grouped_gemm_fp8_rowwise(
         bool(deterministic),
     )  # fmt: skip
     return _output_tensor
+
+
+def grouped_gemm_swiglu(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    m_sizes: torch.Tensor,
+    *,
+    gather_indices: Optional[torch.Tensor] = None,
+    row_scales: Optional[torch.Tensor] = None,
+    x_scale: Optional[torch.Tensor] = None,
+    w_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The gate|up GEMM of SwiGLU experts with ``silu(gate) * up`` fused into its epilogue:
+    ``z [M, F]`` with ``z[i] = silu(h[i, :F]) * h[i, F:]``, ``h[i] = x[src_i] @ w13_g.T`` for row
+    ``i`` of group ``g`` (``m_sizes [G]`` on the device, as in ``grouped_gemm``).
+
+    ``w13 [G * 2F, K]``: each expert's F gate rows, then its F up rows (``w13_e2FD.view(-1, D)``).
+    ``gather_indices [M]`` (optional): row i reads token row ``x[gather_indices[i]]`` directly (no
+    gathered copy; ``index_shuffling``'s token indices); negative / out-of-range entries leave row
+    i unwritten. Without it x holds the M rows. ``row_scales [M]``: a per-row factor on ``h``
+    before the SiLU (the router weight applied to the expert input). Dtypes: x and w13 bf16 /
+    fp16 / fp32; or FP8 e4m3fn both, with ``x_scale`` (one per x row) and ``w_scale`` ``[G * 2F]``
+    float32 dequant scales; or 16-bit x with FP8 ``w13`` and ``w_scale`` (weight-only FP8).
+    Returns ``z`` in x's dtype (bf16 for FP8 x); rows past ``sum(m_sizes)`` are left unwritten.
+    No host synchronization; CUDA-graph capturable.
+    """
+    check_tensor("x", x, ndim=2, dtype=_FLOATS + (FP8_DTYPE,))
+    R, K = x.shape
+    dev = x.device
+    fp8_x = x.dtype == FP8_DTYPE
+    w_dtype = FP8_DTYPE if (fp8_x or w_scale is not None) else x.dtype
+    check_tensor("w13", w13, ndim=2, dtype=w_dtype, device=dev)
+    check_tensor("m_sizes", m_sizes, ndim=1, dtype=INDEX_DTYPES, device=dev)
+    G = m_sizes.shape[0]
+    if G < 1:
+        raise ValueError("m_sizes must have at least one group, got shape (0,)")
+    if w13.shape[1] != K or w13.shape[0] == 0 or w13.shape[0] % (2 * G):
+        raise ValueError(
+            f"w13 must have shape [G * 2F, K] = [{G} * 2F, {K}] (G = len(m_sizes) groups, F > 0), "
+            f"got {tuple(w13.shape)}"
+        )
+    F = w13.shape[0] // (2 * G)
+    _check_dims("x.shape[1]", K, "K")
+    _check_dims("w13.shape[0] // (2 * G)", F, "F")
+    M = R
+    if gather_indices is not None:
+        check_tensor("gather_indices", gather_indices, ndim=1, dtype=INDEX_DTYPES, device=dev)
+        M = gather_indices.shape[0]
+    if row_scales is not None:
+        check_tensor("row_scales", row_scales, dtype=_FLOATS, shape=(M,), device=dev)
+    if fp8_x:
+        if x_scale is None or w_scale is None:
+            raise ValueError("FP8 x needs x_scale (one per x row) and w_scale (one per w13 row)")
+        check_tensor("x_scale", x_scale, dtype=torch.float32, device=dev)
+        if x_scale.numel() != R:
+            raise ValueError(f"x_scale must have {R} elements (one per row of x), got shape {tuple(x_scale.shape)}")
+    elif x_scale is not None:
+        raise ValueError(f"x_scale is for FP8 x only, got x of dtype {x.dtype}")
+    if w_scale is not None:
+        check_tensor("w_scale", w_scale, dtype=torch.float32, device=dev)
+        if w_scale.numel() != G * 2 * F:
+            raise ValueError(f"w_scale must have G * 2F = {G * 2 * F} elements, got shape {tuple(w_scale.shape)}")
+    return torch.ops.moekit.grouped_gemm_swiglu(x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale)
 
 
 def f8f8bf16_rowwise(

@@ -1,12 +1,17 @@
-"""Routing ops: ``index_shuffling`` (MSLK ``torch.ops.mslk.index_shuffling`` API).
+"""Routing ops: ``index_shuffling`` (MSLK ``torch.ops.mslk.index_shuffling`` API) and
+``route_and_shuffle`` (router logits -> score function -> top-k -> weights and the sorted row
+layout, fused).
 
-The public function validates its arguments, then calls the registered op
-``torch.ops.moekit.index_shuffling``, which runs the Triton kernels on CUDA tensors and the
-float32 reference (``moekit.reference.routing.index_shuffling``) on CPU tensors.
+Each public function validates its arguments, then calls its registered op
+(``torch.ops.moekit.index_shuffling``, ``torch.ops.moekit.route_and_shuffle``), which runs the
+Triton kernels on CUDA tensors and the float32 reference (``moekit.reference.routing``) on CPU
+tensors. ``dense_route`` is the same routing as plain torch ops on dense ``[T, E]`` tensors (the
+path of batches too large for the one-launch kernel).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -15,10 +20,101 @@ from torch.library import triton_op
 from moekit._checks import check_int, check_optional_count, check_tensor, expert_range
 from moekit.ops._common import use_triton
 from moekit.reference import routing as _ref
+from moekit.reference.routing import SCORE_FUNCS
 
-__all__ = ["index_shuffling", "SCORE_DTYPES"]
+__all__ = ["index_shuffling", "route_and_shuffle", "dense_route", "check_routing_options", "SCORE_DTYPES"]
 
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing options (shared by RoutingConfig, MoEArgs and the ops)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_routing_options(
+    top_k: object,
+    score_func: object,
+    renormalize: object,
+    n_group: object,
+    topk_group: object,
+    routed_scaling_factor: object,
+    num_experts: Optional[int] = None,
+) -> None:
+    """Validate routing options (and, given ``num_experts``, their fit with it); raises
+    ``TypeError`` / ``ValueError`` naming the option."""
+    check_int("top_k", top_k, lo=1)
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+        raise TypeError(f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}")
+    if not math.isfinite(routed_scaling_factor):
+        raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor}")
+    if (n_group is None) != (topk_group is None):
+        raise ValueError(f"n_group and topk_group go together, got n_group={n_group}, topk_group={topk_group}")
+    if n_group is not None:
+        check_int("n_group", n_group, lo=1)
+        check_int("topk_group", topk_group, lo=1, hi=n_group)
+        if score_func == "topk_softmax":
+            raise ValueError("score_func='topk_softmax' does not take n_group / topk_group (grouped routing)")
+    if num_experts is None:
+        return
+    check_int("top_k", top_k, lo=1, hi=num_experts)
+    if n_group is not None:
+        if num_experts % n_group:
+            raise ValueError(f"n_group ({n_group}) must divide the number of experts ({num_experts})")
+        allowed = topk_group * (num_experts // n_group)
+        if top_k > allowed:
+            raise ValueError(
+                f"top_k ({top_k}) must be <= topk_group * experts per group ({topk_group} * "
+                f"{num_experts // n_group} = {allowed})"
+            )
+
+
+def dense_route(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    score_func: str = "sigmoid",
+    renormalize: bool = False,
+    n_group: Optional[int] = None,
+    topk_group: Optional[int] = None,
+    e_score_correction_bias: Optional[torch.Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(selection scores [T, E], weights [T, E])`` in float32, with static-shape torch ops.
+
+    The top-k of the selection scores (ties to the lower index) are the chosen experts; the weight
+    of a chosen (token, expert) pair is read from the second tensor (``routing_weights``'s
+    contract, options already validated)."""
+    logits = logits_TE.float()
+    T, E = logits.shape
+    k = top_k
+    if score_func == "topk_softmax":
+        # softmax over the selected k: exp(l - max) / sum over the top-k of exp(l - max).
+        top = torch.topk(logits, k, dim=-1).values
+        ex = torch.exp(logits - top[:, :1])
+        weights = ex / torch.exp(top - top[:, :1]).sum(dim=-1, keepdim=True)
+        return logits, weights * routed_scaling_factor
+    scores = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores
+    if e_score_correction_bias is not None:
+        choice = scores + e_score_correction_bias.float()
+    if n_group is not None:
+        G = n_group
+        per = E // G
+        top2 = torch.topk(choice.view(T, G, per), min(2, per), dim=-1).values.sum(dim=-1)
+        gids = torch.topk(top2, topk_group, dim=-1).indices
+        gmask = torch.zeros(T, G, dtype=torch.bool, device=logits.device).scatter_(1, gids, True)
+        choice = choice.masked_fill(~gmask.repeat_interleave(per, dim=1), float("-inf"))
+    weights = scores
+    if renormalize:
+        ids = torch.topk(choice, k, dim=-1).indices
+        weights = scores / scores.gather(1, ids).sum(dim=-1, keepdim=True)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return choice, weights
 
 
 @triton_op("moekit::index_shuffling", mutates_args=())
@@ -91,3 +187,109 @@ def index_shuffling(
     return torch.ops.moekit.index_shuffling(
         routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# route_and_shuffle
+# ----------------------------------------------------------------------------------------------
+
+
+@triton_op("moekit::route_and_shuffle", mutates_args=("zero_buffer",))
+def _route_and_shuffle_op(
+    logits_TE: torch.Tensor,
+    e_score_correction_bias: Optional[torch.Tensor],
+    top_k: int,
+    score_func: str,
+    renormalize: bool,
+    n_group: Optional[int],
+    topk_group: Optional[int],
+    routed_scaling_factor: float,
+    expert_index_start: int,
+    expert_index_end: int,
+    zero_buffer: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_triton(logits_TE):
+        from moekit.ops._triton import route as _route
+        from moekit.ops._triton import routing as _tri
+
+        T, E = logits_TE.shape
+        if _route.kernel_supports(T, E, top_k, n_group):
+            return _route.route_and_shuffle(
+                logits_TE, e_score_correction_bias, top_k, score_func, renormalize, n_group, topk_group,
+                routed_scaling_factor, expert_index_start, expert_index_end, zero_buffer,
+            )  # fmt: skip
+        # Batches past the one-launch kernel: dense scores (torch ops), index_shuffling's kernels,
+        # one gather of the sorted rows' weights.
+        sel, weights = dense_route(
+            logits_TE, top_k, score_func, renormalize, n_group, topk_group, e_score_correction_bias,
+            routed_scaling_factor,
+        )  # fmt: skip
+        if E <= _tri.MAX_KERNEL_E:
+            counts, eidx, tidx = _tri.index_shuffling(sel, expert_index_start, expert_index_end, None, top_k)
+        else:
+            counts, eidx, tidx = _ref.index_shuffling(sel, expert_index_start, expert_index_end, None, top_k)
+        ok = tidx >= 0
+        rw = weights[tidx.clamp(min=0).long(), (eidx.clamp(min=0) + expert_index_start).long()]
+        if zero_buffer is not None:
+            zero_buffer.zero_()
+        return counts, eidx, tidx, torch.where(ok, rw, 0.0)
+    out = _ref.route_and_shuffle(
+        logits_TE, top_k, score_func, renormalize, n_group=n_group, topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=routed_scaling_factor,
+        expert_index_start=expert_index_start, expert_index_end=expert_index_end,
+    )  # fmt: skip
+    if zero_buffer is not None:
+        zero_buffer.zero_()
+    return out
+
+
+def route_and_shuffle(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    score_func: str = "sigmoid",
+    renormalize: bool = False,
+    *,
+    n_group: Optional[int] = None,
+    topk_group: Optional[int] = None,
+    e_score_correction_bias: Optional[torch.Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+    expert_index_start: Optional[int] = None,
+    expert_index_end: Optional[int] = None,
+    zero_buffer: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits to the sorted row layout, fused: score function, top-k, weights, counts
+    and ``index_shuffling``'s (expert, token)-sorted rows, in one launch for ``T <= 256`` tokens,
+    ``E <= 512``, ``top_k <= 16`` (batches beyond take a few launches: dense scores, then
+    ``index_shuffling``).
+
+    Routing options are ``moekit.reference.routing_weights``'s (``score_func`` sigmoid / softmax /
+    topk_softmax, ``renormalize``, DeepSeek grouped top-k ``n_group`` / ``topk_group``,
+    ``e_score_correction_bias [E]`` for selection, ``routed_scaling_factor``); ``logits_TE``
+    ``[T, E]`` bf16 / fp16 / fp32, any strides. Returns ``(token_counts [E + 2], expert_indices
+    [T * top_k], token_indices [T * top_k])`` exactly as ``index_shuffling`` of the chosen experts
+    (int32, deterministic) and ``row_weights [T * top_k]`` float32: row r's routing weight (0 in
+    the -1 tail). ``zero_buffer`` (optional, contiguous) is set to zeros by the same launch: the
+    output the down GEMM adds into needs no memset of its own. No host synchronization;
+    CUDA-graph capturable.
+    """
+    check_tensor("logits_TE", logits_TE, dtype=SCORE_DTYPES, ndim=2)
+    T, E = logits_TE.shape
+    if E < 1:
+        raise ValueError(f"logits_TE must have at least one expert column, got shape {(T, E)}")
+    check_routing_options(top_k, score_func, renormalize, n_group, topk_group, routed_scaling_factor, E)
+    start, end = expert_range(
+        E, expert_index_start, expert_index_end, start_name="expert_index_start", end_name="expert_index_end"
+    )
+    if e_score_correction_bias is not None:
+        if score_func == "topk_softmax":
+            raise ValueError("score_func='topk_softmax' does not take e_score_correction_bias")
+        check_tensor("e_score_correction_bias", e_score_correction_bias, dtype=SCORE_DTYPES, shape=(E,),
+                     device=logits_TE.device)  # fmt: skip
+    if zero_buffer is not None:
+        check_tensor("zero_buffer", zero_buffer, device=logits_TE.device, contiguous=True)
+    if T * top_k >= 2**31:
+        raise ValueError(f"logits_TE rows * top_k must be < 2**31, got {T} * {top_k} = {T * top_k}")
+    return torch.ops.moekit.route_and_shuffle(
+        logits_TE, e_score_correction_bias, top_k, score_func, renormalize, n_group, topk_group,
+        float(routed_scaling_factor), start, end, zero_buffer,
+    )  # fmt: skip

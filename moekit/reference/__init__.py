@@ -12,7 +12,12 @@ from moekit.reference.gather_scatter import (
     scatter_add_dense_tokens_deterministic,
     scatter_add_padded_tokens,
 )
-from moekit.reference.grouped_gemm import f8f8bf16_rowwise, grouped_gemm, grouped_gemm_fp8_rowwise
+from moekit.reference.grouped_gemm import (
+    f8f8bf16_rowwise,
+    grouped_gemm,
+    grouped_gemm_fp8_rowwise,
+    grouped_gemm_swiglu,
+)
 from moekit.reference.moe import moe_forward, swiglu_expert
 from moekit.reference.norm import (
     all_reduce_rms_norm,
@@ -23,7 +28,7 @@ from moekit.reference.norm import (
     topk_finalize,
 )
 from moekit.reference.quantize import DEFAULT_EPS, FUSED_EPS, dequantize_fp8_row, quantize_fp8_row
-from moekit.reference.routing import dense_scores, index_shuffling, routing_weights, topk
+from moekit.reference.routing import dense_scores, index_shuffling, route_and_shuffle, routing_weights, topk
 from moekit.reference.shuffling import combine_shuffling, split_shuffling
 
 __all__ = [
@@ -38,6 +43,7 @@ __all__ = [
     "gather_scale_quant_dense_tokens",
     "grouped_gemm",
     "grouped_gemm_fp8_rowwise",
+    "grouped_gemm_swiglu",
     "index_shuffling",
     "moe_forward",
     "moe_tail",
@@ -45,6 +51,7 @@ __all__ = [
     "rank_sum",
     "reduce_scatter_hidden",
     "rms_norm",
+    "route_and_shuffle",
     "routing_weights",
     "scatter_add_dense_tokens",
     "scatter_add_dense_tokens_deterministic",

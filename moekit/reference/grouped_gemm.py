@@ -13,7 +13,7 @@ import torch
 
 from moekit._checks import FP8_DTYPE, INDEX_DTYPES, check_tensor
 
-__all__ = ["grouped_gemm", "grouped_gemm_fp8_rowwise", "f8f8bf16_rowwise", "group_of_rows"]
+__all__ = ["grouped_gemm", "grouped_gemm_fp8_rowwise", "grouped_gemm_swiglu", "f8f8bf16_rowwise", "group_of_rows"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -24,10 +24,10 @@ def group_of_rows(m_sizes: torch.Tensor, M: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(M, device=m_sizes.device), right=True)
 
 
-def _check_common(x, w, m_sizes, x_dtypes, name_w="w"):
+def _check_common(x, w, m_sizes, x_dtypes, name_w="w", w_dtype=None):
     check_tensor("x", x, ndim=2, dtype=x_dtypes)
     M, K = x.shape
-    check_tensor(name_w, w, ndim=2, dtype=x.dtype, device=x.device)
+    check_tensor(name_w, w, ndim=2, dtype=w_dtype or x.dtype, device=x.device)
     check_tensor("m_sizes", m_sizes, ndim=1, dtype=INDEX_DTYPES, device=x.device)
     G = m_sizes.shape[0]
     if G < 1:
@@ -82,6 +82,7 @@ def grouped_gemm(
     _use_warp_specialization: bool = True,
     _output_tensor: Optional[torch.Tensor] = None,
     _scatter_add_indices: Optional[torch.Tensor] = None,
+    w_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``y[i] = (x[i] @ w_g.T + bias[g]) * token_weights[i]`` for row ``i`` of group ``g``.
 
@@ -89,10 +90,17 @@ def grouped_gemm(
     ``x.dtype``. With ``_output_tensor`` ``[T, N]`` and ``_scatter_add_indices`` ``[M]``:
     ``_output_tensor[idx[i]] += y[i]`` for computed rows (negative ``idx`` skipped), returning
     ``_output_tensor``. ``use_fast_accum`` and ``_use_warp_specialization`` are tuning hints.
+    With ``w_scale`` ``[G * N]`` float32, ``w`` is FP8 e4m3fn with row-wise dequant scales and ``x``
+    stays 16/32-bit (weight-only FP8): ``w_g[n] = w_scale[g*N + n] * wq_g[n]``.
     """
-    M, K, G, N = _check_common(x, w, m_sizes, _FLOATS)
+    M, K, G, N = _check_common(x, w, m_sizes, _FLOATS, w_dtype=None if w_scale is None else FP8_DTYPE)
     group = group_of_rows(m_sizes, M)
     y = _grouped_product(x.float(), w.float(), group, G, N)
+    if w_scale is not None:
+        check_tensor("w_scale", w_scale, dtype=torch.float32, device=x.device)
+        if w_scale.numel() != G * N:
+            raise ValueError(f"w_scale must have G * N = {G * N} elements, got shape {tuple(w_scale.shape)}")
+        y = y * w_scale.reshape(G, N)[group.clamp(max=G - 1)]
     if bias is not None:
         check_tensor("bias", bias, device=x.device)
         if bias.numel() != G * N:
@@ -129,6 +137,72 @@ def grouped_gemm_fp8_rowwise(
     ws = w_scale.reshape(G, N)[group.clamp(max=G - 1)]
     y = y * x_scale.reshape(M, 1) * ws
     return _finish(y, group, G, M, N, torch.bfloat16, token_weights, _output_tensor, _scatter_add_indices)
+
+
+def grouped_gemm_swiglu(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    m_sizes: torch.Tensor,
+    *,
+    gather_indices: Optional[torch.Tensor] = None,
+    row_scales: Optional[torch.Tensor] = None,
+    x_scale: Optional[torch.Tensor] = None,
+    w_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Gate|up grouped GEMM with the SwiGLU fused: ``z[i] = silu(h[i, :F]) * h[i, F:]`` with
+    ``h[i] = (x[src_i] @ w13_g.T) * x_scale[src_i] * w_scale[g rows] * row_scales[i]`` for row ``i``
+    of group ``g`` (``m_sizes`` as in ``grouped_gemm``).
+
+    ``w13`` ``[G * 2F, K]``: group g's ``2F`` rows are its F gate rows, then its F up rows.
+    ``src_i = gather_indices[i]`` when given (``M = len(gather_indices)`` rows read from ``x`` by
+    index, no gathered copy; a negative or out-of-range index leaves row i uncomputed), else
+    ``src_i = i`` (``M = x.shape[0]``). ``x`` bf16/fp16/fp32, or FP8 e4m3fn with ``x_scale``
+    ``[x rows]``; ``w13`` of x's dtype, or FP8 with ``w_scale`` ``[G * 2F]`` (with 16-bit x: weight-only
+    FP8). ``row_scales`` ``[M]`` (the router weight applied to the expert's input) scales ``h``
+    before the SiLU. Returns ``[M, F]`` in x's dtype (bf16 for FP8 x); rows not computed are 0 here
+    (left unwritten by the kernels).
+    """
+    fp8_x = x.dtype == FP8_DTYPE
+    check_tensor("x", x, ndim=2, dtype=_FLOATS + (FP8_DTYPE,))
+    R, K = x.shape
+    w_dtype = FP8_DTYPE if (w_scale is not None or fp8_x) else x.dtype
+    check_tensor("w13", w13, ndim=2, dtype=w_dtype, device=x.device)
+    check_tensor("m_sizes", m_sizes, ndim=1, dtype=INDEX_DTYPES, device=x.device)
+    G = m_sizes.shape[0]
+    if G < 1 or w13.shape[0] % (2 * G) or w13.shape[1] != K:
+        raise ValueError(
+            f"w13 must have shape [G * 2F, K] = [{G} * 2F, {K}] (G = len(m_sizes)), got {tuple(w13.shape)}"
+        )
+    twoF = w13.shape[0] // G
+    F = twoF // 2
+    if gather_indices is not None:
+        check_tensor("gather_indices", gather_indices, ndim=1, dtype=INDEX_DTYPES, device=x.device)
+        M = gather_indices.shape[0]
+        src = gather_indices.long()
+    else:
+        M = R
+        src = torch.arange(M, device=x.device)
+    ok = (src >= 0) & (src < R)
+    src = torch.where(ok, src, 0)
+    xr = x.float()[src] if R else torch.zeros(M, K, device=x.device)
+    group = group_of_rows(m_sizes, M)
+    h = _grouped_product(xr, w13.float(), group, G, twoF)
+    if fp8_x:
+        check_tensor("x_scale", x_scale, dtype=torch.float32, device=x.device)
+        if x_scale.numel() != R:
+            raise ValueError(f"x_scale must have {R} elements (one per row of x), got shape {tuple(x_scale.shape)}")
+        h = h * x_scale.reshape(-1)[src].unsqueeze(1) if R else h
+    if w_dtype == FP8_DTYPE:
+        check_tensor("w_scale", w_scale, dtype=torch.float32, device=x.device)
+        if w_scale.numel() != G * twoF:
+            raise ValueError(f"w_scale must have G * 2F = {G * twoF} elements, got shape {tuple(w_scale.shape)}")
+        h = h * w_scale.reshape(G, twoF)[group.clamp(max=G - 1)]
+    if row_scales is not None:
+        check_tensor("row_scales", row_scales, shape=(M,), device=x.device)
+        h = h * row_scales.float().unsqueeze(1)
+    z = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+    z = torch.where((ok & (group < G)).unsqueeze(1), z, 0.0)
+    return z.to(torch.bfloat16 if fp8_x else x.dtype)
 
 
 def f8f8bf16_rowwise(

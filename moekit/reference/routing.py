@@ -170,6 +170,18 @@ def index_shuffling(
     N = T * top_k
 
     _, ids = _topk_lowest_index_on_ties(routing_scores.float(), top_k)  # [T, K]
+    counts, expert_indices, token_indices, _ = _shuffle_ids(ids, E, start, end, valid_token_count)
+    return counts, expert_indices, token_indices
+
+
+def _shuffle_ids(
+    ids: torch.Tensor, E: int, start: int, end: int, valid_token_count: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``index_shuffling`` layout of top-k ids ``[T, K]``, and each sorted row's selection
+    (``t * K + slot``; -1 past the valid rows)."""
+    T, top_k = ids.shape
+    device = ids.device
+    N = T * top_k
     tok = torch.arange(T, device=device).unsqueeze(1).expand(T, top_k)
     valid = (ids >= start) & (ids < end)
     if valid_token_count is not None:
@@ -187,4 +199,40 @@ def index_shuffling(
     counts[E + 1] = nvalid
     expert_indices = torch.where(row_valid, ids.reshape(-1)[order] - start, -1)
     token_indices = torch.where(row_valid, order // max(top_k, 1), -1)
-    return counts.int(), expert_indices.int(), token_indices.int()
+    selection = torch.where(row_valid, order, -1)
+    return counts.int(), expert_indices.int(), token_indices.int(), selection
+
+
+def route_and_shuffle(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    score_func: str = "sigmoid",
+    renormalize: bool = False,
+    *,
+    n_group: Optional[int] = None,
+    topk_group: Optional[int] = None,
+    e_score_correction_bias: Optional[torch.Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+    expert_index_start: Optional[int] = None,
+    expert_index_end: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits to the sorted row layout in one step: ``routing_weights`` (same arguments,
+    same contract) followed by ``index_shuffling`` of the chosen experts.
+
+    Returns ``(token_counts [E + 2] int32, expert_indices [T*K] int32, token_indices [T*K] int32,
+    row_weights [T*K] float32)``: the first three exactly as ``index_shuffling`` lays them out
+    (rows sorted by (expert, token); experts outside ``[expert_index_start, expert_index_end)``
+    produce no row; the tail holds -1), and ``row_weights[r]`` the routing weight of row ``r``'s
+    (token, expert) pair (0 in the tail).
+    """
+    weights, ids = routing_weights(
+        logits_TE, top_k, score_func, renormalize, n_group=n_group, topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=routed_scaling_factor,
+    )  # fmt: skip
+    E = logits_TE.shape[1]
+    start, end = expert_range(
+        E, expert_index_start, expert_index_end, start_name="expert_index_start", end_name="expert_index_end"
+    )
+    counts, expert_indices, token_indices, sel = _shuffle_ids(ids, E, start, end, None)
+    row_weights = torch.where(sel >= 0, weights.reshape(-1)[sel.clamp(min=0)], 0.0)
+    return counts, expert_indices, token_indices, row_weights.float()

@@ -87,7 +87,9 @@ MODEL_SHAPES: dict[str, ModelShape] = {
         ModelShape("llama4-scout", 5120, 8192, 16, 1, 8192, "sigmoid", False, True),
         ModelShape("llama4-maverick", 5120, 8192, 128, 1, 8192, "sigmoid", False, True),
         ModelShape("deepseek-v3", 7168, 2048, 256, 8, 2048, "sigmoid", True, False, 8, 4, 2.5),
+        ModelShape("deepseek-v3-tp8", 7168, 256, 256, 8, 0, "sigmoid", True, False, 8, 4, 2.5),
         ModelShape("qwen3-30b-a3b", 2048, 768, 128, 8, 0, "softmax", True, False),
+        ModelShape("gpt-oss-120b", 2880, 2880, 128, 4, 0, "topk_softmax", False, False),
         ModelShape("mixtral-8x7b", 4096, 14336, 8, 2, 0, "softmax", True, False),
         ModelShape("tiny", 64, 32, 6, 2, 32, "softmax", True, False),
     ]
@@ -111,10 +113,15 @@ def random_expert_weights(
     """
     s = MODEL_SHAPES[shape] if isinstance(shape, str) else shape
     E = s.E if num_experts is None else num_experts
+    on_gpu = torch.device(device).type == "cuda"
     g = _gen(seed)
+    if on_gpu:  # full-size models: drawn on the GPU (other values than the CPU's for a seed)
+        g = torch.Generator(device=device)
+        g.manual_seed(0 if seed is None else seed)
 
     def rnd(*dims: int, fan_in: int) -> torch.Tensor:
-        return (torch.randn(*dims, generator=g) / fan_in**0.5).to(dtype).to(device)
+        t = torch.randn(*dims, generator=g, device=device if on_gpu else "cpu")
+        return (t / fan_in**0.5).to(dtype).to(device)
 
     out = {
         "router_DE": rnd(s.D, E, fan_in=s.D),
@@ -125,5 +132,5 @@ def random_expert_weights(
         out["shared_w13_2FD"] = rnd(2 * s.shared_F, s.D, fan_in=s.D)
         out["shared_w2_DF"] = rnd(s.D, s.shared_F, fan_in=s.shared_F)
     if s.n_group is not None:
-        out["e_score_correction_bias"] = (torch.rand(E, generator=g) * 0.1).to(device)
+        out["e_score_correction_bias"] = (torch.rand(E, generator=g, device=device if on_gpu else "cpu") * 0.1).to(device)
     return out

@@ -484,18 +484,24 @@ def test_experts_cuda_graph_replay(family):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_experts_module_triton_kernels_interpreted(family, monkeypatch):
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+def test_experts_module_triton_kernels_interpreted(family, path, monkeypatch):
     """Force every moekit op onto its Triton launcher (run by the CPU interpreter): the kernel
-    composition the CUDA path uses (index_shuffling, gather, grouped GEMM with bias and fused
-    weighted scatter-add, silu_mul) must match the model's eager experts."""
+    composition the CUDA path uses (index_shuffling, then the decode pipeline: gate|up GEMM with
+    the fused SwiGLU, down GEMM with the weighted scatter-add; or the sorted one: gather, grouped
+    GEMM with bias and fused weighted scatter-add, silu_mul) must match the model's eager experts."""
     import importlib
+
+    from moekit import settings
 
     for fam in ("routing", "gather_scatter", "grouped_gemm", "activation"):
         monkeypatch.setattr(importlib.import_module(f"moekit.ops.{fam}"), "use_triton", lambda t: True)
     tri = importlib.import_module("moekit.ops._triton.grouped_gemm")
+    sw = importlib.import_module("moekit.ops._triton.gg_swiglu")
     launches = []
-    real = tri.grouped_gemm
-    monkeypatch.setattr(tri, "grouped_gemm", lambda *a, **k: launches.append(1) or real(*a, **k))
+    real, real_sw = tri.grouped_gemm, sw.grouped_gemm_swiglu
+    monkeypatch.setattr(tri, "grouped_gemm", lambda *a, **k: launches.append("gg") or real(*a, **k))
+    monkeypatch.setattr(sw, "grouped_gemm_swiglu", lambda *a, **k: launches.append("swiglu") or real_sw(*a, **k))
     model = _model(family)
     mt.register()
     experts = _first_experts(model)
@@ -504,8 +510,11 @@ def test_experts_module_triton_kernels_interpreted(family, monkeypatch):
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(4))
     idx, w = _routing(T, E, 2, seed=4)
     ref = _call(experts, "eager", x, idx, w)
-    out = _call(experts, "moekit", x, idx, w)
-    assert len(launches) == 2
+    with settings.override(moe_path=path):
+        out = _call(experts, "moekit", x, idx, w)
+    # GPT-OSS (biases, clamped gate) always takes the general composition.
+    fused = path == "decode" and family == "qwen3_moe"
+    assert launches == (["swiglu", "gg"] if fused else ["gg", "gg"])
     assert rel_error(out, ref) < 2e-3  # tl.dot in the interpreter: fp32 (tf32 on GPUs)
 
 

@@ -7,8 +7,8 @@ The snippet calls private launchers on ``meta`` tensors; every recorded launch i
 the real Triton compiler (through ptxas) for ``GPUTarget("cuda", 90, 32)``. Python float
 arguments are typed ``fp64``, as torch.compile (inductor) passes them to user-defined Triton
 kernels; ints equal to 1 are specialized as Triton's launcher does. Returns one dict per launch
-(``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``regs`` per thread (None when
-``cuobjdump`` is missing), ``error`` or None).
+(``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``regs`` per thread and ``stack``
+frame bytes (spills; None when ``cuobjdump`` is missing), ``error`` or None).
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ RECORDS = []
 
 
 def registers(cubin):
-    # Registers per thread of the compiled kernel (cuobjdump -res-usage), None if unavailable.
+    # (registers per thread, stack frame bytes) of the compiled kernel (cuobjdump -res-usage).
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return None
+        return None, None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+)", out)
-    return int(m.group(1)) if m else None
+    st = re.search(r"STACK:(\d+)", out)
+    return (int(m.group(1)) if m else None), (int(st.group(1)) if st else None)
 
 
 def compile_one(kernel, args, kwargs):
@@ -76,13 +77,13 @@ def compile_one(kernel, args, kwargs):
         else:
             raise TypeError(f"{kernel.__name__}: unsupported argument {name}={v!r}")
     rec = {"kernel": kernel.__name__, "num_warps": opts.get("num_warps", 4), "launch_pdl": opts.get("launch_pdl", False),
-           "constants": {k: repr(v) for k, v in consts.items()}, "shared": None, "regs": None, "error": None}
+           "constants": {k: repr(v) for k, v in consts.items()}, "shared": None, "regs": None, "stack": None, "error": None}
     try:
         k = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=opts)
         assert k.asm.get("cubin"), "no cubin"
         rec["shared"] = int(k.metadata.shared)
-        rec["regs"] = registers(k.asm["cubin"])
+        rec["regs"], rec["stack"] = registers(k.asm["cubin"])
     except Exception as e:  # noqa: BLE001
         rec["error"] = f"{type(e).__name__}: {e}"[-2000:]
     RECORDS.append(rec)

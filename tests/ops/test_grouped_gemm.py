@@ -407,7 +407,9 @@ def test_heuristic_buckets():
         for (G, N, K) in ((16, 2048, 5120), (256, 7168, 2048), (128, 2048, 768), (128, 1536, 2048), (4, 40, 24)):
             for fp8 in (False, True):
                 cfg = sel(M, N, K, G, fp8, 1 if fp8 else 2, 132)
-                assert (cfg.kind == "gemv") == (M <= settings.get().gg_gemv_max_m)
+                hits = tri.expected_groups_hit(M, G)
+                spread = M <= settings.get().gg_gemv_spread_max_m and M <= 1.1 * hits
+                assert (cfg.kind == "gemv") == (M <= settings.get().gg_gemv_max_m or spread)
                 lo = 1 if cfg.kind == "gemv" else 16
                 for b in (cfg.block_m, cfg.block_n, cfg.block_k):
                     assert b >= lo and b & (b - 1) == 0
@@ -973,9 +975,10 @@ def test_gpu_bad_input(cuda):
 
 @pytest.mark.reference
 def test_module_exports():
-    assert set(gg_ops.__all__) == {"grouped_gemm", "grouped_gemm_fp8_rowwise", "f8f8bf16_rowwise"}
+    assert set(gg_ops.__all__) == {"grouped_gemm", "grouped_gemm_fp8_rowwise", "grouped_gemm_swiglu",
+                                   "f8f8bf16_rowwise"}  # fmt: skip
     for name in ("grouped_gemm", "grouped_gemm_scatter_add", "grouped_gemm_fp8_rowwise",
-                 "grouped_gemm_fp8_rowwise_scatter_add", "f8f8bf16_rowwise"):  # fmt: skip
+                 "grouped_gemm_fp8_rowwise_scatter_add", "grouped_gemm_swiglu", "f8f8bf16_rowwise"):  # fmt: skip
         assert hasattr(torch.ops.moekit, name)
     assert os.path.basename(gg_ops.__file__) == "grouped_gemm.py"
 
@@ -1000,7 +1003,7 @@ base = dict(x_ptr=t(M, K, dt=torch.float8_e4m3fn), w_ptr=t(G * N, K, dt=torch.fl
             y_ptr=t(M, N, dt=torch.bfloat16), m_sizes_ptr=t(G, dt=torch.int32), xs_ptr=t(M), ws_ptr=t(G * N),
             bias_ptr=t(G * N), tw_ptr=t(M), idx_ptr=t(M, dt=torch.int32), M=M, N=N, K=K, G=G, T_OUT=64,
             stride_xm=K, stride_wn=K, stride_ym=N, HAS_MSIZES=True, FP8=True, HAS_BIAS=True, HAS_TW=True,
-            SCATTER=True, G_BLOCK=16)
+            SCATTER=True, W_ONLY=False, G_BLOCK=16)
 cases = {
     "gemv": dict(base, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, STAGES=5, USE_PDL=0),
     "stream": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, USE_PDL=0),

@@ -87,6 +87,17 @@ def select_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int
     return heuristic_config(M, N, K, G, fp8, elem, sms)
 
 
+def use_gemv(M: int, hits: float) -> bool:
+    """The GEMV kernel: at most ``settings.gg_gemv_max_m`` rows (0: never), or at most
+    ``settings.gg_gemv_spread_max_m`` rows that rarely share an expert (``hits``: expected groups
+    hit; top-k decode, where one token's k rows go to k experts and a tensor-core tile would hold
+    one real row of 16)."""
+    s = settings.get()
+    if s.gg_gemv_max_m <= 0:
+        return False
+    return M <= s.gg_gemv_max_m or (M <= s.gg_gemv_spread_max_m and M <= 1.1 * hits)
+
+
 # Shared memory one streaming program may use: two programs per SM (228 KB per SM, 1 KB each
 # reserved), so that one streams while the other fills or drains its pipeline.
 _STREAM_SMEM = 110 * 1024
@@ -120,9 +131,11 @@ def gemv_config(M: int, N: int, K: int, elem: int, sms: int) -> GemmConfig:
 
 def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> GemmConfig:
     # Problems of at most ``settings.gg_gemv_max_m`` rows in all run the GEMV kernel (0: never).
-    if M <= settings.get().gg_gemv_max_m:
-        return gemv_config(M, N, K, elem, sms)
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
+    # The GEMV kernel also when the rows rarely share an expert (top-k decode: one token's k rows
+    # go to k different experts), where a tensor-core tile would hold one real row of 16.
+    if use_gemv(M, hits):
+        return gemv_config(M, N, K, elem, sms)
     rows_per_group = M / hits
     kpow = next_pow2(K)
     # 48+ rows per group take the tiled kernel (64 x 256 tiles), unless it would leave SMs idle

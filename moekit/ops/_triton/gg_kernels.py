@@ -55,9 +55,10 @@ def _epilogue(
     HAS_BIAS: tl.constexpr,
     HAS_TW: tl.constexpr,
     SCATTER: tl.constexpr,
+    W_ONLY: tl.constexpr = False,
 ):
     """``acc`` [BM, BN] float32 for rows ``offs_m`` and expert columns ``offs_n`` of group ``g``:
-    scale (FP8), add bias, weight by token, then store or scatter-add. One helper on purpose:
+    scale (FP8: x and w scales; ``W_ONLY``, weight-only FP8: the w scales), add bias, weight by token, then store or scatter-add. One helper on purpose:
     inductor's mutation analysis (torch.compile) follows pointers into called @triton.jit
     functions coarsely; computing the store address from values loaded in another helper made it
     count every input pointer of the kernel as written (tests/ops/test_grouped_gemm.py checks)."""
@@ -66,6 +67,8 @@ def _epilogue(
         xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
         ws = tl.load(ws_ptr + col, mask=n_mask, other=0.0)
         acc = acc * xs[:, None] * ws[None, :]
+    if W_ONLY:
+        acc = acc * tl.load(ws_ptr + col, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         b = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc + b[None, :]
@@ -112,6 +115,7 @@ def _gg_stream_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_TW: tl.constexpr,
     SCATTER: tl.constexpr,
+    W_ONLY: tl.constexpr,
     USE_TMA: tl.constexpr,
     G_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -159,10 +163,12 @@ def _gg_stream_kernel(
                     )
                 # x through pointers: masked rows (other groups, past M) cost no traffic.
                 x_t = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if W_ONLY:  # weight-only FP8: the weight tile in x's dtype, in registers
+                    w_t = w_t.to(x_t.dtype)
                 acc = tl.dot(w_t, tl.trans(x_t), acc)
             _epilogue(
                 tl.trans(acc), offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
-                xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER,
+                xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
             )  # fmt: skip
 
 
@@ -195,6 +201,7 @@ def _gg_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_TW: tl.constexpr,
     SCATTER: tl.constexpr,
+    W_ONLY: tl.constexpr,
     G_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -226,6 +233,8 @@ def _gg_gemv_kernel(
         post = tl.full((BLOCK_N,), 1.0, tl.float32)
         if FP8:
             post = post * tl.load(xs_ptr + m) * tl.load(ws_ptr + col, mask=n_mask, other=0.0)
+        if W_ONLY:
+            post = post * tl.load(ws_ptr + col, mask=n_mask, other=0.0)
         bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
@@ -247,7 +256,7 @@ def _gg_gemv_kernel(
                 x_t = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
             acc += w_t.to(tl.float32) * x_t.to(tl.float32)[None, :]
         out = tl.sum(acc, axis=1)
-        if FP8:
+        if FP8 or W_ONLY:
             out = out * post
         if HAS_BIAS:
             out = out + bias
@@ -290,6 +299,7 @@ def _gg_tiled_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_TW: tl.constexpr,
     SCATTER: tl.constexpr,
+    W_ONLY: tl.constexpr,
     USE_TMA: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
     FLATTEN: tl.constexpr,
@@ -350,11 +360,13 @@ def _gg_tiled_kernel(
                     mask=n_mask[:, None] & k_mask[None, :],
                     other=0.0,
                 )
+            if W_ONLY:
+                b = b.to(a.dtype)
             if FAST_ACCUM:
                 acc = tl.dot(a, tl.trans(b), acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
         _epilogue(
             acc, offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
-            xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER,
+            xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
         )  # fmt: skip

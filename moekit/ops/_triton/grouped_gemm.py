@@ -126,7 +126,7 @@ def grouped_gemm(
     M, K = x.shape
     G = 1 if m_sizes is None else m_sizes.shape[0]
     N = w.shape[0] // G
-    fp8 = x.dtype == FP8_DTYPE
+    fp8 = x.dtype == FP8_DTYPE  # (a 16-bit x with FP8 w and w_scale: weight-only FP8)
     y_dtype = torch.bfloat16 if fp8 else x.dtype
     if out is not None and deterministic:
         rows = torch.empty((M, N), dtype=out.dtype, device=x.device)
@@ -157,7 +157,10 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     x = _unit_last(x)
     w = _unit_last(w)
     sms = num_sms(x.device)
+    w_only = not fp8 and w.dtype == FP8_DTYPE
     cfg = config or select_config(M, N, K, G, fp8, x.element_size(), sms)
+    if w_only and cfg.kind == "gemv" and config is None:
+        cfg = gemv_config(M, N, K, 1, sms)  # K tiles sized by the 1-byte weights it streams
     if fp8 and not fast_accum and cfg.kind == "tiled" and cfg.block_n > 128:
         cfg = replace(cfg, block_n=128)  # the promoted accumulator needs registers: 128x256 spills
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -174,7 +177,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         launch(_gg_gemv_kernel)[(M * cdiv(N, bn),)](
             x, w, y, *optional, M, N, K, G, out_rows, x.stride(0), w.stride(0), y.stride(0),
             HAS_MSIZES=m_sizes is not None, FP8=fp8, HAS_BIAS=bias is not None,
-            HAS_TW=token_weights is not None, SCATTER=scatter, G_BLOCK=max(16, next_pow2(G)),
+            HAS_TW=token_weights is not None, SCATTER=scatter, W_ONLY=w_only, G_BLOCK=max(16, next_pow2(G)),
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
@@ -191,6 +194,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         HAS_BIAS=bias is not None,
         HAS_TW=token_weights is not None,
         SCATTER=scatter,
+        W_ONLY=w_only,
         USE_TMA=use_tma,
         G_BLOCK=max(16, next_pow2(G)),
         BLOCK_M=bm,

@@ -1,0 +1,143 @@
+"""The routed experts of a MoE layer, once: rows in, expert outputs out (``run_experts``).
+
+Every caller goes through here: ``moe_forward`` (one GPU), both expert-parallel paths of
+``MetaShufflingMoE`` and the transformers integration. Two pipelines, the same function:
+
+- ``decode`` (few rows per expert): ``grouped_gemm_swiglu`` reads each row straight from the
+  token matrix by index and applies SiLU * up in its epilogue, then the down GEMM applies the
+  router weight and scatter-adds into the output: two launches after routing, no gathered copy
+  and no ``[N, 2F]`` intermediate. FP8 weights are used weight-only (activations stay 16-bit:
+  the weights are the traffic at these sizes, and nothing is quantized on the way).
+- ``sorted`` (many rows per expert): gather (+ FP8 row quantization) -> grouped GEMM (gate|up)
+  -> SiLU * up (+ quantization) -> grouped GEMM with the fused scatter-add; the tiled tensor-core
+  kernels read contiguous rows there (TMA).
+
+``path`` ``"auto"`` (``settings.moe_path``, default) takes ``decode`` when the rows are few
+enough (``settings.decode_max_rows``) and spread thin (fewer than ``DECODE_ROWS_PER_EXPERT`` per
+expert hit on average): where the grouped GEMM itself would use its GEMV or streaming kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moekit import settings
+from moekit._checks import FP8_DTYPE, check_tensor
+
+__all__ = ["run_experts", "choose_path", "DECODE_ROWS_PER_EXPERT"]
+
+# Mean rows per hit expert below which the decode pipeline runs (the grouped GEMM's streaming
+# kernel range: from 48 rows per group it takes its tiled kernel).
+DECODE_ROWS_PER_EXPERT = 48
+
+
+def choose_path(rows: int, experts: int, path: Optional[str] = None) -> str:
+    """``"decode"`` or ``"sorted"`` for ``rows`` routed rows over ``experts`` local experts."""
+    from moekit.ops._triton.gg_config import expected_groups_hit
+
+    s = settings.get()
+    path = path or s.moe_path
+    if path not in ("auto", "decode", "sorted"):
+        raise ValueError(f"path must be 'auto', 'decode' or 'sorted', got {path!r}")
+    if path != "auto":
+        return path
+    hits = max(1.0, expected_groups_hit(rows, max(experts, 1)))
+    if rows <= s.decode_max_rows and rows / hits < DECODE_ROWS_PER_EXPERT:
+        return "decode"
+    return "sorted"
+
+
+def run_experts(
+    x: torch.Tensor,
+    w13_e2FD: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    m_sizes: torch.Tensor,
+    *,
+    token_ids: Optional[torch.Tensor] = None,
+    expert_ids: Optional[torch.Tensor] = None,
+    row_weights: Optional[torch.Tensor] = None,
+    weight_on_input: bool = False,
+    x_scale: Optional[torch.Tensor] = None,
+    w13_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    use_fast_accum: bool = True,
+    path: Optional[str] = None,
+) -> torch.Tensor:
+    """SwiGLU experts on rows sorted by expert (``m_sizes [e]`` rows per local expert).
+
+    Rows: with ``token_ids [N]`` (and ``expert_ids [N]``, local ids, ``index_shuffling``'s
+    layout; -1 rows skipped) row r is token row ``x[token_ids[r]]`` of ``x [T, D]``; without them
+    ``x [N, D]`` holds the sorted rows (optionally FP8 with ``x_scale [N]``, e.g. rows received
+    quantized). ``row_weights [N]`` (float32): the router weight of each row, on the expert's
+    input (``weight_on_input``) or on its output. Weights: ``w13_e2FD [e, 2F, D]`` (gate rows,
+    then up rows) and ``w2_eDF [e, D, F]``, bf16, or FP8 e4m3fn with row-wise scales
+    ``w13_scale [e, 2F]`` / ``w2_scale [e, D]``.
+
+    With ``out [T, D]`` the rows are scatter-added into ``out`` at ``token_ids`` (bf16 for FP8
+    weights; ``deterministic``: the atomics-free, bitwise-reproducible sum) and ``out`` is
+    returned; without it the ``[N, D]`` output rows are returned (rows past ``sum(m_sizes)``
+    unwritten).
+    """
+    from moekit.ops import (
+        gather_scale_dense_tokens,
+        gather_scale_quant_dense_tokens,
+        grouped_gemm,
+        grouped_gemm_fp8_rowwise,
+        grouped_gemm_swiglu,
+        quantize_fp8_row,
+        silu_mul,
+        silu_mul_quant,
+    )
+
+    check_tensor("w13_e2FD", w13_e2FD, ndim=3)
+    e, twoF, D = w13_e2FD.shape
+    F = twoF // 2
+    check_tensor("w2_eDF", w2_eDF, shape=(e, D, F), dtype=w13_e2FD.dtype)
+    fp8_w = w13_e2FD.dtype == FP8_DTYPE
+    if fp8_w and (w13_scale is None or w2_scale is None):
+        raise ValueError("FP8 expert weights need w13_scale and w2_scale")
+    if out is not None and token_ids is None:
+        raise ValueError("out (scatter-add into token rows) needs token_ids")
+    if token_ids is not None and expert_ids is None:
+        raise ValueError("token_ids needs expert_ids (index_shuffling's expert_indices)")
+    N = token_ids.shape[0] if token_ids is not None else x.shape[0]
+    w13 = w13_e2FD.reshape(-1, D)
+    w2 = w2_eDF.reshape(-1, F)
+    ws13 = w13_scale.reshape(-1) if fp8_w else None
+    ws2 = w2_scale.reshape(-1) if fp8_w else None
+    in_w = row_weights if weight_on_input else None
+    out_w = None if weight_on_input else row_weights
+    down = dict(token_weights=out_w)
+    if out is not None:
+        down.update(_output_tensor=out, _scatter_add_indices=token_ids, deterministic=deterministic)
+
+    if choose_path(N, e, path) == "decode":
+        z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=x_scale,
+                                w_scale=ws13)  # fmt: skip
+        # z is 16-bit: the down GEMM is weight-only FP8 for FP8 weights.
+        return grouped_gemm(z, w2, m_sizes, w_scale=ws2, **down)
+
+    if token_ids is not None:
+        ones = torch.ones((1, 1), dtype=torch.float32, device=x.device).expand(x.shape[0], max(e, 1))
+    if not fp8_w:
+        xg = gather_scale_dense_tokens(x, token_ids, expert_ids, ones) if token_ids is not None else x
+        h = grouped_gemm(xg, w13, m_sizes, token_weights=in_w)
+        z = silu_mul(h[:, :F], h[:, F:])
+        return grouped_gemm(z, w2, m_sizes, **down)
+    if x.dtype == FP8_DTYPE:
+        if x_scale is None:
+            raise ValueError("FP8 rows x need x_scale")
+        if token_ids is not None:
+            raise ValueError("FP8 rows x are already sorted: pass them without token_ids")
+        xq, xs = x, x_scale.reshape(-1)
+    elif token_ids is not None:
+        xq, xs = gather_scale_quant_dense_tokens(x, token_ids, expert_ids, ones)
+    else:
+        xq, xs = quantize_fp8_row(x)
+    h = grouped_gemm_fp8_rowwise(xq, w13, m_sizes, xs, ws13, use_fast_accum, token_weights=in_w)
+    zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
+    return grouped_gemm_fp8_rowwise(zq, w2, m_sizes, zs, ws2, use_fast_accum, **down)

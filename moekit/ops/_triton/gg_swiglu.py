@@ -1,0 +1,311 @@
+"""Triton kernels of ``grouped_gemm_swiglu``: the gate|up grouped GEMM with the SwiGLU fused into
+its epilogue, reading its rows from the token matrix by index (no gathered copy, no ``[M, 2F]``
+intermediate).
+
+A program owns ``BLOCK_N`` columns ``f`` of the output ``z [M, F]`` and computes both halves that
+make them: the gate rows ``g*2F + f`` and the up rows ``g*2F + F + f`` of its expert's weights, two
+accumulators over the whole K, then ``z = silu(gate) * up`` once, in float32. Row ``i`` reads token
+row ``x[gather_indices[i]]`` (a negative or out-of-range index leaves row ``i`` unwritten).
+
+- ``_swiglu_gemv_kernel`` (a handful of rows per expert: decode): one program = one row and a
+  ``BLOCK_N``-column slice, CUDA-core FMAs into elementwise float32 accumulators (as the grouped
+  GEMM's GEMV kernel), one reduction over K at the end. Rows of one expert run side by side, so
+  their shared weight tiles come from L2.
+- ``_swiglu_stream_kernel`` (a few to ~48 rows per expert): swap-AB tensor-core tiles
+  ``[BLOCK_N, BLOCK_M] = w[f-slice] @ x_rows.T`` per (non-empty expert, column slice), as the
+  grouped GEMM's streaming kernel, with the weight tiles through TMA when the strides allow.
+
+Numerics: FP8 x (``x_scale`` per token row) with FP8 weights (``w_scale`` per weight row) uses the
+FP8 tensor-core product; 16-bit x with FP8 weights is weight-only FP8: the weight tile is
+converted to x's dtype in registers (16-bit MMA / float32 FMAs) and ``w_scale`` applied after the
+reduction, so activations are never quantized. ``row_scales`` (the router weight on the expert's
+input) multiplies both accumulators before the SiLU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit._checks import FP8_DTYPE
+from moekit.ops._common import cdiv, launch, next_pow2, num_sms
+from moekit.ops._triton._pdl import pdl_prologue
+from moekit.ops._triton.gg_config import _STREAM_SMEM, GemmConfig, gemv_config, heuristic_config, use_gemv
+from moekit.ops._triton.gg_kernels import _group_table, _pick
+
+
+@triton.jit
+def _swiglu_store(g_acc, u_acc, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
+                  HAS_XS: tl.constexpr, HAS_WS: tl.constexpr, HAS_RS: tl.constexpr):  # fmt: skip
+    """Scale the [BM, BN] float32 gate / up accumulators, z = silu(gate) * up, store."""
+    if HAS_XS:
+        g_acc = g_acc * xs[:, None]
+        u_acc = u_acc * xs[:, None]
+    if HAS_WS:
+        g_acc = g_acc * ws_g[None, :]
+        u_acc = u_acc * ws_u[None, :]
+    if HAS_RS:
+        g_acc = g_acc * rs[:, None]
+        u_acc = u_acc * rs[:, None]
+    z = g_acc / (1.0 + tl.exp(-g_acc)) * u_acc
+    ptrs = z_ptr + offs_m.to(tl.int64)[:, None] * stride_zm + offs_n[None, :]
+    tl.store(ptrs, z.to(z_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _swiglu_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    z_ptr,
+    m_sizes_ptr,
+    gather_ptr,
+    xs_ptr,
+    ws_ptr,
+    rs_ptr,
+    M,
+    F,
+    K,
+    G,
+    T_IN,
+    stride_xm,
+    stride_wn,
+    stride_zm,
+    GATHER: tl.constexpr,
+    HAS_XS: tl.constexpr,
+    HAS_WS: tl.constexpr,
+    HAS_RS: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    m = pid % M
+    nb = pid // M
+    gi, starts, rows = _group_table(m_sizes_ptr, G, M, True, G_BLOCK)
+    g = _pick(gi + 1, (m >= starts) & (m < starts + rows)) - 1
+    src = m
+    if GATHER:
+        src = tl.load(gather_ptr + m)
+    if (g >= 0) & (src >= 0) & (src < T_IN):
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < F
+        gate = g.to(tl.int64) * 2 * F + offs_n
+        up = gate + F
+        wg_rows = w_ptr + gate[:, None] * stride_wn
+        wu_rows = w_ptr + up[:, None] * stride_wn
+        x_row = x_ptr + src.to(tl.int64) * stride_xm
+        # Epilogue operands first: their latency hides under the weight stream.
+        xs = tl.full((1,), 1.0, tl.float32)
+        if HAS_XS:
+            xs = tl.load(xs_ptr + src + tl.zeros((1,), tl.int32))
+        ws_g = tl.full((BLOCK_N,), 1.0, tl.float32)
+        ws_u = ws_g
+        if HAS_WS:
+            ws_g = tl.load(ws_ptr + gate, mask=n_mask, other=0.0)
+            ws_u = tl.load(ws_ptr + up, mask=n_mask, other=0.0)
+        rs = tl.full((1,), 1.0, tl.float32)
+        if HAS_RS:
+            rs = tl.load(rs_ptr + m + tl.zeros((1,), tl.int32)).to(tl.float32)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+                wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+                xv = tl.load(x_row + offs_k)
+            else:
+                k_mask = offs_k < K
+                wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+            xf = xv.to(tl.float32)[None, :]
+            acc_g += wg.to(tl.float32) * xf
+            acc_u += wu.to(tl.float32) * xf
+        hg = tl.sum(acc_g, axis=1)[None, :]
+        hu = tl.sum(acc_u, axis=1)[None, :]
+        offs_m = m + tl.zeros((1,), tl.int32)
+        _swiglu_store(hg, hu, offs_m, offs_m >= 0, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
+                      HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
+
+
+@triton.jit
+def _swiglu_stream_kernel(
+    x_ptr,
+    w_ptr,
+    z_ptr,
+    m_sizes_ptr,
+    gather_ptr,
+    xs_ptr,
+    ws_ptr,
+    rs_ptr,
+    M,
+    F,
+    K,
+    G,
+    T_IN,
+    stride_xm,
+    stride_wn,
+    stride_zm,
+    GATHER: tl.constexpr,
+    HAS_XS: tl.constexpr,
+    HAS_WS: tl.constexpr,
+    HAS_RS: tl.constexpr,
+    W_CAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    n_blocks = tl.cdiv(F, BLOCK_N)
+    gi, starts, rows = _group_table(m_sizes_ptr, G, M, True, G_BLOCK)
+    nonempty = rows > 0
+    rank = tl.cumsum(nonempty.to(tl.int32), axis=0) - 1
+    n_items = tl.sum(nonempty.to(tl.int32), axis=0) * n_blocks
+    for item in tl.range(pid, n_items, n_progs):
+        j = item // n_blocks
+        nb = item % n_blocks
+        sel = nonempty & (rank == j)
+        g = _pick(gi, sel)
+        m_begin = _pick(starts, sel)
+        m_end = m_begin + _pick(rows, sel)
+        n0 = nb * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < F
+        gate_row0 = g * 2 * F + n0  # < G * 2F < 2**31 (checked by the launcher)
+        up_row0 = gate_row0 + F
+        gate = gate_row0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        ws_g = tl.full((BLOCK_N,), 1.0, tl.float32)
+        ws_u = ws_g
+        if HAS_WS:
+            ws_g = tl.load(ws_ptr + gate, mask=n_mask, other=0.0)
+            ws_u = tl.load(ws_ptr + gate + F, mask=n_mask, other=0.0)
+        for m0 in range(m_begin, m_end, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < m_end
+            src = offs_m
+            if GATHER:
+                src = tl.load(gather_ptr + offs_m, mask=m_mask, other=-1)
+            row_ok = m_mask & (src >= 0) & (src < T_IN)
+            xs = tl.full((BLOCK_M,), 1.0, tl.float32)
+            if HAS_XS:
+                xs = tl.load(xs_ptr + src, mask=row_ok, other=0.0)
+            rs = tl.full((BLOCK_M,), 1.0, tl.float32)
+            if HAS_RS:
+                rs = tl.load(rs_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
+            x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_xm
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < K
+                if USE_TMA:
+                    wg = w_ptr.load([gate_row0, k0])
+                    wu = w_ptr.load([up_row0, k0])
+                else:
+                    wmask = n_mask[:, None] & k_mask[None, :]
+                    wg = tl.load(w_ptr + gate[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+                    wu = tl.load(w_ptr + (gate + F)[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+                x_t = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
+                if W_CAST:  # weight-only FP8: the weights in x's dtype, in registers
+                    wg = wg.to(x_t.dtype)
+                    wu = wu.to(x_t.dtype)
+                acc_g = tl.dot(wg, tl.trans(x_t), acc_g)
+                acc_u = tl.dot(wu, tl.trans(x_t), acc_u)
+            _swiglu_store(tl.trans(acc_g), tl.trans(acc_u), offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm,
+                          xs, ws_g, ws_u, rs, HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
+
+
+def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_elem: int = 0) -> GemmConfig:
+    """The grouped GEMM's rules for an ``[M, F]`` output (GEMV when rows rarely share an expert,
+    else streaming), with pipelines resized for two weight tiles per stage. ``elem``: bytes of the
+    MMA operands (x's), ``w_elem``: of the weights the GEMV streams (default ``elem``)."""
+    hits = max(1.0, min(_expected_hits(M, G), float(min(G, M))))
+    if use_gemv(M, hits):
+        elem = w_elem or elem
+        cfg = gemv_config(M, F, K, elem, sms)
+        # Two weight tiles per stage: keep ~32 KB in flight per program, as the plain GEMV.
+        stages = 1 + max(2, min(6, (16 * 1024) // (cfg.block_n * cfg.block_k * elem)))
+        return replace(cfg, stages=stages)
+    cfg = heuristic_config(M, F, K, G, fp8, elem, sms)
+    if cfg.kind != "stream":  # many rows per expert: the same streaming tiles, widest rows tile
+        bm = 128 if M / hits >= 96 else 64
+        cfg = GemmConfig("stream", bm, 64, 64 if elem == 2 else 128, 3, 8 if bm == 128 else 4)
+    stage = (2 * cfg.block_n + cfg.block_m) * cfg.block_k * elem
+    budget = _STREAM_SMEM if cfg.block_n >= 64 and cfg.warps == 4 else 128 * 1024
+    return replace(cfg, stages=max(2, min(cfg.stages, budget // stage)))
+
+
+def _expected_hits(M: int, G: int) -> float:
+    from moekit.ops._triton.gg_config import expected_groups_hit
+
+    return expected_groups_hit(M, G)
+
+
+def grouped_gemm_swiglu(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    m_sizes: torch.Tensor,
+    gather_indices: Optional[torch.Tensor],
+    row_scales: Optional[torch.Tensor],
+    x_scale: Optional[torch.Tensor],
+    w_scale: Optional[torch.Tensor],
+    config: Optional[GemmConfig] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Launcher (validated arguments): ``z [M, F]`` (``out`` when given: contiguous, the output
+    dtype), rows not computed left unwritten."""
+    from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok, _unit_last
+
+    T_IN, K = (int(d) for d in x.shape)
+    M = int(gather_indices.shape[0]) if gather_indices is not None else T_IN
+    G = int(m_sizes.shape[0])
+    F = int(w13.shape[0]) // (2 * G)
+    fp8_x = x.dtype == FP8_DTYPE
+    z = out if out is not None else torch.empty((M, F), dtype=torch.bfloat16 if fp8_x else x.dtype, device=x.device)
+    if M == 0 or F == 0:
+        return z
+    if G * 2 * F >= 2**31 or M >= 2**31:
+        raise ValueError(f"grouped_gemm_swiglu supports G * 2F and M below 2**31, got G*2F={G * 2 * F}, M={M}")
+    x = _unit_last(x)
+    w13 = _unit_last(w13)
+    sms = num_sms(x.device)
+    cfg = config or swiglu_config(M, F, K, G, fp8_x, x.element_size(), sms, w_elem=w13.element_size())
+    ph = torch.empty((1,), dtype=torch.int32, device=x.device)
+    optional = [t if t is not None else ph for t in (gather_indices, x_scale, w_scale, row_scales)]
+    flags = dict(
+        GATHER=gather_indices is not None, HAS_XS=x_scale is not None, HAS_WS=w_scale is not None,
+        HAS_RS=row_scales is not None, G_BLOCK=max(16, next_pow2(G)),
+    )  # fmt: skip
+    if cfg.kind == "gemv":
+        bk = cfg.block_k
+        launch(_swiglu_gemv_kernel)[(M * cdiv(F, cfg.block_n),)](
+            x, w13, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
+            BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages,
+            num_warps=cfg.warps, num_stages=cfg.stages, **flags,
+        )  # fmt: skip
+        return z
+    w_block = [cfg.block_n, cfg.block_k]
+    use_tma = cfg.use_tma and _tma_ok(w13, tuple(w_block))
+    w_arg = _descriptor(w13, w_block) if use_tma else w13
+    grid = (max(1, min(min(G, M) * cdiv(F, cfg.block_n), 4 * sms)),)
+    launch(_swiglu_stream_kernel)[grid](
+        x, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
+        W_CAST=w13.dtype != x.dtype, USE_TMA=use_tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
+    )  # fmt: skip
+    return z

@@ -1,0 +1,242 @@
+"""Triton kernel of ``route_and_shuffle``: router logits to the sorted row layout in one launch.
+
+One program routes every token (decode-sized batches: ``T <= ROUTE_MAX_T``), in sub-tiles of
+``BT`` tokens x ``BLOCK_E`` experts:
+
+1. scores in float32 (sigmoid / softmax / the logits themselves for top-k softmax), the
+   correction bias added for selection, DeepSeek's group mask (a group's score is the sum of its
+   top two; the ``TOPK_GROUP`` best groups stay), then the top-k by unique integer keys (value
+   descending, expert ascending: ``moekit.ops._triton.routing``'s keys and rounds);
+2. each selection's weight (the unbiased score, or the softmax over the k logits; renormalized,
+   scaled) and its rank among the earlier tokens' selections of its expert (a running count
+   per expert carried across sub-tiles plus a cumulative sum down the sub-tile), packed
+   ``rank << 16 | expert`` into a scratch row per (token, slot);
+3. after a barrier, the expert bases (exclusive scan of the counts) place every selection at
+   ``base[e] + rank``: expert, token and weight of each sorted row, ``-1`` / 0 in the tail.
+
+The ranks count earlier tokens only, so rows of an expert come in token order and the result is
+bitwise the layout of ``index_shuffling`` (no atomics anywhere). Programs ``1..`` of the same
+grid zero an optional buffer (the routed output that the down GEMM scatter-adds into): the
+memset needs no launch of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.ops._common import cdiv, launch, next_pow2
+from moekit.ops._triton._pdl import pdl_prologue
+from moekit.ops._triton.routing import _row_below, _score_keys
+
+# Largest batch / expert count / top-k the one-program kernel takes (the launcher falls back to
+# the multi-launch composite beyond: dense scores with torch ops, then ``index_shuffling``).
+ROUTE_MAX_T = 256
+ROUTE_MAX_E = 512
+ROUTE_MAX_K = 16
+# Elements of one sub-tile (tokens x experts) and of one zeroing program.
+ROUTE_TILE = 2048
+ZERO_BLOCK = 8192
+
+SCORE_CODES = {"sigmoid": 0, "softmax": 1, "topk_softmax": 2}
+
+
+@triton.jit
+def _scores(l, col_ok, bias, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(selection values, weight source) of a logits tile; padding columns select as -inf."""
+    if SCORE == 0:
+        s = tl.sigmoid(l)
+    elif SCORE == 1:
+        lm = tl.where(col_ok[None, :], l, float("-inf"))
+        e = tl.exp(lm - tl.max(lm, axis=1)[:, None])
+        s = e / tl.sum(e, axis=1)[:, None]
+    else:
+        s = l
+    c = s
+    if HAS_BIAS:
+        c = s + bias[None, :]
+    c = tl.where(col_ok[None, :], c, float("-inf"))
+    return c, s
+
+
+@triton.jit
+def _group_mask(c, BT: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    """DeepSeek's grouped top-k: keep the ``TOPK_GROUP`` groups (of ``GP`` contiguous experts)
+    with the largest sums of their top two values (ties to the lower group), -inf elsewhere."""
+    c3 = tl.reshape(c, [BT, NG, GP])
+    m1 = tl.max(c3, axis=2)
+    if GP == 1:
+        gs = m1
+    else:
+        iota = tl.arange(0, GP)[None, None, :]
+        first = tl.min(tl.where(c3 == m1[:, :, None], iota, GP), axis=2)
+        m2 = tl.max(tl.where(iota == first[:, :, None], float("-inf"), c3), axis=2)
+        gs = m1 + m2
+    giota = tl.arange(0, NG)[None, :]
+    keep = giota < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        cand = tl.where(keep, float("-inf"), gs)
+        mx = tl.max(cand, axis=1)
+        pick = tl.min(tl.where(cand == mx[:, None], giota, NG), axis=1)
+        keep = keep | (giota == pick[:, None])
+    keep3 = tl.broadcast_to(keep[:, :, None], [BT, NG, GP])
+    return tl.where(tl.reshape(keep3, [BT, NG * GP]), c, float("-inf"))
+
+
+@triton.jit(do_not_specialize=["T", "start", "end", "zero_numel"])
+def _route_fused_kernel(
+    logits_ptr,
+    bias_ptr,
+    counts_ptr,
+    eidx_ptr,
+    tidx_ptr,
+    rw_ptr,
+    packed_ptr,
+    pw_ptr,
+    zero_ptr,
+    T,
+    E,
+    start,
+    end,
+    stride_t,
+    stride_e,
+    scale,
+    zero_numel,
+    K: tl.constexpr,
+    SCORE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    NG: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RB: tl.constexpr,
+    ZB: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    if HAS_ZERO and pid > 0:
+        offs = (pid - 1).to(tl.int64) * ZB + tl.arange(0, ZB)
+        tl.store(zero_ptr + offs, tl.zeros([ZB], dtype=zero_ptr.dtype.element_ty), mask=offs < zero_numel)
+    if pid == 0:
+        cols = tl.arange(0, BLOCK_E)
+        col_ok = cols < E
+        in_range = (cols >= start) & (cols < end)
+        slots = tl.arange(0, K_PAD)
+        slot_ok = slots < K
+        bias = tl.zeros([BLOCK_E], dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        carry = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for t0 in range(0, T, BT):
+            rows = t0 + tl.arange(0, BT)
+            row_ok = rows < T
+            ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :] * stride_e
+            l = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            c, s = _scores(l, col_ok, bias, SCORE, HAS_BIAS)
+            if NG > 1:
+                c = _group_mask(c, BT, NG, BLOCK_E // NG, TOPK_GROUP)
+            key = _score_keys(c, cols, True)
+            # K rounds of "largest key below the previous one"; slot j gets round j's expert.
+            thr = tl.max(key, axis=1)
+            ids = tl.where(slots[None, :] == 0, (65535 - (thr & 65535)).to(tl.int32)[:, None], 0)
+            for j in tl.static_range(1, K):
+                thr = _row_below(key, key, key, thr, 1, True)
+                ids = tl.where(slots[None, :] == j, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
+            ok = row_ok[:, None] & slot_ok[None, :]
+            ids = tl.where(ok, ids, 0)
+            w = tl.gather(s, ids, 1)
+            if SCORE == 2:  # softmax over the k logits (the first slot holds their max)
+                w0 = tl.sum(tl.where(slots[None, :] == 0, w, 0.0), axis=1)
+                w = tl.where(slot_ok[None, :], tl.exp(w - w0[:, None]), 0.0)
+                w = w / tl.sum(w, axis=1)[:, None]
+            if RENORM:
+                w = tl.where(slot_ok[None, :], w, 0.0)
+                w = w / tl.sum(w, axis=1)[:, None]
+            w = (w * scale).to(tl.float32)
+            picked = (key >= thr[:, None]) & row_ok[:, None] & in_range[None, :]
+            one = picked.to(tl.int32)
+            before = tl.cumsum(one, axis=0) - one + carry[None, :]
+            rank = tl.gather(before, ids, 1)
+            valid = ok & (ids >= start) & (ids < end)
+            r = rows.to(tl.int64)[:, None] * K + slots[None, :]
+            tl.store(packed_ptr + r, tl.where(valid, (rank << 16) | ids, -1), mask=ok)
+            tl.store(pw_ptr + r, w, mask=ok)
+            carry += tl.sum(one, axis=0)
+        n_rows = tl.sum(carry, axis=0)
+        tl.store(counts_ptr + cols, carry, mask=col_ok)
+        tl.store(counts_ptr + E, T)
+        tl.store(counts_ptr + E + 1, n_rows)
+        base = tl.cumsum(carry, axis=0) - carry
+        tl.debug_barrier()  # every scratch row written before any is read back
+        N = T * K
+        for r0 in range(0, N, RB):
+            r = r0 + tl.arange(0, RB)
+            m = r < N
+            p = tl.load(packed_ptr + r, mask=m, other=-1)
+            wv = tl.load(pw_ptr + r, mask=m, other=0.0)
+            ok = p >= 0
+            e = tl.where(ok, p & 65535, 0)
+            dest = tl.gather(base, e, 0) + (p >> 16)
+            tl.store(eidx_ptr + dest, e - start, mask=ok)
+            tl.store(tidx_ptr + dest, r // K, mask=ok)
+            tl.store(rw_ptr + dest, wv, mask=ok)
+            tail = m & (r >= n_rows)
+            tl.store(eidx_ptr + r, -1, mask=tail)
+            tl.store(tidx_ptr + r, -1, mask=tail)
+            tl.store(rw_ptr + r, 0.0, mask=tail)
+
+
+def kernel_supports(T: int, E: int, top_k: int, n_group: Optional[int]) -> bool:
+    """Shapes the one-launch kernel takes (grouped routing needs power-of-two groups filling E)."""
+    if T > ROUTE_MAX_T or E > ROUTE_MAX_E or top_k > ROUTE_MAX_K:
+        return False
+    if n_group is not None and n_group > 1:
+        return E >= 16 and E == next_pow2(E) and n_group == next_pow2(n_group) and n_group <= E
+    return True
+
+
+def route_and_shuffle(
+    logits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    top_k: int,
+    score_func: str,
+    renormalize: bool,
+    n_group: Optional[int],
+    topk_group: Optional[int],
+    scale: float,
+    start: int,
+    end: int,
+    zero_buffer: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher (validated arguments, shapes ``kernel_supports``)."""
+    T, E = (int(d) for d in logits.shape)
+    dev = logits.device
+    N = T * top_k
+    counts = torch.empty(E + 2, dtype=torch.int32, device=dev)
+    eidx = torch.empty(N, dtype=torch.int32, device=dev)
+    tidx = torch.empty(N, dtype=torch.int32, device=dev)
+    rw = torch.empty(N, dtype=torch.float32, device=dev)
+    packed = torch.empty(N, dtype=torch.int32, device=dev)
+    pw = torch.empty(N, dtype=torch.float32, device=dev)
+    block_e = max(16, next_pow2(E))
+    bt = max(1, min(next_pow2(max(T, 1)), ROUTE_TILE // block_e))
+    k_pad = next_pow2(top_k)
+    zero_numel = 0 if zero_buffer is None else zero_buffer.numel()
+    grid = 1 + cdiv(zero_numel, ZERO_BLOCK)
+    ng = 1 if n_group is None else int(n_group)
+    launch(_route_fused_kernel)[(grid,)](
+        logits, bias, counts, eidx, tidx, rw, packed, pw, zero_buffer,
+        T, E, start, end, logits.stride(0), logits.stride(1), float(scale), zero_numel,
+        K=top_k, SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+        NG=ng, TOPK_GROUP=int(topk_group or 1), HAS_ZERO=zero_buffer is not None,
+        BT=bt, BLOCK_E=block_e, K_PAD=k_pad, RB=min(1024, max(16, next_pow2(N))), ZB=ZERO_BLOCK,
+        num_warps=8 if bt * block_e >= 2048 else 4,
+    )  # fmt: skip
+    return counts, eidx, tidx, rw

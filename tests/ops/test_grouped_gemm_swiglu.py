@@ -1,0 +1,290 @@
+"""grouped_gemm_swiglu (gate|up GEMM reading rows by index, SwiGLU fused) and the weight-only
+FP8 grouped GEMM (16-bit x, FP8 w with row scales): kernels in the interpreter and on the GPU,
+public ops on the CPU, against ``moekit.reference``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit import reference as ref
+from moekit.ops import grouped_gemm, grouped_gemm_swiglu
+from moekit.reference.quantize import quantize_fp8_row
+from moekit.testing import assert_close, assert_poisoned, poison, random_m_sizes
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+FP8 = torch.float8_e4m3fn
+
+
+def _case(T, k, G, F, K, x_dtype, w_kind, seed=0, device="cpu", bad_rows=True):
+    """x [T, K]; w13 [G*2F, K] (w_kind: 'same' dtype as x, 'fp8' weight-only, 'fp8x' both FP8);
+    a top-k routing's sizes and token indices (the last row -1 when ``bad_rows``)."""
+    g = torch.Generator().manual_seed(seed)
+    M = T * k
+    x = torch.randn(T, K, generator=g)
+    w = torch.randn(G * 2 * F, K, generator=g) / K**0.5
+    ms = random_m_sizes(M, G, top_k=1, seed=seed) if M else torch.zeros(G, dtype=torch.int32)
+    gi = torch.randint(0, max(T, 1), (M,), generator=g, dtype=torch.int32)
+    if bad_rows and M >= 2:
+        gi[-1] = -1
+        gi[0] = T  # out of range: skipped
+    rs = torch.rand(M, generator=g) + 0.5
+    xs = ws = None
+    if w_kind == "same":
+        x, w = x.to(x_dtype), w.to(x_dtype)
+    elif w_kind == "fp8":
+        x = x.to(x_dtype)
+        w, ws = quantize_fp8_row(w)
+    else:
+        x, xs = quantize_fp8_row(x)
+        w, ws = quantize_fp8_row(w)
+    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return mv(x), mv(w), mv(ms), mv(gi), mv(rs), mv(xs), mv(ws)
+
+
+def _valid_rows(gi, T):
+    return (gi >= 0) & (gi < T)
+
+
+def _config(kind):
+    from moekit.ops._triton.gg_config import GemmConfig
+
+    return {
+        "gemv": GemmConfig("gemv", 1, 8, 16, 3, 4, use_tma=False),
+        "stream": GemmConfig("stream", 16, 16, 16, 2, 4, use_tma=False),
+    }[kind]
+
+
+# ---------------------------------------------------------------------------- interpreter
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["gemv", "stream"])
+@pytest.mark.parametrize("w_kind", ["same", "fp8", "fp8x"])
+@pytest.mark.parametrize("T,k,G,F,K", [(3, 2, 4, 24, 40), (6, 3, 5, 16, 64), (1, 1, 1, 8, 16)])
+def test_interp_swiglu(kind, w_kind, T, k, G, F, K):
+    from moekit.ops._triton import gg_swiglu as SW
+
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, K, torch.float16, w_kind, seed=T * 7 + k)
+    got = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=_config(kind))
+    want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    ok = _valid_rows(gi, T)
+    assert_close(got[ok].float(), want[ok].float(), tol=1e-2 if w_kind == "fp8x" else 2e-3)  # bf16 out for FP8 x
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["gemv", "stream"])
+def test_interp_swiglu_unwritten_rows_and_no_gather(kind):
+    """Rows with a bad index and rows past sum(m_sizes) keep the output's previous contents; without
+    gather_indices x holds the rows themselves."""
+    from moekit.ops._triton import gg_swiglu as SW
+
+    x, w, ms, gi, rs, _, _ = _case(5, 2, 3, 16, 32, torch.float32, "same", seed=2)
+    ms = ms.clone()
+    ms[0] -= 1  # the last row is past sum(m_sizes)
+    got = SW.grouped_gemm_swiglu(x, w, ms, gi, None, None, None, config=_config(kind))
+    want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi)
+    ok = _valid_rows(gi, 5)
+    ok[-1] = False
+    assert_close(got[ok], want[ok], tol=2e-3)
+    rows = x[gi.clamp(0, 4).long()]
+    got2 = SW.grouped_gemm_swiglu(rows, w, ms, None, rs, None, None, config=_config(kind))
+    want2 = ref.grouped_gemm_swiglu(rows, w, ms, row_scales=rs)
+    keep = torch.arange(10) < int(ms.sum())
+    assert_close(got2[keep], want2[keep], tol=2e-3)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["gemv", "stream"])
+def test_interp_swiglu_poisoned_output(kind):
+    """Exactly the rows with a valid index are written."""
+    from moekit.ops._triton import gg_swiglu as SW
+
+    x, w, ms, gi, _, _, _ = _case(4, 2, 3, 16, 32, torch.float32, "same", seed=4)
+    out = poison(torch.empty(8, 16))
+    SW.grouped_gemm_swiglu(x, w, ms, gi, None, None, None, config=_config(kind), out=out)
+    assert_poisoned(out, _valid_rows(gi, 4))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["gemv", "stream"])
+@pytest.mark.parametrize("scatter", [False, True])
+def test_interp_weight_only_fp8_grouped_gemm(kind, scatter):
+    from moekit.ops._triton import grouped_gemm as GG
+
+    g = torch.Generator().manual_seed(3)
+    M, G, N, K = 10, 4, 32, 48
+    x = torch.randn(M, K, generator=g).half()
+    wq, ws = quantize_fp8_row(torch.randn(G * N, K, generator=g))
+    ms = random_m_sizes(M, G, seed=2)
+    tw = torch.rand(M, generator=g)
+    if not scatter:
+        y = GG.grouped_gemm(x, wq, ms, w_scale=ws, token_weights=tw, config=_config(kind))
+        assert_close(y.float(), ref.grouped_gemm(x, wq, ms, token_weights=tw, w_scale=ws).float(), tol=2e-3)
+        return
+    idx = torch.randint(-1, 5, (M,), generator=g, dtype=torch.int32)
+    out = torch.randn(5, N, generator=g).half()
+    want = out.clone()
+    GG.grouped_gemm(x, wq, ms, w_scale=ws, token_weights=tw, out=out, scatter_indices=idx, config=_config(kind))
+    ref.grouped_gemm(x, wq, ms, token_weights=tw, w_scale=ws, _output_tensor=want, _scatter_add_indices=idx)
+    assert_close(out.float(), want.float(), tol=2e-3)
+
+
+# ---------------------------------------------------------------------------- reference tier
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("w_kind", ["same", "fp8", "fp8x"])
+def test_public_cpu_matches_reference(w_kind):
+    x, w, ms, gi, rs, xs, ws = _case(7, 2, 3, 16, 32, torch.bfloat16, w_kind, seed=1)
+    got = grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    assert torch.equal(got, want)
+    # swiglu == the unfused pipeline of the reference ops
+    if w_kind == "same":
+        ok = _valid_rows(gi, 7)
+        rows = x[gi.clamp(0, 6).long()]
+        h = ref.grouped_gemm(rows, w, ms, token_weights=rs).float()
+        z = torch.nn.functional.silu(h[:, :16]) * h[:, 16:]
+        assert_close(got[ok].float(), z[ok], tol=1e-2)
+
+
+@pytest.mark.reference
+def test_weight_only_public_op():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 32, generator=g).bfloat16()
+    wq, ws = quantize_fp8_row(torch.randn(2 * 16, 32, generator=g))
+    ms = torch.tensor([4, 2], dtype=torch.int32)
+    y = grouped_gemm(x, wq, ms, w_scale=ws)
+    dq = wq.float() * ws[:, None]
+    assert_close(y.float(), ref.grouped_gemm(x.float(), dq, ms), tol=1e-2)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        (dict(x=None), TypeError, "x must be a torch.Tensor"),
+        (dict(x=torch.zeros(4, 32, dtype=torch.int32)), TypeError, "x must have dtype"),
+        (dict(w13=torch.zeros(66, 32, dtype=torch.bfloat16)), ValueError, "w13 must have shape"),
+        (dict(w13=torch.zeros(2 * 32, 24, dtype=torch.bfloat16)), ValueError, "w13 must have shape"),
+        (dict(w13=torch.zeros(2 * 32, 32, dtype=torch.float16)), TypeError, "w13 must have dtype"),
+        (dict(m_sizes=torch.zeros(2)), TypeError, "m_sizes"),
+        (dict(gather_indices=torch.zeros(3)), TypeError, "gather_indices"),
+        (dict(row_scales=torch.zeros(5)), ValueError, "row_scales"),
+        (dict(x_scale=torch.zeros(4)), ValueError, "x_scale is for FP8"),
+        (dict(w_scale=torch.zeros(64)), TypeError, "w13 must have dtype float8"),
+    ],
+)
+def test_bad_arguments(change, exc, match):
+    args = dict(x=torch.zeros(4, 32, dtype=torch.bfloat16), w13=torch.zeros(2 * 32, 32, dtype=torch.bfloat16),
+                m_sizes=torch.tensor([2, 2], dtype=torch.int32), gather_indices=None, row_scales=None,
+                x_scale=None, w_scale=None)  # fmt: skip
+    args.update(change)
+    x, w, ms = args.pop("x"), args.pop("w13"), args.pop("m_sizes")
+    with pytest.raises(exc, match=match):
+        grouped_gemm_swiglu(x, w, ms, **args)
+
+
+@pytest.mark.reference
+def test_opcheck_and_compile_cpu():
+    x, w, ms, gi, rs, _, _ = _case(5, 2, 3, 16, 32, torch.float32, "same", seed=6, bad_rows=False)
+    torch.library.opcheck(torch.ops.moekit.grouped_gemm_swiglu.default, (x, w, ms, gi, rs, None, None))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: grouped_gemm_swiglu(a[0], a[1], a[2], gather_indices=a[3], row_scales=a[4]),
+                       fullgraph=True)  # fmt: skip
+    assert_close(fn(x, w, ms, gi, rs), grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs), tol=1e-6)
+
+
+@pytest.mark.reference
+def test_kernels_compile_for_sm90():
+    """The decode shapes of the benchmark's models (GEMV and streaming; bf16, FP8, weight-only
+    FP8), the fused SwiGLU kernels and the weight-only down GEMM, compiled for sm_90 (ptxas)."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import gg_swiglu as SW
+        from moekit.ops._triton import grouped_gemm as GG
+        m = "meta"
+        f8 = torch.float8_e4m3fn
+        for T, k, G, F, D in ((1, 8, 128, 768, 2048), (64, 8, 128, 768, 2048), (1, 8, 256, 256, 7168),
+                              (16, 4, 128, 2880, 2880), (256, 1, 16, 8192, 5120)):
+            M = T * k
+            for xdt, wdt in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, f8), (f8, f8)):
+                x = torch.empty(T, D, dtype=xdt, device=m)
+                w13 = torch.empty(G * 2 * F, D, dtype=wdt, device=m)
+                ms = torch.empty(G, dtype=torch.int32, device=m)
+                gi = torch.empty(M, dtype=torch.int32, device=m)
+                xs = torch.empty(T, device=m) if xdt == f8 else None
+                ws = torch.empty(G * 2 * F, device=m) if wdt == f8 else None
+                SW.grouped_gemm_swiglu(x, w13, ms, gi, torch.empty(M, device=m), xs, ws)
+                if xdt == f8:
+                    continue
+                z = torch.empty(M, F, dtype=xdt, device=m)
+                w2 = torch.empty(G * D, F, dtype=wdt, device=m)
+                GG.grouped_gemm(z, w2, ms, w_scale=torch.empty(G * D, device=m) if wdt == f8 else None,
+                                token_weights=torch.empty(M, device=m), out=torch.empty(T, D, dtype=xdt, device=m),
+                                scatter_indices=gi)
+        """,
+        ["moekit.ops._triton.gg_swiglu", "moekit.ops._triton.grouped_gemm"],
+        pdl=True,
+    )
+    assert_all_compiled(records, 25)
+    kinds = {r["kernel"] for r in records}
+    assert {"_swiglu_gemv_kernel", "_swiglu_stream_kernel", "_gg_gemv_kernel", "_gg_stream_kernel"} <= kinds, kinds
+
+
+# ---------------------------------------------------------------------------- GPU tier
+
+# (T, k, G, F, D): Qwen3-30B, DeepSeek-V3 TP8 experts, gpt-oss-120b, Llama 4 Scout decode sizes
+GPU_SHAPES = [(1, 8, 128, 768, 2048), (4, 8, 128, 768, 2048), (64, 8, 128, 768, 2048), (1, 8, 256, 256, 7168),
+              (16, 8, 256, 256, 7168), (4, 4, 128, 2880, 2880), (256, 4, 128, 2880, 2880), (1, 1, 16, 8192, 5120),
+              (64, 1, 16, 8192, 5120)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "T{}k{}G{}F{}D{}".format(*s))
+@pytest.mark.parametrize("w_kind", ["same", "fp8", "fp8x"])
+def test_gpu_swiglu_and_down(shape, w_kind, cuda):
+    T, k, G, F, D = shape
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, D, torch.bfloat16, w_kind, seed=T + k, device=cuda)
+    z = grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    ok = _valid_rows(gi, T)
+    assert_close(z[ok].float(), want[ok].float(), tol=1e-2)
+    if w_kind == "fp8x":
+        return
+    # the down GEMM on z (weight-only FP8 for FP8 weights), weighted scatter-add into out
+    g = torch.Generator().manual_seed(1)
+    w2 = (torch.randn(G * D, F, generator=g) / F**0.5).to(cuda)
+    w2s = None
+    if w_kind == "fp8":
+        w2, w2s = quantize_fp8_row(w2)
+    else:
+        w2 = w2.to(torch.bfloat16)
+    zz = torch.where(ok[:, None], z, 0).contiguous()
+    out = torch.randn(T, D, generator=g).to(cuda).to(torch.bfloat16)
+    want_out = out.clone()
+    grouped_gemm(zz, w2, ms, token_weights=rs, _output_tensor=out, _scatter_add_indices=gi, w_scale=w2s)
+    ref.grouped_gemm(zz, w2, ms, token_weights=rs, w_scale=w2s, _output_tensor=want_out, _scatter_add_indices=gi)
+    assert_close(out.float(), want_out.float(), tol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_cuda_graph_replays_new_rows(cuda):
+    T, k, G, F, D = 4, 8, 128, 768, 2048
+    x, w, ms, gi, rs, _, _ = _case(T, k, G, F, D, torch.bfloat16, "same", seed=0, device=cuda, bad_rows=False)
+    grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        z = grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs)
+    for seed in (1, 2):
+        x2, _, ms2, gi2, rs2, _, _ = _case(T, k, G, F, D, torch.bfloat16, "same", seed=seed, device=cuda,
+                                           bad_rows=False)  # fmt: skip
+        x.copy_(x2), ms.copy_(ms2), gi.copy_(gi2), rs.copy_(rs2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(z.float(), ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs).float(), tol=1e-2)

@@ -1,0 +1,281 @@
+"""route_and_shuffle: the fused router (Triton kernel in the interpreter and on the GPU, the
+composite beyond its sizes, the public op on the CPU) against ``moekit.reference``.
+
+Integer outputs must match exactly; the row weights within float32 rounding (rel 1e-6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit import reference as ref
+from moekit.ops import route_and_shuffle
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+# (name, E, top_k, score_func, renormalize, n_group, topk_group, bias, scale)
+ROUTINGS = [
+    ("qwen3", 128, 8, "softmax", True, None, None, False, 1.0),
+    ("deepseek", 256, 8, "sigmoid", True, 8, 4, True, 2.5),
+    ("gpt-oss", 128, 4, "topk_softmax", False, None, None, False, 1.0),
+    ("llama4", 16, 1, "sigmoid", False, None, None, False, 1.0),
+    ("mixtral", 8, 2, "softmax", True, None, None, False, 1.0),
+    ("odd-E", 24, 5, "sigmoid", False, None, None, True, 1.0),
+    ("k=E", 12, 12, "softmax", False, None, None, False, 1.0),
+    ("k16-E512", 512, 16, "softmax", True, None, None, False, 1.0),
+    ("grouped-16", 16, 3, "softmax", False, 4, 2, False, 1.5),
+]
+
+
+def tie_free_logits(T: int, E: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Logits whose scores (and biased scores) have no ties: a random permutation per row,
+    spaced 1/16 apart."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.argsort(torch.rand(T, E, generator=g), dim=1).float()
+    return ((p - E / 2) / 16).to(dtype)
+
+
+def _inputs(r, T, seed, dtype=torch.float32, device="cpu"):
+    _, E, k, sf, renorm, ng, tg, bias, scale = r
+    logits = tie_free_logits(T, E, seed, dtype).to(device)
+    b = None
+    if bias:  # multiples of 2**-12: the biased choice stays tie-free
+        g = torch.Generator().manual_seed(seed + 1)
+        b = (torch.randint(0, 64, (E,), generator=g).float() / 4096).to(device)
+    kw = dict(n_group=ng, topk_group=tg, e_score_correction_bias=b, routed_scaling_factor=scale)
+    return logits, k, sf, renorm, kw
+
+
+def check(got, want, msg=""):
+    names = ("token_counts", "expert_indices", "token_indices")
+    for g, w, n in zip(got[:3], want[:3], names):
+        assert g.dtype == torch.int32, f"{msg} {n} dtype {g.dtype}"
+        g, w = g.cpu(), w.cpu()
+        assert torch.equal(g, w), f"{msg} {n}: {(g != w).sum().item()} mismatches\n{g}\n{w}"
+    gw, ww = got[3].cpu(), want[3].cpu()
+    assert gw.dtype == torch.float32
+    err = ((gw - ww).abs().max() / ww.abs().max().clamp(min=1e-30)).item() if ww.numel() else 0.0
+    assert err <= 1e-6, f"{msg} row weights: max rel error {err:.2e}"
+
+
+def _launch_interp(logits, k, sf, renorm, kw, start=0, end=None, zero=None):
+    from moekit.ops._triton import route as R
+
+    E = logits.shape[1]
+    return R.route_and_shuffle(logits, kw["e_score_correction_bias"], k, sf, renorm, kw["n_group"],
+                               kw["topk_group"], kw["routed_scaling_factor"], start, E if end is None else end,
+                               zero)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- interpreter
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("r", ROUTINGS, ids=[r[0] for r in ROUTINGS])
+@pytest.mark.parametrize("T", [0, 1, 5, 37])
+def test_interp_matches_reference(r, T):
+    logits, k, sf, renorm, kw = _inputs(r, T, seed=T)
+    zero = torch.full((max(T, 1), 24), 7.0, dtype=torch.bfloat16)
+    got = _launch_interp(logits, k, sf, renorm, kw, zero=zero)
+    check(got, ref.route_and_shuffle(logits, k, sf, renorm, **kw), r[0])
+    assert (zero == 0).all(), "zero_buffer not zeroed"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("r", [ROUTINGS[0], ROUTINGS[1], ROUTINGS[5]], ids=["qwen3", "deepseek", "odd-E"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_interp_expert_range_and_dtypes(r, dtype):
+    T = 19
+    logits, k, sf, renorm, kw = _inputs(r, T, seed=3, dtype=dtype)
+    E = logits.shape[1]
+    start, end = E // 4, E // 2 + 1
+    got = _launch_interp(logits, k, sf, renorm, kw, start, end)
+    want = ref.route_and_shuffle(logits, k, sf, renorm, expert_index_start=start, expert_index_end=end, **kw)
+    check(got, want, r[0])
+    n = int(want[0][E + 1])
+    assert (got[1][n:] == -1).all() and (got[2][n:] == -1).all() and (got[3][n:] == 0).all()
+
+
+@pytest.mark.interpreter
+def test_interp_strided_logits_and_one_expert():
+    """Column-major logits; every token's top choice the same expert (one long group)."""
+    r = ROUTINGS[0]
+    logits, k, sf, renorm, kw = _inputs(r, 40, seed=5)
+    logits[:, 77] = 100.0
+    cm = logits.T.contiguous().T
+    got = _launch_interp(cm, k, sf, renorm, kw)
+    want = ref.route_and_shuffle(logits, k, sf, renorm, **kw)
+    check(got, want)
+    assert int(got[0][77]) == 40
+
+
+@pytest.mark.interpreter
+def test_interp_sub_tiles_carry_ranks():
+    """More tokens than one sub-tile (E = 512: 4 tokens per tile): ranks carried across tiles."""
+    r = ROUTINGS[7]
+    logits, k, sf, renorm, kw = _inputs(r, 23, seed=9)
+    check(_launch_interp(logits, k, sf, renorm, kw), ref.route_and_shuffle(logits, k, sf, renorm, **kw))
+
+
+@pytest.mark.interpreter
+def test_interp_public_op_uses_kernel_and_composite(monkeypatch):
+    """The registered op's CUDA branch (forced onto the interpreter): the one-launch kernel up to
+    256 tokens, the composite (dense scores + index_shuffling) beyond, same results."""
+    import moekit.ops.routing as ops_routing
+    from moekit.ops._triton import route as R
+
+    monkeypatch.setattr(ops_routing, "use_triton", lambda t: True)
+    calls = []
+    real = R.route_and_shuffle
+    monkeypatch.setattr(R, "route_and_shuffle", lambda *a: calls.append(1) or real(*a))
+    for T in (256, 257):
+        logits, k, sf, renorm, kw = _inputs(ROUTINGS[1], T, seed=T)
+        check(route_and_shuffle(logits, k, sf, renorm, **kw), ref.route_and_shuffle(logits, k, sf, renorm, **kw))
+    assert calls == [1]
+
+
+@pytest.mark.reference
+def test_kernel_supports():
+    from moekit.ops._triton.route import kernel_supports
+
+    assert kernel_supports(256, 512, 16, None) and not kernel_supports(257, 16, 1, None)
+    assert not kernel_supports(1, 513, 1, None) and not kernel_supports(1, 16, 17, None)
+    assert kernel_supports(4, 256, 8, 8) and not kernel_supports(4, 24, 2, 4)  # groups: powers of two
+
+
+# ---------------------------------------------------------------------------- reference tier
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("r", ROUTINGS[:6], ids=[r[0] for r in ROUTINGS[:6]])
+def test_public_cpu_matches_reference(r):
+    logits, k, sf, renorm, kw = _inputs(r, 11, seed=1)
+    zero = torch.ones(11, 8)
+    check(route_and_shuffle(logits, k, sf, renorm, zero_buffer=zero, **kw),
+          ref.route_and_shuffle(logits, k, sf, renorm, **kw))  # fmt: skip
+    assert (zero == 0).all()
+
+
+@pytest.mark.reference
+def test_reference_layout_is_index_shuffling_of_routing_weights():
+    logits, k, sf, renorm, kw = _inputs(ROUTINGS[1], 9, seed=2)
+    counts, eidx, tidx, rw = ref.route_and_shuffle(logits, k, sf, renorm, **kw)
+    w, ids = ref.routing_weights(logits, k, sf, renorm, **kw)
+    want = ref.index_shuffling(ref.dense_scores(torch.arange(k, 0, -1).float().expand(9, k), ids, 256), top_k=k)
+    for a, b in zip((counts, eidx, tidx), want):
+        assert torch.equal(a, b)
+    dense = torch.zeros(9, 256).scatter_(1, ids, w)
+    assert torch.equal(rw, dense[tidx.long(), eidx.long()])
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(top_k=17, E=16), ValueError, "top_k"),
+        (dict(score_func="relu"), ValueError, "score_func"),
+        (dict(renormalize="yes"), TypeError, "renormalize"),
+        (dict(routed_scaling_factor="2"), TypeError, "routed_scaling_factor"),
+        (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor"),
+        (dict(n_group=4), ValueError, "n_group and topk_group"),
+        (dict(n_group=0, topk_group=1), ValueError, "n_group"),
+        (dict(n_group=4, topk_group=5), ValueError, "topk_group"),
+        (dict(n_group=5, topk_group=2), ValueError, "divide"),
+        (dict(n_group=4, topk_group=1, top_k=5), ValueError, "topk_group \\* experts per group"),
+        (dict(score_func="topk_softmax", n_group=4, topk_group=2), ValueError, "topk_softmax"),
+        (dict(bias=torch.zeros(17)), ValueError, "e_score_correction_bias"),
+        (dict(score_func="topk_softmax", bias=torch.zeros(16)), ValueError, "topk_softmax"),
+        (dict(logits=torch.zeros(3, 16, dtype=torch.int32)), TypeError, "logits_TE"),
+        (dict(logits=torch.zeros(16)), ValueError, "logits_TE"),
+        (dict(expert_index_start=5, expert_index_end=3), ValueError, "expert range"),
+        (dict(zero_buffer=torch.zeros(4, 8)[:, ::2]), ValueError, "zero_buffer"),
+    ],
+)
+def test_bad_arguments(kw, exc, match):
+    kw = dict(kw)
+    E = kw.pop("E", 16)
+    logits = kw.pop("logits", torch.randn(3, E))
+    args = dict(top_k=kw.pop("top_k", 2), score_func=kw.pop("score_func", "softmax"))
+    if "bias" in kw:
+        kw["e_score_correction_bias"] = kw.pop("bias")
+    with pytest.raises(exc, match=match):
+        route_and_shuffle(logits, **args, **kw)
+
+
+@pytest.mark.reference
+def test_opcheck_and_compile_cpu():
+    logits, k, sf, renorm, kw = _inputs(ROUTINGS[1], 6, seed=0)
+    args = (logits, kw["e_score_correction_bias"], k, sf, renorm, 8, 4, 2.5, 0, 256, torch.ones(6, 8))
+    torch.library.opcheck(torch.ops.moekit.route_and_shuffle.default, args)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda l, b: route_and_shuffle(l, k, sf, renorm, n_group=8, topk_group=4,
+                                                      e_score_correction_bias=b, routed_scaling_factor=2.5),
+                       fullgraph=True)  # fmt: skip
+    check(fn(logits, kw["e_score_correction_bias"]), ref.route_and_shuffle(logits, k, sf, renorm, **kw))
+
+
+@pytest.mark.reference
+def test_kernel_compiles_for_sm90():
+    """Every routing family's kernel, compiled on the CPU for sm_90 through ptxas."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import route as R
+        m = "meta"
+        for T, E, k, sf, renorm, ng, tg, bias in ((1, 128, 8, "softmax", True, None, None, False),
+                                                 (64, 256, 8, "sigmoid", True, 8, 4, True),
+                                                 (256, 128, 4, "topk_softmax", False, None, None, False),
+                                                 (16, 16, 1, "sigmoid", False, None, None, False),
+                                                 (3, 512, 16, "softmax", True, None, None, False)):
+            logits = torch.empty(T, E, dtype=torch.bfloat16, device=m)
+            b = torch.empty(E, device=m) if bias else None
+            R.route_and_shuffle(logits, b, k, sf, renorm, ng, tg, 1.0, 0, E,
+                                torch.empty(T, 2048, dtype=torch.bfloat16, device=m))
+        """,
+        ["moekit.ops._triton.route"],
+        pdl=True,
+    )
+    assert_all_compiled(records, 5)
+
+
+# ---------------------------------------------------------------------------- GPU tier
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", ROUTINGS, ids=[r[0] for r in ROUTINGS])
+@pytest.mark.parametrize("T", [1, 4, 16, 64, 256, 300])
+def test_gpu_matches_reference(r, T, cuda):
+    logits, k, sf, renorm, kw = _inputs(r, T, seed=T)
+    want = ref.route_and_shuffle(logits, k, sf, renorm, **kw)
+    kw_gpu = {**kw, "e_score_correction_bias": None if kw["e_score_correction_bias"] is None
+              else kw["e_score_correction_bias"].to(cuda)}  # fmt: skip
+    zero = torch.full((T, 520), 3.0, dtype=torch.bfloat16, device=cuda)
+    got = route_and_shuffle(logits.to(cuda), k, sf, renorm, zero_buffer=zero, **kw_gpu)
+    check(got, want, f"{r[0]} T={T}")
+    assert (zero == 0).all()
+    check(route_and_shuffle(logits.to(cuda).to(torch.bfloat16), k, sf, renorm, **kw_gpu),
+          ref.route_and_shuffle(logits.to(torch.bfloat16), k, sf, renorm, **kw), f"{r[0]} bf16")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_cuda_graph_replays_new_routing(T, cuda):
+    r = ROUTINGS[1]
+    logits, k, sf, renorm, kw = _inputs(r, T, seed=0)
+    b = kw["e_score_correction_bias"].to(cuda)
+    kw = {**kw, "e_score_correction_bias": b}
+    static = logits.to(cuda)
+    route_and_shuffle(static, k, sf, renorm, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = route_and_shuffle(static, k, sf, renorm, **kw)
+    for seed in (1, 2, 3):
+        new = tie_free_logits(T, 256, seed)
+        static.copy_(new)
+        g.replay()
+        torch.cuda.synchronize()
+        check(outs, ref.route_and_shuffle(new, k, sf, renorm, **{**kw, "e_score_correction_bias": b.cpu()}))
