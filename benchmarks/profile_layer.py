@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a whole MoE layer's time goes: every GPU kernel of one ``moekit`` layer forward (the
+"""Where a MoE layer's time goes: every GPU kernel of the routed experts from router logits (the
 pipeline ``bench_layer.py`` times), with its duration, from ``torch.profiler``.
 
     python benchmarks/profile_layer.py [--models qwen3-30b-a3b,llama4-scout] [--tokens 1,128] [--dtype bf16,fp8]
@@ -37,9 +37,15 @@ def profile_one(model: str, T: int, fp8: bool, top: int) -> dict:
         w2q, w2s = quantize_expert_weights(w["w2_eDF"])
         q = {"w13": w13q, "w13_scale": w13s, "w2": w2q, "w2_scale": w2s}
     x = torch.randn(T, s.D, device="cuda", dtype=torch.bfloat16)
+    logits = (x @ w["router_DE"]).float()
+    from moekit.layers.functional import moe_forward
 
-    def step() -> torch.Tensor:
-        return _bench.moekit_pipeline(x, w, cfg, q)
+    def step() -> torch.Tensor:  # the routed experts from router logits (what bench_layer times)
+        if q is None:
+            return moe_forward(x, None, w["w13_e2FD"], w["w2_eDF"], cfg, logits_TE=logits,
+                               e_score_correction_bias=w.get("e_score_correction_bias"))
+        return moe_forward(x, None, q["w13"], q["w2"], cfg, logits_TE=logits, w13_scale_e2F=q["w13_scale"],
+                           w2_scale_eD=q["w2_scale"], e_score_correction_bias=w.get("e_score_correction_bias"))
 
     for _ in range(3):  # compile every Triton kernel first
         step()

@@ -233,13 +233,14 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
 
         from moekit.layers.experts import choose_path
 
-        row["path"] = choose_path(T * s.top_k, s.E)
+        row["path"] = choose_path(T * s.top_k, s.E, fp8=fp8)
         row["moekit_err"] = _check("moekit", ours(sets[0]), ref0, tol)
         row["moekit_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
-        if cuda and row["path"] == "decode":  # the sorted pipeline on the same rows (before/after)
-            with settings.override(moe_path="sorted"):
-                _check("moekit sorted", ours(sets[0]), ref0, tol)
-                row["sorted_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
+        if cuda and T <= 256:  # the other pipeline on the same rows
+            alt = "sorted" if row["path"] == "decode" else "decode"
+            with settings.override(moe_path=alt):
+                _check(f"moekit {alt}", ours(sets[0]), ref0, tol)
+                row[f"{alt}_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
         if cuda and s.top_k > 1 and not quick:
             row["det_us"] = bench_us([lambda st=st: ours(st, det=True) for st in sets], replays=reps)
         if vllm is not None and not on_input:
@@ -279,7 +280,7 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
                 row["mslk_us"] = None
                 row["mslk_error"] = f"{type(exc).__name__}: {exc}"[:80]
         row["floor/moekit"] = row["floor_us"] / row["moekit_us"]
-        for peer in ("vllm", "torch", "mslk", "sorted"):
+        for peer in ("vllm", "torch", "mslk", "sorted", "decode"):
             if row.get(f"{peer}_us"):
                 row[f"moekit/{peer}"] = row["moekit_us"] / row[f"{peer}_us"]
         rows.append(row)
@@ -346,7 +347,7 @@ def main(args: argparse.Namespace) -> int:
     where = "CUDA" if cuda else "CPU (reference path; times are not representative)"
     print(f"moekit bench: model={model} tokens={tokens} dtype={args.dtype} on {where}")
     rows = run(model, tokens, fp8, args.quick)
-    cols = ["model", "T", "dtype", "path", "floor_us", "moekit_us", "sorted_us", "vllm_us", "torch_us", "mslk_us",
+    cols = ["model", "T", "dtype", "path", "floor_us", "moekit_us", "decode_us", "sorted_us", "vllm_us", "torch_us", "mslk_us",
             "floor/moekit", "moekit/vllm", "moekit/torch", "moekit/mslk"]  # fmt: skip
     print(markdown_table(rows, [c for c in cols if any(c in r for r in rows)]))
     save_rows(f"layer_{model}_{args.dtype}", rows)

@@ -33,9 +33,10 @@ __all__ = ["run_experts", "choose_path", "DECODE_ROWS_PER_EXPERT"]
 DECODE_ROWS_PER_EXPERT = 48
 
 
-def choose_path(rows: int, experts: int, path: Optional[str] = None) -> str:
-    """``"decode"`` or ``"sorted"`` for ``rows`` routed rows over ``experts`` local experts."""
-    from moekit.ops._triton.gg_config import expected_groups_hit
+def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool = False) -> str:
+    """``"decode"`` or ``"sorted"`` for ``rows`` routed rows over ``experts`` local experts
+    (``fp8``: FP8 expert weights)."""
+    from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
 
     s = settings.get()
     path = path or s.moe_path
@@ -44,6 +45,11 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None) -> str:
     if path != "auto":
         return path
     hits = max(1.0, expected_groups_hit(rows, max(experts, 1)))
+    if fp8:
+        # Weight-only FP8 pays on the GEMV kernels (CUDA-core FMAs on the 1-byte weight stream);
+        # in the tensor-core tiles the in-register conversion of the weights costs more than the
+        # activation quantization saves (H200: Qwen3-30B T=4 80 vs 55 µs; RESULTS.md session 7).
+        return "decode" if use_gemv(rows, hits) else "sorted"
     if rows <= s.decode_max_rows and rows / hits < DECODE_ROWS_PER_EXPERT:
         return "decode"
     return "sorted"
@@ -115,7 +121,7 @@ def run_experts(
     if out is not None:
         down.update(_output_tensor=out, _scatter_add_indices=token_ids, deterministic=deterministic)
 
-    if choose_path(N, e, path) == "decode":
+    if choose_path(N, e, path, fp8=fp8_w) == "decode":
         z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=x_scale,
                                 w_scale=ws13)  # fmt: skip
         # z is 16-bit: the down GEMM is weight-only FP8 for FP8 weights.

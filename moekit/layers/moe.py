@@ -852,7 +852,7 @@ class BaselineMoE(torch.nn.Module):
             xs = xs.float() * w_N.unsqueeze(1)  # FP8 quantizes the scaled float32 rows directly
         re = self.routed_experts
         # MetaShufflingMoE's decode pipeline uses FP8 weights weight-only (16-bit activations).
-        weight_only = re.is_fp8_rowwise and choose_path(T * K, E) == "decode"
+        weight_only = re.is_fp8_rowwise and choose_path(T * K, E, fp8=True) == "decode"
         if not re.is_fp8_rowwise:
             xs = xs.to(x_TD.dtype)
         if weight_only:
@@ -1050,7 +1050,7 @@ class MetaShufflingMoE(BaselineMoE):
             x_all, re.w13.data, re.w2.data, counts[e0 : e0 + e], token_ids=token_ids, expert_ids=expert_ids,
             row_weights=row_weights, weight_on_input=a.apply_router_weight_on_input, w13_scale=re.w13_scale,
             w2_scale=re.w2_scale, out=partial, deterministic=a.deterministic, use_fast_accum=a.use_fast_accum,
-            path=choose_path(R * T * K, E),
+            path=choose_path(R * T * K, E, fp8=re.is_fp8_rowwise),
         )  # fmt: skip
         if a.uses_dedup_comm:
             # Sum the TP shards' partial rows first (inside the TP group), this rank's column

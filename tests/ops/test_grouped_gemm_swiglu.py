@@ -238,10 +238,11 @@ def test_kernels_compile_for_sm90():
 
 # ---------------------------------------------------------------------------- GPU tier
 
-# (T, k, G, F, D): Qwen3-30B, DeepSeek-V3 TP8 experts, gpt-oss-120b, Llama 4 Scout decode sizes
-GPU_SHAPES = [(1, 8, 128, 768, 2048), (4, 8, 128, 768, 2048), (64, 8, 128, 768, 2048), (1, 8, 256, 256, 7168),
-              (16, 8, 256, 256, 7168), (4, 4, 128, 2880, 2880), (256, 4, 128, 2880, 2880), (1, 1, 16, 8192, 5120),
-              (64, 1, 16, 8192, 5120)]  # fmt: skip
+# (T, k, G, F, D): Qwen3-30B, DeepSeek-V3 TP8 experts, gpt-oss-120b, Llama 4 Scout decode sizes (fewer
+# experts for the largest, so that the float32 reference of several test workers fits the GPU)
+GPU_SHAPES = [(1, 8, 128, 768, 2048), (4, 8, 128, 768, 2048), (64, 8, 128, 768, 2048), (1, 8, 64, 256, 7168),
+              (16, 8, 64, 256, 7168), (4, 4, 16, 2880, 2880), (256, 4, 16, 2880, 2880), (1, 1, 4, 8192, 5120),
+              (64, 1, 4, 8192, 5120)]  # fmt: skip
 
 
 @pytest.mark.gpu

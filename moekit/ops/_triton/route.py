@@ -237,6 +237,7 @@ def route_and_shuffle(
         K=top_k, SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         NG=ng, TOPK_GROUP=int(topk_group or 1), HAS_ZERO=zero_buffer is not None,
         BT=bt, BLOCK_E=block_e, K_PAD=k_pad, RB=min(1024, max(16, next_pow2(N))), ZB=ZERO_BLOCK,
-        num_warps=8 if bt * block_e >= 2048 else 4,
+        # One warp for a single token's row (no cross-warp reductions on the decode critical path).
+        num_warps=max(1, min(8, bt * block_e // 256)),
     )  # fmt: skip
     return counts, eidx, tidx, rw
