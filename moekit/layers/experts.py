@@ -55,6 +55,13 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
     return "sorted"
 
 
+def _spread(rows: int, experts: int) -> bool:
+    """Rows that rarely share an expert (the grouped GEMM's GEMV range)."""
+    from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
+
+    return use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
+
+
 def run_experts(
     x: torch.Tensor,
     w13_e2FD: torch.Tensor,
@@ -64,6 +71,7 @@ def run_experts(
     token_ids: Optional[torch.Tensor] = None,
     expert_ids: Optional[torch.Tensor] = None,
     row_weights: Optional[torch.Tensor] = None,
+    selection_rows: Optional[torch.Tensor] = None,
     weight_on_input: bool = False,
     x_scale: Optional[torch.Tensor] = None,
     w13_scale: Optional[torch.Tensor] = None,
@@ -79,7 +87,10 @@ def run_experts(
     layout; -1 rows skipped) row r is token row ``x[token_ids[r]]`` of ``x [T, D]``; without them
     ``x [N, D]`` holds the sorted rows (optionally FP8 with ``x_scale [N]``, e.g. rows received
     quantized). ``row_weights [N]`` (float32): the router weight of each row, on the expert's
-    input (``weight_on_input``) or on its output. Weights: ``w13_e2FD [e, 2F, D]`` (gate rows,
+    input (``weight_on_input``) or on its output. ``selection_rows [T * K]`` (``route_and_shuffle``'s
+    token-major inverse map), when given with ``out``, lets the decode pipeline combine each
+    token's K rows in one program (``grouped_gemm_combine``: no atomics) where they rarely share
+    an expert. Weights: ``w13_e2FD [e, 2F, D]`` (gate rows,
     then up rows) and ``w2_eDF [e, D, F]``, bf16, or FP8 e4m3fn with row-wise scales
     ``w13_scale [e, 2F]`` / ``w2_scale [e, D]``.
 
@@ -92,6 +103,7 @@ def run_experts(
         gather_scale_dense_tokens,
         gather_scale_quant_dense_tokens,
         grouped_gemm,
+        grouped_gemm_combine,
         grouped_gemm_fp8_rowwise,
         grouped_gemm_swiglu,
         quantize_fp8_row,
@@ -125,6 +137,8 @@ def run_experts(
         z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=x_scale,
                                 w_scale=ws13)  # fmt: skip
         # z is 16-bit: the down GEMM is weight-only FP8 for FP8 weights.
+        if out is not None and selection_rows is not None and out.is_contiguous() and _spread(N, e):
+            return grouped_gemm_combine(z, w2, expert_ids, selection_rows, out, row_weights=out_w, w_scale=ws2)
         return grouped_gemm(z, w2, m_sizes, w_scale=ws2, **down)
 
     if token_ids is not None:

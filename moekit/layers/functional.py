@@ -153,13 +153,14 @@ def moe_forward(
         out = shared_out_TD
     else:
         out = torch.empty((T, D), dtype=out_dtype, device=dev)  # zeroed by the routing launch
-    counts, expert_ids, token_ids, row_weights = route_and_shuffle(
+    counts, expert_ids, token_ids, row_weights, selection_rows = route_and_shuffle(
         logits_TE, cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group, topk_group=cfg.topk_group,
         e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=cfg.routed_scaling_factor,
         zero_buffer=None if shared_out_TD is not None else out,
     )  # fmt: skip
     return run_experts(
         x_TD, w13_e2FD, w2_eDF, counts[:E], token_ids=token_ids, expert_ids=expert_ids, row_weights=row_weights,
+        selection_rows=selection_rows,
         weight_on_input=cfg.apply_router_weight_on_input, w13_scale=w13_scale_e2F, w2_scale=w2_scale_eD, out=out,
         deterministic=deterministic, use_fast_accum=use_fast_accum, path=path,
     )  # fmt: skip

@@ -967,7 +967,7 @@ class MetaShufflingMoE(BaselineMoE):
 
     def _route(
         self, logits_TE: torch.Tensor, start: int, end: int, zero_buffer: Optional[torch.Tensor] = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """``route_and_shuffle`` with this layer's routing, experts ``[start, end)`` kept."""
         from moekit.ops import route_and_shuffle
 
@@ -1044,11 +1044,13 @@ class MetaShufflingMoE(BaselineMoE):
 
         out_dtype = torch.bfloat16 if re.is_fp8_rowwise else x_TD.dtype
         partial = torch.empty(R * T, D, dtype=out_dtype, device=x_TD.device)  # zeroed by the routing launch
-        counts, expert_ids, token_ids, row_weights = self._route(logits_all, e0, e0 + e, zero_buffer=partial)
+        counts, expert_ids, token_ids, row_weights, selection_rows = self._route(
+            logits_all, e0, e0 + e, zero_buffer=partial
+        )
         # The pipeline the single-GPU layer would take for all R * T tokens (same numerics).
         run_experts(
             x_all, re.w13.data, re.w2.data, counts[e0 : e0 + e], token_ids=token_ids, expert_ids=expert_ids,
-            row_weights=row_weights, weight_on_input=a.apply_router_weight_on_input, w13_scale=re.w13_scale,
+            row_weights=row_weights, selection_rows=selection_rows, weight_on_input=a.apply_router_weight_on_input, w13_scale=re.w13_scale,
             w2_scale=re.w2_scale, out=partial, deterministic=a.deterministic, use_fast_accum=a.use_fast_accum,
             path=choose_path(R * T * K, E, fp8=re.is_fp8_rowwise),
         )  # fmt: skip
@@ -1162,7 +1164,7 @@ class MetaShufflingMoE(BaselineMoE):
 
         # 1. Local routing: rows sorted by global expert (all E in range: every row is valid).
         if T:
-            counts, expert_ids, token_ids, row_weights = self._route(self.router_logits(x_TD), 0, E)
+            counts, expert_ids, token_ids, row_weights, _ = self._route(self.router_logits(x_TD), 0, E)
             send_counts_E = counts[:E]
         else:  # a rank without tokens still takes part in every collective
             send_counts_E = torch.zeros(E, dtype=torch.int32, device=dev)

@@ -9,7 +9,13 @@ from moekit.ops.gather_scatter import (
     scatter_add_dense_tokens_deterministic,
     scatter_add_padded_tokens,
 )
-from moekit.ops.grouped_gemm import f8f8bf16_rowwise, grouped_gemm, grouped_gemm_fp8_rowwise, grouped_gemm_swiglu
+from moekit.ops.grouped_gemm import (
+    f8f8bf16_rowwise,
+    grouped_gemm,
+    grouped_gemm_combine,
+    grouped_gemm_fp8_rowwise,
+    grouped_gemm_swiglu,
+)
 from moekit.ops.norm import rms_norm
 from moekit.ops.quantize import quantize_fp8_row, triton_quantize_fp8_row
 from moekit.ops.routing import index_shuffling, route_and_shuffle
@@ -21,6 +27,7 @@ __all__ = [
     "gather_scale_dense_tokens",
     "gather_scale_quant_dense_tokens",
     "grouped_gemm",
+    "grouped_gemm_combine",
     "grouped_gemm_fp8_rowwise",
     "grouped_gemm_swiglu",
     "index_shuffling",

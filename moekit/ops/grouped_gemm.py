@@ -46,7 +46,13 @@ from moekit.ops._common import use_triton
 # attribute: load the module itself.
 _ref = importlib.import_module("moekit.reference.grouped_gemm")
 
-__all__ = ["grouped_gemm", "grouped_gemm_fp8_rowwise", "grouped_gemm_swiglu", "f8f8bf16_rowwise"]
+__all__ = [
+    "grouped_gemm",
+    "grouped_gemm_combine",
+    "grouped_gemm_fp8_rowwise",
+    "grouped_gemm_swiglu",
+    "f8f8bf16_rowwise",
+]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -238,6 +244,24 @@ def _grouped_gemm_swiglu_op(
     )
 
 
+@triton_op("moekit::grouped_gemm_combine", mutates_args=("out",))
+def _grouped_gemm_combine_op(
+    z: torch.Tensor,
+    w: torch.Tensor,
+    expert_indices: torch.Tensor,
+    selection_rows: torch.Tensor,
+    out: torch.Tensor,
+    row_weights: Optional[torch.Tensor] = None,
+    w_scale: Optional[torch.Tensor] = None,
+) -> None:
+    if use_triton(z):
+        from moekit.ops._triton import gg_combine as _cb
+
+        _cb.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights, _flat(w_scale))
+        return
+    _ref.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights=row_weights, w_scale=w_scale)
+
+
 # Dense FP8 on CUDA: the Triton kernel (1 group) below this many rows, torch._scaled_mm (cuBLASLt /
 # CUTLASS row-wise) from there on when the layout allows. ``settings.f8_dense`` ($MOEKIT_F8_DENSE)
 # pins "triton" or "scaled_mm"; the benchmark measures both (bench_grouped_gemm.py --dense).
@@ -426,6 +450,50 @@ def grouped_gemm_swiglu(
         if w_scale.numel() != G * 2 * F:
             raise ValueError(f"w_scale must have G * 2F = {G * 2 * F} elements, got shape {tuple(w_scale.shape)}")
     return torch.ops.moekit.grouped_gemm_swiglu(x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale)
+
+
+def grouped_gemm_combine(
+    z: torch.Tensor,
+    w: torch.Tensor,
+    expert_indices: torch.Tensor,
+    selection_rows: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    row_weights: Optional[torch.Tensor] = None,
+    w_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The down projection of a decode batch, combined per token (no atomics): ``out[t] += sum_j
+    row_weights[r] * (z[r] @ w_e.T)`` over token t's K choices, ``r = selection_rows[t * K + j]``
+    (``route_and_shuffle``'s token-major inverse map; negative: skipped), ``e =
+    expert_indices[r]``. The K terms are summed in float32 in slot order and added to ``out`` with
+    one store per element: bitwise reproducible. ``z [M, F]`` bf16 / fp16 / fp32, ``w [G * N, F]``
+    of z's dtype or FP8 e4m3fn with ``w_scale [G * N]`` (weight-only FP8), ``out [T, N]`` of z's
+    dtype (contiguous rows), ``row_weights [M]``. Reads each choice's weight slice once per token:
+    for a few tokens whose choices rarely share an expert. Returns ``out``.
+    """
+    check_tensor("z", z, ndim=2, dtype=_FLOATS, last_dim_contiguous=True)
+    M, F = z.shape
+    dev = z.device
+    check_tensor("out", out, ndim=2, dtype=z.dtype, device=dev, last_dim_contiguous=True)
+    T, N = out.shape
+    check_tensor("w", w, ndim=2, dtype=FP8_DTYPE if w_scale is not None else z.dtype, device=dev,
+                 last_dim_contiguous=True)  # fmt: skip
+    if w.shape[1] != F or N == 0 or w.shape[0] % N:
+        raise ValueError(f"w must have shape [G * N, F] = [G * {N}, {F}] (N = out.shape[1]), got {tuple(w.shape)}")
+    check_tensor("expert_indices", expert_indices, shape=(M,), dtype=INDEX_DTYPES, device=dev)
+    check_tensor("selection_rows", selection_rows, ndim=1, dtype=INDEX_DTYPES, device=dev)
+    if T and selection_rows.shape[0] % T:
+        raise ValueError(
+            f"selection_rows must have T * K entries for out's T={T} tokens, got {selection_rows.shape[0]}"
+        )
+    if row_weights is not None:
+        check_tensor("row_weights", row_weights, shape=(M,), dtype=_FLOATS, device=dev)
+    if w_scale is not None:
+        check_tensor("w_scale", w_scale, dtype=torch.float32, device=dev)
+        if w_scale.numel() != w.shape[0]:
+            raise ValueError(f"w_scale must have {w.shape[0]} elements (one per row of w), got {tuple(w_scale.shape)}")
+    torch.ops.moekit.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights, w_scale)
+    return out
 
 
 def f8f8bf16_rowwise(

@@ -207,7 +207,7 @@ def _route_and_shuffle_op(
     expert_index_start: int,
     expert_index_end: int,
     zero_buffer: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if use_triton(logits_TE):
         from moekit.ops._triton import route as _route
         from moekit.ops._triton import routing as _tri
@@ -230,9 +230,17 @@ def _route_and_shuffle_op(
             counts, eidx, tidx = _ref.index_shuffling(sel, expert_index_start, expert_index_end, None, top_k)
         ok = tidx >= 0
         rw = weights[tidx.clamp(min=0).long(), (eidx.clamp(min=0) + expert_index_start).long()]
+        # The token-major inverse map through a dense table of rows (-1: no row; the tail's rows
+        # land in a spare last token row).
+        table = torch.full((T + 1, E), -1, dtype=torch.int32, device=tidx.device)
+        rows = torch.arange(tidx.shape[0], dtype=torch.int32, device=tidx.device)
+        table[torch.where(ok, tidx, T).long(), (eidx.clamp(min=0) + expert_index_start).long()] = rows
+        table[T] = -1
+        sel_ids = torch.topk(sel, top_k, dim=-1).indices  # (token, slot) -> expert, slots by score
+        srow = table[:T].gather(1, sel_ids).reshape(-1)
         if zero_buffer is not None:
             zero_buffer.zero_()
-        return counts, eidx, tidx, torch.where(ok, rw, 0.0)
+        return counts, eidx, tidx, torch.where(ok, rw, 0.0), srow
     out = _ref.route_and_shuffle(
         logits_TE, top_k, score_func, renormalize, n_group=n_group, topk_group=topk_group,
         e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=routed_scaling_factor,
@@ -256,7 +264,7 @@ def route_and_shuffle(
     expert_index_start: Optional[int] = None,
     expert_index_end: Optional[int] = None,
     zero_buffer: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits to the sorted row layout, fused: score function, top-k, weights, counts
     and ``index_shuffling``'s (expert, token)-sorted rows, in one launch for ``T <= 256`` tokens,
     ``E <= 512``, ``top_k <= 16`` (batches beyond take a few launches: dense scores, then
@@ -267,8 +275,9 @@ def route_and_shuffle(
     ``e_score_correction_bias [E]`` for selection, ``routed_scaling_factor``); ``logits_TE``
     ``[T, E]`` bf16 / fp16 / fp32, any strides. Returns ``(token_counts [E + 2], expert_indices
     [T * top_k], token_indices [T * top_k])`` exactly as ``index_shuffling`` of the chosen experts
-    (int32, deterministic) and ``row_weights [T * top_k]`` float32: row r's routing weight (0 in
-    the -1 tail). ``zero_buffer`` (optional, contiguous) is set to zeros by the same launch: the
+    (int32, deterministic), ``row_weights [T * top_k]`` float32: row r's routing weight (0 in
+    the -1 tail), and ``selection_rows [T * top_k]`` int32: the sorted row of token t's j-th choice
+    at ``t * top_k + j`` (-1 when it produced no row), the token-major inverse map. ``zero_buffer`` (optional, contiguous) is set to zeros by the same launch: the
     output the down GEMM adds into needs no memset of its own. No host synchronization;
     CUDA-graph capturable.
     """

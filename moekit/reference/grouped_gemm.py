@@ -13,7 +13,14 @@ import torch
 
 from moekit._checks import FP8_DTYPE, INDEX_DTYPES, check_tensor
 
-__all__ = ["grouped_gemm", "grouped_gemm_fp8_rowwise", "grouped_gemm_swiglu", "f8f8bf16_rowwise", "group_of_rows"]
+__all__ = [
+    "grouped_gemm",
+    "grouped_gemm_fp8_rowwise",
+    "grouped_gemm_swiglu",
+    "grouped_gemm_combine",
+    "f8f8bf16_rowwise",
+    "group_of_rows",
+]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -203,6 +210,52 @@ def grouped_gemm_swiglu(
     z = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
     z = torch.where((ok & (group < G)).unsqueeze(1), z, 0.0)
     return z.to(torch.bfloat16 if fp8_x else x.dtype)
+
+
+def grouped_gemm_combine(
+    z: torch.Tensor,
+    w: torch.Tensor,
+    expert_indices: torch.Tensor,
+    selection_rows: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    row_weights: Optional[torch.Tensor] = None,
+    w_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The down projection combined per token: ``out[t] += sum_j rw[r] * (z[r] @ w_e.T)`` over
+    token t's choices ``j < K`` (``K = len(selection_rows) // T``), with ``r =
+    selection_rows[t * K + j]`` (skipped when negative or ``>= len(z)``) and ``e =
+    expert_indices[r]``; the K terms summed in float32 in slot order, added to ``out`` once.
+    ``w [G * N, F]`` (x's dtype, or FP8 with ``w_scale [G * N]``), ``z [M, F]``, ``out [T, N]``.
+    Returns ``out``."""
+    check_tensor("out", out, ndim=2, dtype=_FLOATS)
+    T, N = out.shape
+    check_tensor("z", z, ndim=2, dtype=_FLOATS, device=out.device)
+    M, F = z.shape
+    check_tensor("w", w, ndim=2, device=out.device)
+    if w.shape[1] != F or w.shape[0] % max(N, 1):
+        raise ValueError(f"w must have shape [G * {N}, {F}], got {tuple(w.shape)}")
+    G = w.shape[0] // max(N, 1)
+    if T == 0:
+        return out
+    K = selection_rows.numel() // T
+    rows = selection_rows.long().view(T, K)
+    ok = (rows >= 0) & (rows < M)
+    rs = rows.clamp(0, max(M - 1, 0))
+    e = expert_indices.long()[rs] if M else torch.zeros_like(rs)
+    ok &= (e >= 0) & (e < G)
+    e = e.clamp(0, max(G - 1, 0))
+    wf = w.float().view(G, N, F)
+    if w_scale is not None:
+        wf = wf * w_scale.float().view(G, N, 1)
+    acc = torch.zeros(T, N, dtype=torch.float32, device=out.device)
+    for j in range(K):
+        y = torch.bmm(wf[e[:, j]], z.float()[rs[:, j]].unsqueeze(-1)).squeeze(-1) if M else acc
+        if row_weights is not None:
+            y = y * row_weights.float()[rs[:, j]].unsqueeze(-1)
+        acc = acc + torch.where(ok[:, j : j + 1], y, 0.0)
+    out.copy_((out.float() + acc).to(out.dtype))
+    return out
 
 
 def f8f8bf16_rowwise(

@@ -215,15 +215,17 @@ def route_and_shuffle(
     routed_scaling_factor: float = 1.0,
     expert_index_start: Optional[int] = None,
     expert_index_end: Optional[int] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits to the sorted row layout in one step: ``routing_weights`` (same arguments,
     same contract) followed by ``index_shuffling`` of the chosen experts.
 
     Returns ``(token_counts [E + 2] int32, expert_indices [T*K] int32, token_indices [T*K] int32,
-    row_weights [T*K] float32)``: the first three exactly as ``index_shuffling`` lays them out
-    (rows sorted by (expert, token); experts outside ``[expert_index_start, expert_index_end)``
-    produce no row; the tail holds -1), and ``row_weights[r]`` the routing weight of row ``r``'s
-    (token, expert) pair (0 in the tail).
+    row_weights [T*K] float32, selection_rows [T*K] int32)``: the first three exactly as
+    ``index_shuffling`` lays them out (rows sorted by (expert, token); experts outside
+    ``[expert_index_start, expert_index_end)`` produce no row; the tail holds -1),
+    ``row_weights[r]`` the routing weight of row ``r``'s (token, expert) pair (0 in the tail), and
+    ``selection_rows[t * K + j]`` the sorted row of token t's j-th choice (-1 when it produced no
+    row): the inverse map, token-major.
     """
     weights, ids = routing_weights(
         logits_TE, top_k, score_func, renormalize, n_group=n_group, topk_group=topk_group,
@@ -235,4 +237,10 @@ def route_and_shuffle(
     )
     counts, expert_indices, token_indices, sel = _shuffle_ids(ids, E, start, end, None)
     row_weights = torch.where(sel >= 0, weights.reshape(-1)[sel.clamp(min=0)], 0.0)
-    return counts, expert_indices, token_indices, row_weights.float()
+    N = sel.shape[0]
+    rows = torch.arange(N, device=sel.device)
+    # scatter each valid row to its selection (the tail's rows to a spare last slot): no
+    # data-dependent shapes
+    selection_rows = torch.full((N + 1,), -1, dtype=torch.int64, device=sel.device)
+    selection_rows.scatter_(0, torch.where(sel >= 0, sel, N), torch.where(sel >= 0, rows, -1))
+    return counts, expert_indices, token_indices, row_weights.float(), selection_rows[:N].int()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moekit import reference as ref
-from moekit.ops import grouped_gemm, grouped_gemm_swiglu
+from moekit.ops import grouped_gemm, grouped_gemm_combine, grouped_gemm_swiglu
 from moekit.reference.quantize import quantize_fp8_row
 from moekit.testing import assert_close, assert_poisoned, poison, random_m_sizes
 
@@ -131,7 +131,64 @@ def test_interp_weight_only_fp8_grouped_gemm(kind, scatter):
     assert_close(out.float(), want.float(), tol=2e-3)
 
 
+def _combine_case(T, K, G, N, F, dtype, fp8, seed=0, device="cpu"):
+    """A routing's sorted rows z [T*K, F], their experts and weights, the inverse map (one choice
+    dropped: -1), w [G*N, F] (FP8 with row scales), out [T, N] with prior contents."""
+    from moekit.reference import route_and_shuffle
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.argsort(torch.rand(T, G, generator=g), dim=1).float()
+    counts, eidx, tidx, rw, srow = route_and_shuffle(logits, K, "softmax", True)
+    z = torch.randn(T * K, F, generator=g).to(dtype)
+    w = torch.randn(G * N, F, generator=g) / F**0.5
+    ws = None
+    if fp8:
+        w, ws = quantize_fp8_row(w)
+    else:
+        w = w.to(dtype)
+    if T * K > 1:
+        srow = srow.clone()
+        srow[1] = -1
+    out = torch.randn(T, N, generator=g).to(dtype)
+    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return mv(z), mv(w), mv(eidx), mv(srow), mv(rw), mv(ws), mv(out)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("T,K,G,N,F", [(1, 8, 16, 24, 40), (3, 2, 5, 32, 64), (2, 1, 3, 16, 16)])
+def test_interp_combine(fp8, T, K, G, N, F):
+    from moekit.ops._triton import gg_combine as CB
+
+    z, w, eidx, srow, rw, ws, out = _combine_case(T, K, G, N, F, torch.float32, fp8, seed=T + K)
+    want = ref.grouped_gemm_combine(z, w, eidx, srow, out.clone(), row_weights=rw, w_scale=ws)
+    CB.grouped_gemm_combine(z, w, eidx, srow, out, rw, ws, config=(8, 16, 3))
+    assert_close(out, want, tol=1e-5)
+
+
 # ---------------------------------------------------------------------------- reference tier
+
+
+@pytest.mark.reference
+def test_combine_public_op_and_bad_arguments():
+    z, w, eidx, srow, rw, ws, out = _combine_case(3, 2, 5, 32, 64, torch.float32, False)
+    want = out.clone()
+    for t in range(3):  # the definition, spelled out
+        for j in range(2):
+            r = int(srow[t * 2 + j])
+            if r >= 0:
+                want[t] += rw[r] * (z[r] @ w.view(5, 32, 64)[int(eidx[r])].T)
+    got = grouped_gemm_combine(z, w, eidx, srow, out, row_weights=rw)
+    assert got is out
+    assert_close(out, want, tol=1e-5)
+    with pytest.raises(ValueError, match="selection_rows"):
+        grouped_gemm_combine(z, w, eidx, srow[:-1], out)
+    with pytest.raises(ValueError, match="w must have shape"):
+        grouped_gemm_combine(z, w[:, :32], eidx, srow, out)
+    with pytest.raises(TypeError, match="out must have dtype"):
+        grouped_gemm_combine(z, w, eidx, srow, out.double())
+    with pytest.raises(TypeError, match="w must have dtype float8"):
+        grouped_gemm_combine(z, w, eidx, srow, out, w_scale=torch.ones(160))
 
 
 @pytest.mark.reference
@@ -207,6 +264,7 @@ def test_kernels_compile_for_sm90():
         """
         from moekit.ops._triton import gg_swiglu as SW
         from moekit.ops._triton import grouped_gemm as GG
+        from moekit.ops._triton import gg_combine as CB
         m = "meta"
         f8 = torch.float8_e4m3fn
         for T, k, G, F, D in ((1, 8, 128, 768, 2048), (64, 8, 128, 768, 2048), (1, 8, 256, 256, 7168),
@@ -227,13 +285,18 @@ def test_kernels_compile_for_sm90():
                 GG.grouped_gemm(z, w2, ms, w_scale=torch.empty(G * D, device=m) if wdt == f8 else None,
                                 token_weights=torch.empty(M, device=m), out=torch.empty(T, D, dtype=xdt, device=m),
                                 scatter_indices=gi)
+                CB.grouped_gemm_combine(z, w2, gi, gi, torch.empty(T, D, dtype=xdt, device=m),
+                                        torch.empty(M, device=m),
+                                        torch.empty(G * D, device=m) if wdt == f8 else None)
         """,
-        ["moekit.ops._triton.gg_swiglu", "moekit.ops._triton.grouped_gemm"],
+        ["moekit.ops._triton.gg_swiglu", "moekit.ops._triton.grouped_gemm", "moekit.ops._triton.gg_combine"],
         pdl=True,
     )
-    assert_all_compiled(records, 25)
+    assert_all_compiled(records, 35)
     kinds = {r["kernel"] for r in records}
-    assert {"_swiglu_gemv_kernel", "_swiglu_stream_kernel", "_gg_gemv_kernel", "_gg_stream_kernel"} <= kinds, kinds
+    assert {"_swiglu_gemv_kernel", "_swiglu_stream_kernel", "_gg_gemv_kernel", "_gg_stream_kernel",
+            "_combine_kernel"} <= kinds, kinds  # fmt: skip
+    assert all(not r.get("stack") for r in records if r["kernel"] == "_combine_kernel"), records
 
 
 # ---------------------------------------------------------------------------- GPU tier
@@ -289,3 +352,17 @@ def test_gpu_swiglu_cuda_graph_replays_new_rows(cuda):
         graph.replay()
         torch.cuda.synchronize()
         assert_close(z.float(), ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs).float(), tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,K,G,N,F", [(1, 8, 128, 2048, 768), (4, 8, 128, 2048, 768), (1, 8, 256, 7168, 256),
+                                       (2, 4, 128, 2880, 2880), (1, 1, 16, 5120, 8192)])  # fmt: skip
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_combine(T, K, G, N, F, fp8, cuda):
+    z, w, eidx, srow, rw, ws, out = _combine_case(T, K, G, N, F, torch.bfloat16, fp8, seed=T, device=cuda)
+    want = ref.grouped_gemm_combine(z, w, eidx, srow, out.clone(), row_weights=rw, w_scale=ws)
+    again = out.clone()
+    grouped_gemm_combine(z, w, eidx, srow, out, row_weights=rw, w_scale=ws)
+    assert_close(out.float(), want.float(), tol=1e-2)
+    grouped_gemm_combine(z, w, eidx, srow, again, row_weights=rw, w_scale=ws)
+    assert torch.equal(out, again)  # no atomics: bitwise reproducible

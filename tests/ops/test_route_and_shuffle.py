@@ -53,6 +53,7 @@ def check(got, want, msg=""):
         assert g.dtype == torch.int32, f"{msg} {n} dtype {g.dtype}"
         g, w = g.cpu(), w.cpu()
         assert torch.equal(g, w), f"{msg} {n}: {(g != w).sum().item()} mismatches\n{g}\n{w}"
+    assert torch.equal(got[4].cpu(), want[4].cpu()), f"{msg} selection_rows\n{got[4]}\n{want[4]}"
     gw, ww = got[3].cpu(), want[3].cpu()
     assert gw.dtype == torch.float32
     err = ((gw - ww).abs().max() / ww.abs().max().clamp(min=1e-30)).item() if ww.numel() else 0.0
@@ -160,13 +161,16 @@ def test_public_cpu_matches_reference(r):
 @pytest.mark.reference
 def test_reference_layout_is_index_shuffling_of_routing_weights():
     logits, k, sf, renorm, kw = _inputs(ROUTINGS[1], 9, seed=2)
-    counts, eidx, tidx, rw = ref.route_and_shuffle(logits, k, sf, renorm, **kw)
+    counts, eidx, tidx, rw, srow = ref.route_and_shuffle(logits, k, sf, renorm, **kw)
     w, ids = ref.routing_weights(logits, k, sf, renorm, **kw)
     want = ref.index_shuffling(ref.dense_scores(torch.arange(k, 0, -1).float().expand(9, k), ids, 256), top_k=k)
     for a, b in zip((counts, eidx, tidx), want):
         assert torch.equal(a, b)
     dense = torch.zeros(9, 256).scatter_(1, ids, w)
     assert torch.equal(rw, dense[tidx.long(), eidx.long()])
+    # selection_rows: token t's j-th choice sits at that sorted row
+    assert torch.equal(tidx[srow.long()], torch.arange(9).repeat_interleave(k).int())
+    assert torch.equal(eidx[srow.long()].long(), ids.reshape(-1))
 
 
 @pytest.mark.reference

@@ -12,7 +12,8 @@ One program routes every token (decode-sized batches: ``T <= ROUTE_MAX_T``), in 
    per expert carried across sub-tiles plus a cumulative sum down the sub-tile), packed
    ``rank << 16 | expert`` into a scratch row per (token, slot);
 3. after a barrier, the expert bases (exclusive scan of the counts) place every selection at
-   ``base[e] + rank``: expert, token and weight of each sorted row, ``-1`` / 0 in the tail.
+   ``base[e] + rank``: expert, token and weight of each sorted row, ``-1`` / 0 in the tail, and
+   the selection's row itself (the token-major inverse map).
 
 The ranks count earlier tokens only, so rows of an expert come in token order and the result is
 bitwise the layout of ``index_shuffling`` (no atomics anywhere). Programs ``1..`` of the same
@@ -94,6 +95,7 @@ def _route_fused_kernel(
     eidx_ptr,
     tidx_ptr,
     rw_ptr,
+    srow_ptr,
     packed_ptr,
     pw_ptr,
     zero_ptr,
@@ -187,6 +189,7 @@ def _route_fused_kernel(
             tl.store(eidx_ptr + dest, e - start, mask=ok)
             tl.store(tidx_ptr + dest, r // K, mask=ok)
             tl.store(rw_ptr + dest, wv, mask=ok)
+            tl.store(srow_ptr + r, tl.where(ok, dest, -1), mask=m)
             tail = m & (r >= n_rows)
             tl.store(eidx_ptr + r, -1, mask=tail)
             tl.store(tidx_ptr + r, -1, mask=tail)
@@ -214,7 +217,7 @@ def route_and_shuffle(
     start: int,
     end: int,
     zero_buffer: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher (validated arguments, shapes ``kernel_supports``)."""
     T, E = (int(d) for d in logits.shape)
     dev = logits.device
@@ -223,6 +226,7 @@ def route_and_shuffle(
     eidx = torch.empty(N, dtype=torch.int32, device=dev)
     tidx = torch.empty(N, dtype=torch.int32, device=dev)
     rw = torch.empty(N, dtype=torch.float32, device=dev)
+    srow = torch.empty(N, dtype=torch.int32, device=dev)
     packed = torch.empty(N, dtype=torch.int32, device=dev)
     pw = torch.empty(N, dtype=torch.float32, device=dev)
     block_e = max(16, next_pow2(E))
@@ -232,7 +236,7 @@ def route_and_shuffle(
     grid = 1 + cdiv(zero_numel, ZERO_BLOCK)
     ng = 1 if n_group is None else int(n_group)
     launch(_route_fused_kernel)[(grid,)](
-        logits, bias, counts, eidx, tidx, rw, packed, pw, zero_buffer,
+        logits, bias, counts, eidx, tidx, rw, srow, packed, pw, zero_buffer,
         T, E, start, end, logits.stride(0), logits.stride(1), float(scale), zero_numel,
         K=top_k, SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         NG=ng, TOPK_GROUP=int(topk_group or 1), HAS_ZERO=zero_buffer is not None,
@@ -240,4 +244,4 @@ def route_and_shuffle(
         # One warp for a single token's row (no cross-warp reductions on the decode critical path).
         num_warps=max(1, min(8, bt * block_e // 256)),
     )  # fmt: skip
-    return counts, eidx, tidx, rw
+    return counts, eidx, tidx, rw, srow

@@ -1,0 +1,144 @@
+"""Triton kernel of ``grouped_gemm_combine``: the down projection of a decode batch, combined per
+token without atomics.
+
+One program = one token ``t`` and a ``BLOCK_N``-column slice of the output: it reads the sorted
+rows of the token's ``K`` choices (``selection_rows[t * K + j]``, the token-major inverse map of
+``route_and_shuffle``), their experts and router weights, streams the ``K`` experts' weight
+slices ``[K, BLOCK_N, F]`` against the rows of ``z`` on CUDA cores (float32 elementwise
+accumulators, as the grouped GEMM's GEMV kernel), reduces over F, weights each choice, sums the K
+choices in slot order and adds the result to ``out[t]`` with one plain store. No atomics, no
+zero-filled output needed beyond what ``out`` holds, and bitwise reproducible.
+
+For decode (a few tokens, every choice a different expert) this replaces the scatter-add GEMM,
+whose per-row programs add into the same output row K times with bf16 atomics (H200, Qwen3-30B
+T=1: 18.9 µs for 25 MB of weights, 3x the floor; RESULTS.md session 7).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.ops._common import cdiv, launch, next_pow2, num_sms
+from moekit.ops._triton._pdl import pdl_prologue
+
+
+@triton.jit
+def _combine_kernel(
+    z_ptr,
+    w_ptr,
+    out_ptr,
+    srow_ptr,
+    eidx_ptr,
+    rw_ptr,
+    ws_ptr,
+    T,
+    N,
+    F,
+    M,
+    stride_zm,
+    stride_wn,
+    stride_om,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    HAS_RW: tl.constexpr,
+    HAS_WS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    EVEN_F: tl.constexpr,
+    STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    t = pid % T
+    nb = pid // T
+    slots = tl.arange(0, K_PAD)
+    rows = tl.load(srow_ptr + t.to(tl.int64) * K + slots, mask=slots < K, other=-1)
+    r_ok = (rows >= 0) & (rows < M)
+    rows = tl.where(r_ok, rows, 0)
+    e = tl.load(eidx_ptr + rows, mask=r_ok, other=0)
+    r_ok = r_ok & (e >= 0)
+    e = tl.where(r_ok, e, 0)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    col = e.to(tl.int64)[:, None] * N + offs_n[None, :]  # [K_PAD, BLOCK_N] weight rows
+    cmask = r_ok[:, None] & n_mask[None, :]
+    # Epilogue operands first: their latency hides under the weight stream.
+    post = tl.where(cmask, 1.0, 0.0)
+    if HAS_WS:
+        post = post * tl.load(ws_ptr + col, mask=cmask, other=0.0)
+    if HAS_RW:
+        post = post * tl.load(rw_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+    o_ptrs = out_ptr + t.to(tl.int64) * stride_om + offs_n
+    prev = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    w_rows = w_ptr + (col * stride_wn)[:, :, None]
+    z_rows = z_ptr + (rows.to(tl.int64) * stride_zm)[:, None]
+    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_F), dtype=tl.float32)
+    for f0 in tl.range(0, F, BLOCK_F, num_stages=STAGES):
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        if EVEN_F:
+            wt = tl.load(w_rows + offs_f[None, None, :], mask=cmask[:, :, None], other=0.0)
+            zt = tl.load(z_rows + offs_f[None, :], mask=r_ok[:, None], other=0.0)
+        else:
+            f_ok = offs_f < F
+            wt = tl.load(w_rows + offs_f[None, None, :], mask=cmask[:, :, None] & f_ok[None, None, :], other=0.0)
+            zt = tl.load(z_rows + offs_f[None, :], mask=r_ok[:, None] & f_ok[None, :], other=0.0)
+        acc += wt.to(tl.float32) * zt.to(tl.float32)[:, None, :]
+    y = tl.sum(tl.sum(acc, axis=2) * post, axis=0)
+    tl.store(o_ptrs, (prev + y).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_F, STAGES)``: the widest slice (up to 16 columns) that still gives about two
+    programs per SM; ``[K, BLOCK_N, BLOCK_F]`` weight tiles of about 8 KB (16 KB of accumulators),
+    ``BLOCK_F`` a power of two dividing F when one of at least 64 does (no masks); about 32 KB of
+    weights in flight per program."""
+    block_n = 1
+    for bn in (16, 8, 4, 2):
+        if T * cdiv(N, bn) >= (9 * sms) // 5:
+            block_n = bn
+            break
+    target = max(16, 4096 // (k_pad * block_n))
+    div = F & -F
+    block_f = min(target, div) if div >= 64 else min(target, max(16, next_pow2(F)))
+    tile = k_pad * block_n * block_f * w_elem
+    stages = 1 + max(2, min(6, (32 * 1024) // tile))
+    return block_n, block_f, stages
+
+
+def grouped_gemm_combine(
+    z: torch.Tensor,
+    w: torch.Tensor,
+    expert_indices: torch.Tensor,
+    selection_rows: torch.Tensor,
+    out: torch.Tensor,
+    row_weights: Optional[torch.Tensor],
+    w_scale: Optional[torch.Tensor],
+    config: Optional[tuple[int, int, int]] = None,
+) -> None:
+    """Launcher (validated arguments): ``out[t] += sum_j rw[r] * (z[r] @ w_e.T)`` for the rows
+    ``r = selection_rows[t * K + j]`` (skipped when negative), ``e = expert_indices[r]``."""
+    T, N = (int(d) for d in out.shape)
+    M, F = (int(d) for d in z.shape)
+    if T == 0 or N == 0:
+        return
+    K = int(selection_rows.shape[0]) // T
+    k_pad = max(1, next_pow2(K))
+    G = int(w.shape[0]) // N
+    if G * N >= 2**31:
+        raise ValueError(f"grouped_gemm_combine supports G * N below 2**31, got {G * N}")
+    bn, bf, stages = config or combine_config(T, N, F, k_pad, w.element_size(), num_sms(z.device))
+    ph = torch.empty((1,), dtype=torch.float32, device=z.device)
+    launch(_combine_kernel)[(T * cdiv(N, bn),)](
+        z, w, out, selection_rows, expert_indices, row_weights if row_weights is not None else ph,
+        w_scale if w_scale is not None else ph, T, N, F, M, z.stride(0), w.stride(0), out.stride(0),
+        K=K, K_PAD=k_pad, HAS_RW=row_weights is not None, HAS_WS=w_scale is not None,
+        BLOCK_N=bn, BLOCK_F=bf, EVEN_F=F % bf == 0, STAGES=stages, num_warps=4, num_stages=stages,
+    )  # fmt: skip
+
+
+__all__ = ["grouped_gemm_combine", "combine_config"]
