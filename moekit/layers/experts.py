@@ -55,10 +55,21 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
     return "sorted"
 
 
-def _spread(rows: int, experts: int) -> bool:
-    """Rows that rarely share an expert (the grouped GEMM's GEMV range)."""
+# Top-k from which the per-token combine beats the scatter-add GEMV on decode (H200, T=1; RESULTS.md
+# session 7): k=8 Qwen3-30B 30.0 vs 39.3 µs, DeepSeek-V3 TP8 39.3 vs 52.3 (K atomic adds per output
+# element in bf16 against one store); k=4 gpt-oss-120b 70.2 vs 63.7 and k=1 Scout FP8 52.2 vs 45.6,
+# where the GEMV's long contiguous K tiles win and its few atomics cost little.
+COMBINE_MIN_TOP_K = 6
+
+
+def _combine_pays(rows: int, experts: int, selection_rows: torch.Tensor, out: torch.Tensor) -> bool:
+    """Rows that rarely share an expert (the grouped GEMM's GEMV range), top-k of at least
+    ``COMBINE_MIN_TOP_K``."""
     from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
 
+    T = out.shape[0]
+    if T == 0 or selection_rows.shape[0] < COMBINE_MIN_TOP_K * T:
+        return False
     return use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
 
 
@@ -137,7 +148,7 @@ def run_experts(
         z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=x_scale,
                                 w_scale=ws13)  # fmt: skip
         # z is 16-bit: the down GEMM is weight-only FP8 for FP8 weights.
-        if out is not None and selection_rows is not None and out.is_contiguous() and _spread(N, e):
+        if out is not None and selection_rows is not None and out.is_contiguous() and _combine_pays(N, e, selection_rows, out):
             return grouped_gemm_combine(z, w2, expert_ids, selection_rows, out, row_weights=out_w, w_scale=ws2)
         return grouped_gemm(z, w2, m_sizes, w_scale=ws2, **down)
 
