@@ -33,6 +33,7 @@ CASES = [
     _small("qwen3-30b-a3b", E=12, top_k=3),
     _small("mixtral-8x7b"),
     _small("tiny", score_func="topk_softmax"),
+    _small("qwen3-30b-a3b", E=64, top_k=8),  # decode: the per-token combine at T=1
 ]
 
 
