@@ -233,7 +233,7 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
 
         from moekit.layers.experts import choose_path
 
-        row["path"] = choose_path(T * s.top_k, s.E, fp8=fp8)
+        row["path"] = choose_path(T * s.top_k, s.E, fp8=fp8, top_k=s.top_k)
         row["moekit_err"] = _check("moekit", ours(sets[0]), ref0, tol)
         row["moekit_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
         if cuda and T <= 256:  # the other pipeline on the same rows

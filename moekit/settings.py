@@ -14,7 +14,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_PDL_SKIP`` | ``pdl_skip`` | the grouped GEMM's tiled and streaming kernels | kernels launched without PDL (comma-separated names) |
 | ``MOEKIT_PDL_MODE`` | ``pdl_mode`` | per kernel | force every PDL kernel's trigger: 1 early, 2 late (experiments) |
 | ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
-| ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 64 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k) |
+| ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 128 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k; see ``moekit.layers.experts.choose_path``) |
 | ``MOEKIT_GG_TUNED`` | ``gg_tuned`` | none | JSON table of grouped-GEMM configurations (``benchmarks/tune_gemm.py`` writes it) |
 | ``MOEKIT_GG_GEMV_MAX_M`` | ``gg_gemv_max_m`` | 4 | grouped GEMMs of at most this many rows run the GEMV kernel (0: never) |
 | ``MOEKIT_GG_GEMV_SPREAD_MAX_M`` | ``gg_gemv_spread_max_m`` | 8 | ... and up to this many rows when they rarely share an expert (top-k decode) |
@@ -50,7 +50,7 @@ class Settings:
     pdl_skip: frozenset = _DEFAULT_PDL_SKIP
     pdl_mode: Optional[int] = None
     moe_path: str = "auto"
-    decode_max_rows: int = 64
+    decode_max_rows: int = 128
     gg_tuned: Optional[str] = None
     gg_gemv_max_m: int = 4
     gg_gemv_spread_max_m: int = 8
@@ -111,7 +111,7 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         pdl_skip=skip,
         pdl_mode=int(mode) if mode else None,
         moe_path=_choice(env, "MOEKIT_MOE_PATH", "auto", MOE_PATHS),
-        decode_max_rows=_int(env, "MOEKIT_DECODE_MAX_ROWS", 64),
+        decode_max_rows=_int(env, "MOEKIT_DECODE_MAX_ROWS", 128),
         gg_tuned=env.get("MOEKIT_GG_TUNED") or None,
         gg_gemv_max_m=_int(env, "MOEKIT_GG_GEMV_MAX_M", 4),
         gg_gemv_spread_max_m=_int(env, "MOEKIT_GG_GEMV_SPREAD_MAX_M", 8),

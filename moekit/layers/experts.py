@@ -12,9 +12,10 @@ Every caller goes through here: ``moe_forward`` (one GPU), both expert-parallel 
   -> SiLU * up (+ quantization) -> grouped GEMM with the fused scatter-add; the tiled tensor-core
   kernels read contiguous rows there (TMA).
 
-``path`` ``"auto"`` (``settings.moe_path``, default) takes ``decode`` when the rows are few
-enough (``settings.decode_max_rows``) and spread thin (fewer than ``DECODE_ROWS_PER_EXPERT`` per
-expert hit on average): where the grouped GEMM itself would use its GEMV or streaming kernels.
+``path`` ``"auto"`` (``settings.moe_path``, default) takes ``decode`` where it measured faster
+(``choose_path``): bf16 rows few enough (``settings.decode_max_rows``) and spread thin (fewer than
+``DECODE_ROWS_PER_EXPERT`` per expert hit), for top-k >= 6 on the streaming kernels too, else on
+the GEMV kernels only; FP8 weights on the GEMV kernels only (weight-only FP8 there).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ __all__ = ["run_experts", "choose_path", "DECODE_ROWS_PER_EXPERT"]
 DECODE_ROWS_PER_EXPERT = 48
 
 
-def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool = False) -> str:
+def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool = False, top_k: int = 1) -> str:
     """``"decode"`` or ``"sorted"`` for ``rows`` routed rows over ``experts`` local experts
-    (``fp8``: FP8 expert weights)."""
+    (``fp8``: FP8 expert weights; ``top_k``: rows per token)."""
     from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
 
     s = settings.get()
@@ -50,8 +51,13 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
         # in the tensor-core tiles the in-register conversion of the weights costs more than the
         # activation quantization saves (H200: Qwen3-30B T=4 80 vs 55 µs; RESULTS.md session 7).
         return "decode" if use_gemv(rows, hits) else "sorted"
+    # bf16: the fused pipeline on its streaming kernels beat the sorted one for top-8 models up to
+    # 128 rows (Qwen3-30B T=16 197 vs 206 µs, DeepSeek-V3 TP8 309 vs 334) and lost a little for
+    # top-1 / top-4 (Scout T=16 651 vs 626, gpt-oss-120b 622 vs 610; H200, RESULTS.md session 7),
+    # where it keeps to the GEMV kernels.
     if rows <= s.decode_max_rows and rows / hits < DECODE_ROWS_PER_EXPERT:
-        return "decode"
+        if top_k >= 6 or use_gemv(rows, hits):
+            return "decode"
     return "sorted"
 
 
@@ -144,7 +150,8 @@ def run_experts(
     if out is not None:
         down.update(_output_tensor=out, _scatter_add_indices=token_ids, deterministic=deterministic)
 
-    if choose_path(N, e, path, fp8=fp8_w) == "decode":
+    top_k = max(1, N // max(1, x.shape[0])) if token_ids is not None else 1
+    if choose_path(N, e, path, fp8=fp8_w, top_k=top_k) == "decode":
         z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=x_scale,
                                 w_scale=ws13)  # fmt: skip
         # z is 16-bit: the down GEMM is weight-only FP8 for FP8 weights.

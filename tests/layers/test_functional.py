@@ -181,9 +181,13 @@ def _gpu_weights(name, fp8):
              "w2_eDF": rnd(s.E, s.D, s.F, fan=s.F)}  # fmt: skip
         if s.n_group is not None:
             w["e_score_correction_bias"] = torch.rand(s.E, generator=g, device="cuda") * 0.1
-        if fp8:
-            w13q, w13s = quantize_expert_weights(w["w13_e2FD"])
-            w2q, w2s = quantize_expert_weights(w["w2_eDF"])
+        if fp8:  # quantized 16 experts at a time: the float32 copy of a whole gpt-oss w13 is 8.5 GB
+            def quant(t):
+                parts = [quantize_expert_weights(t[i : i + 16]) for i in range(0, t.shape[0], 16)]
+                return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+            w13q, w13s = quant(w["w13_e2FD"])
+            w2q, w2s = quant(w["w2_eDF"])
             w.update(w13q=w13q, w13s=w13s, w2q=w2q, w2s=w2s)
             # the reference multiplies the dequantized weights
             w["w13_e2FD"] = (w13q.float() * w13s[..., None]).bfloat16()
@@ -243,11 +247,13 @@ def test_gpu_decode_cuda_graph_replays_new_routing_and_is_deterministic(fp8):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = fwd()
+    # T=4 with FP8 weights takes the sorted pipeline (FP8 activations): the oracle's FP8 tolerance
+    tol = 8e-2 if fp8 else 2e-2
     for seed in range(3):
         x.copy_(torch.randn(4, s.D, generator=torch.Generator().manual_seed(seed)).bfloat16())
         logits.copy_(x.float() @ w["router_DE"].float())
         g.replay()
-        assert_close(out.float(), _reference_hit(x, w, s, logits), tol=2e-2, msg=f"replay {seed}")
+        assert_close(out.float(), _reference_hit(x, w, s, logits), tol=tol, msg=f"replay {seed}")
     a = _forward(s, w, x, logits, fp8, deterministic=True)
     b = _forward(s, w, x, logits, fp8, deterministic=True)
     assert torch.equal(a, b)
