@@ -5,9 +5,10 @@ Every caller goes through here: ``moe_forward`` (one GPU), both expert-parallel 
 
 - ``decode`` (few rows per expert): ``grouped_gemm_swiglu`` reads each row straight from the
   token matrix by index and applies SiLU * up in its epilogue, then the down GEMM applies the
-  router weight and scatter-adds into the output: two launches after routing, no gathered copy
-  and no ``[N, 2F]`` intermediate. FP8 weights are used weight-only (activations stay 16-bit:
-  the weights are the traffic at these sizes, and nothing is quantized on the way).
+  router weight and adds into the output (``grouped_gemm_combine``, per token, for top-k >= 6 at
+  GEMV sizes; else the scatter-add GEMM): two launches after routing, no gathered copy and no
+  ``[N, 2F]`` intermediate. FP8 weights are used weight-only (activations stay 16-bit: the weights
+  are the traffic at these sizes, and nothing is quantized on the way).
 - ``sorted`` (many rows per expert): gather (+ FP8 row quantization) -> grouped GEMM (gate|up)
   -> SiLU * up (+ quantization) -> grouped GEMM with the fused scatter-add; the tiled tensor-core
   kernels read contiguous rows there (TMA).
@@ -33,6 +34,13 @@ __all__ = ["run_experts", "choose_path", "DECODE_ROWS_PER_EXPERT"]
 # kernel range: from 48 rows per group it takes its tiled kernel).
 DECODE_ROWS_PER_EXPERT = 48
 
+# Top-k from which the per-token combine beats the scatter-add GEMV at decode (H200, T=1; RESULTS.md
+# session 7): k=8 Qwen3-30B 30.0 vs 39.3 µs, DeepSeek-V3 TP8 39.3 vs 52.3 (K atomic adds per output
+# element in bf16 against one store); k=4 gpt-oss-120b 70.2 vs 63.7 and k=1 Scout FP8 52.2 vs 45.6,
+# where the GEMV's long contiguous K tiles win and its few atomics cost little. The same bound
+# decides where the bf16 decode pipeline also runs on its streaming kernels (``choose_path``).
+COMBINE_MIN_TOP_K = 6
+
 
 def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool = False, top_k: int = 1) -> str:
     """``"decode"`` or ``"sorted"`` for ``rows`` routed rows over ``experts`` local experts
@@ -56,27 +64,18 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
     # top-1 / top-4 (Scout T=16 651 vs 626, gpt-oss-120b 622 vs 610; H200, RESULTS.md session 7),
     # where it keeps to the GEMV kernels.
     if rows <= s.decode_max_rows and rows / hits < DECODE_ROWS_PER_EXPERT:
-        if top_k >= 6 or use_gemv(rows, hits):
+        if top_k >= COMBINE_MIN_TOP_K or use_gemv(rows, hits):
             return "decode"
     return "sorted"
 
 
-# Top-k from which the per-token combine beats the scatter-add GEMV on decode (H200, T=1; RESULTS.md
-# session 7): k=8 Qwen3-30B 30.0 vs 39.3 µs, DeepSeek-V3 TP8 39.3 vs 52.3 (K atomic adds per output
-# element in bf16 against one store); k=4 gpt-oss-120b 70.2 vs 63.7 and k=1 Scout FP8 52.2 vs 45.6,
-# where the GEMV's long contiguous K tiles win and its few atomics cost little.
-COMBINE_MIN_TOP_K = 6
 
-
-def _combine_pays(rows: int, experts: int, selection_rows: torch.Tensor, out: torch.Tensor) -> bool:
+def _combine_pays(rows: int, experts: int, top_k: int) -> bool:
     """Rows that rarely share an expert (the grouped GEMM's GEMV range), top-k of at least
     ``COMBINE_MIN_TOP_K``."""
     from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
 
-    T = out.shape[0]
-    if T == 0 or selection_rows.shape[0] < COMBINE_MIN_TOP_K * T:
-        return False
-    return use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
+    return top_k >= COMBINE_MIN_TOP_K and use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
 
 
 def run_experts(
@@ -155,7 +154,8 @@ def run_experts(
         z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=x_scale,
                                 w_scale=ws13)  # fmt: skip
         # z is 16-bit: the down GEMM is weight-only FP8 for FP8 weights.
-        if out is not None and selection_rows is not None and out.is_contiguous() and _combine_pays(N, e, selection_rows, out):
+        combine = out is not None and selection_rows is not None and out.is_contiguous()
+        if combine and _combine_pays(N, e, top_k):
             return grouped_gemm_combine(z, w2, expert_ids, selection_rows, out, row_weights=out_w, w_scale=ws2)
         return grouped_gemm(z, w2, m_sizes, w_scale=ws2, **down)
 

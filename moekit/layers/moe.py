@@ -1050,9 +1050,9 @@ class MetaShufflingMoE(BaselineMoE):
         # The pipeline the single-GPU layer would take for all R * T tokens (same numerics).
         run_experts(
             x_all, re.w13.data, re.w2.data, counts[e0 : e0 + e], token_ids=token_ids, expert_ids=expert_ids,
-            row_weights=row_weights, selection_rows=selection_rows, weight_on_input=a.apply_router_weight_on_input, w13_scale=re.w13_scale,
-            w2_scale=re.w2_scale, out=partial, deterministic=a.deterministic, use_fast_accum=a.use_fast_accum,
-            path=choose_path(R * T * K, E, fp8=re.is_fp8_rowwise, top_k=K),
+            row_weights=row_weights, selection_rows=selection_rows, weight_on_input=a.apply_router_weight_on_input,
+            w13_scale=re.w13_scale, w2_scale=re.w2_scale, out=partial, deterministic=a.deterministic,
+            use_fast_accum=a.use_fast_accum, path=choose_path(R * T * K, E, fp8=re.is_fp8_rowwise, top_k=K),
         )  # fmt: skip
         if a.uses_dedup_comm:
             # Sum the TP shards' partial rows first (inside the TP group), this rank's column

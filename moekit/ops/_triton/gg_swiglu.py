@@ -34,7 +34,14 @@ import triton.language as tl
 from moekit._checks import FP8_DTYPE
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
-from moekit.ops._triton.gg_config import _STREAM_SMEM, GemmConfig, gemv_config, heuristic_config, use_gemv
+from moekit.ops._triton.gg_config import (
+    _STREAM_SMEM,
+    GemmConfig,
+    expected_groups_hit,
+    gemv_config,
+    heuristic_config,
+    use_gemv,
+)
 from moekit.ops._triton.gg_kernels import _group_table, _pick
 
 
@@ -234,7 +241,7 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     """The grouped GEMM's rules for an ``[M, F]`` output (GEMV when rows rarely share an expert,
     else streaming), with pipelines resized for two weight tiles per stage. ``elem``: bytes of the
     MMA operands (x's), ``w_elem``: of the weights the GEMV streams (default ``elem``)."""
-    hits = max(1.0, min(_expected_hits(M, G), float(min(G, M))))
+    hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     if use_gemv(M, hits):
         elem = w_elem or elem
         cfg = gemv_config(M, F, K, elem, sms)
@@ -248,12 +255,6 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     stage = (2 * cfg.block_n + cfg.block_m) * cfg.block_k * elem
     budget = _STREAM_SMEM if cfg.block_n >= 64 and cfg.warps == 4 else 128 * 1024
     return replace(cfg, stages=max(2, min(cfg.stages, budget // stage)))
-
-
-def _expected_hits(M: int, G: int) -> float:
-    from moekit.ops._triton.gg_config import expected_groups_hit
-
-    return expected_groups_hit(M, G)
 
 
 def grouped_gemm_swiglu(
