@@ -1,5 +1,6 @@
 """The ``moekit`` command: ``env`` (what this machine offers), ``bench`` (time the MoE pipeline
-and its ops), ``check`` (every op against its float32 reference on this machine)."""
+and its ops), ``check`` (every public op, ``moekit.ops.__all__``, against its float32 reference
+on this machine: one line per op, a non-zero exit on any failure)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="also write the rows to this JSON file")
     b.set_defaults(func=_cmd_bench)
 
-    c = sub.add_parser("check", help="compare every op with its float32 reference on this machine")
+    c = sub.add_parser("check", help="compare every public op with its float32 reference on this machine")
     c.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     c.set_defaults(func=_cmd_check)
     return p

@@ -284,8 +284,7 @@ class CollectiveKernel(_Collective):
         check_int("max_m", max_m, lo=1)
         check_int("max_token_ctas", max_token_ctas, lo=1)
         check_int("top_k", top_k, lo=0, hi=MAX_TOP_K)
-        if isinstance(rms_eps, bool) or not isinstance(rms_eps, (int, float)) or not rms_eps >= 0:
-            raise ValueError(f"rms_eps must be a non-negative float, got {rms_eps!r}")
+        _check_eps("rms_eps", rms_eps)
         if not isinstance(fp32_internal, bool):
             raise TypeError(f"fp32_internal must be a bool, got {type(fp32_internal).__name__}")
         if two_shot_min_m is not None:
@@ -406,6 +405,17 @@ class CollectiveKernel(_Collective):
         )
 
 
+def _check_eps(name: str, eps: object) -> float:
+    """The RMSNorm eps, checked as ``moekit.ops.rms_norm`` checks it: a number (TypeError
+    otherwise), finite and non-negative (ValueError: NaN or a negative eps would turn every
+    output into NaN, an infinite one every output into 0)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{name} must be a non-negative float and finite, got {eps!r}")
+    return float(eps)
+
+
 class AllReduceRMSNorm(_Collective):
     """``all_reduce_rms_norm(x, gamma, eps=None, residual=None)``: ``rms_norm(sum over ranks
     of x (+ residual)) * gamma`` for ``x [m, hidden]`` bf16, any hidden that is a multiple of 8.
@@ -428,6 +438,7 @@ class AllReduceRMSNorm(_Collective):
         check_int("hidden", hidden, lo=1)
         if hidden % 8:
             raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
+        _check_eps("eps", eps)
         if not isinstance(fp32_internal, bool):
             raise TypeError(f"fp32_internal must be a bool, got {type(fp32_internal).__name__}")
         if two_shot_min_m is not None:
@@ -467,7 +478,7 @@ class AllReduceRMSNorm(_Collective):
             _expect("residual", residual, (m, self.hidden), bf16, self.device)
         if not 1 <= m <= self.max_m:
             raise ValueError(f"runtime M={m} must be in [1, {self.max_m}]")
-        e = self.eps if eps is None else float(eps)
+        e = self.eps if eps is None else _check_eps("eps", eps)
         if self.backend == "symm_mem":
             torch.ops.moekit.symm_moe_tail_(self._state_handle, m, e, -1, x, None, None, residual, gamma,
                                             None, self._out, None)

@@ -608,10 +608,22 @@ def _silu_mul_f32(h: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(h[:, :F]) * h[:, F:]
 
 
+def _check_process_group_type(kind: str, group: Any) -> None:
+    """``group`` must be a ``torch.distributed.ProcessGroup`` (``kind``: "ep" or "tp"): anything
+    else is a TypeError here, not an AttributeError from inside torch.distributed later."""
+    import torch.distributed as dist
+
+    pg_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    if pg_type is None or not isinstance(group, pg_type):
+        why = "" if pg_type is not None else " (this torch build has no torch.distributed)"
+        raise TypeError(f"{kind}_group must be a torch.distributed.ProcessGroup{why}, got {type(group).__name__}")
+
+
 def _check_process_group(kind: str, group: Any, size: int, rank: int) -> Any:
     """``group`` must have ``size`` ranks with this process at ``rank`` (``kind``: "ep" or "tp")."""
     import torch.distributed as dist
 
+    _check_process_group_type(kind, group)
     got_size, got_rank = dist.get_world_size(group), dist.get_rank(group)
     if got_size != size or got_rank != rank:
         raise ValueError(
@@ -692,6 +704,8 @@ class BaselineMoE(torch.nn.Module):
     @staticmethod
     def _check_group(args: MoEArgs, ep_group: Optional[Any]) -> Optional[Any]:
         if args.ep_size == 1:
+            if ep_group is not None:  # unused, but a wrong kind of argument all the same
+                _check_process_group_type("ep", ep_group)
             return ep_group
         if ep_group is None:
             raise ValueError(f"ep_group is required when ep_size > 1, got None (ep_size={args.ep_size})")
@@ -700,6 +714,8 @@ class BaselineMoE(torch.nn.Module):
     @staticmethod
     def _check_tp_group(args: MoEArgs, tp_group: Optional[Any]) -> Optional[Any]:
         if not args.uses_dedup_comm:
+            if tp_group is not None:  # unused, but a wrong kind of argument all the same
+                _check_process_group_type("tp", tp_group)
             return tp_group
         if tp_group is None:
             raise ValueError(
@@ -885,8 +901,11 @@ class BaselineMoE(torch.nn.Module):
             try:
                 offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
                 return torch._grouped_mm(xs, w_eNK.transpose(-2, -1), offs=offs)
-            except (RuntimeError, TypeError, NotImplementedError):
-                pass  # older GPU / unsupported layout: fall back to the loop
+            except (RuntimeError, TypeError, NotImplementedError) as exc:  # older GPU / layout
+                from moekit.ops._common import warn_once
+
+                warn_once("baseline-grouped-mm", f"BaselineMoE: torch._grouped_mm failed ({type(exc).__name__}: "
+                          f"{str(exc)[:120]}); the baseline runs a Python loop over experts instead")  # fmt: skip
         out_dtype = torch.bfloat16 if w_scale is not None else xs.dtype
         y = torch.empty(xs.shape[0], w_eNK.shape[1], dtype=out_dtype, device=xs.device)
         start = 0

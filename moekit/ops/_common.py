@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -23,9 +24,29 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_WARNED: set = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """A ``UserWarning`` the first time ``key`` is seen in this process (explicit fallbacks).
+
+    Silent while torch.compile traces: dynamo cannot trace ``warnings.warn`` (a graph break, an
+    error with ``fullgraph=True``); the next eager call warns."""
+    if key in _WARNED or torch.compiler.is_compiling():
+        return
+    _WARNED.add(key)
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """Whether an op on tensor ``t`` runs its Triton kernel (CUDA tensors) or its reference."""
-    return HAS_TRITON and t.is_cuda
+    """Whether an op on tensor ``t`` runs its Triton kernel (CUDA tensors) or its reference. CUDA
+    tensors without Triton installed run the PyTorch references: said once, with a warning."""
+    if not t.is_cuda:
+        return False
+    if not HAS_TRITON:
+        warn_once("no-triton", "moekit: Triton is not installed, so CUDA tensors run the (slow) PyTorch "
+                  "references of moekit's ops; install triton for the kernels")  # fmt: skip
+    return HAS_TRITON
 
 
 # Programmatic dependent launch (Hopper and newer): kernels that declare a ``USE_PDL`` constexpr

@@ -341,10 +341,13 @@ def grouped_gemm(
     stays 16-bit (weight-only FP8: no activation quantization; decode, where the weights are the
     traffic).
     """
+    # x first: the checks below read x.dtype / x.device (a non-tensor x is a TypeError naming x).
+    check_tensor("x", x, ndim=2, dtype=_FLOATS)
+    if w_scale is not None:  # before w, whose expected dtype (FP8) depends on w_scale
+        check_tensor("w_scale", w_scale, dtype=torch.float32, device=x.device)
     _validate(x, w, m_sizes, _FLOATS, bias, token_weights, _output_tensor, _scatter_add_indices, x.dtype,
               w_dtype=None if w_scale is None else FP8_DTYPE)  # fmt: skip
     if w_scale is not None:
-        check_tensor("w_scale", w_scale, dtype=torch.float32, device=x.device)
         if w_scale.numel() != w.shape[0]:
             raise ValueError(
                 f"w_scale must have {w.shape[0]} elements (one per row of w), got shape {tuple(w_scale.shape)}"
@@ -417,6 +420,11 @@ def grouped_gemm_swiglu(
     R, K = x.shape
     dev = x.device
     fp8_x = x.dtype == FP8_DTYPE
+    # The scales' kinds before w13, whose expected dtype depends on them.
+    if x_scale is not None:
+        check_tensor("x_scale", x_scale, dtype=torch.float32, device=dev)
+    if w_scale is not None:
+        check_tensor("w_scale", w_scale, dtype=torch.float32, device=dev)
     w_dtype = FP8_DTYPE if (fp8_x or w_scale is not None) else x.dtype
     check_tensor("w13", w13, ndim=2, dtype=w_dtype, device=dev)
     check_tensor("m_sizes", m_sizes, ndim=1, dtype=INDEX_DTYPES, device=dev)
@@ -440,13 +448,11 @@ def grouped_gemm_swiglu(
     if fp8_x:
         if x_scale is None or w_scale is None:
             raise ValueError("FP8 x needs x_scale (one per x row) and w_scale (one per w13 row)")
-        check_tensor("x_scale", x_scale, dtype=torch.float32, device=dev)
         if x_scale.numel() != R:
             raise ValueError(f"x_scale must have {R} elements (one per row of x), got shape {tuple(x_scale.shape)}")
     elif x_scale is not None:
         raise ValueError(f"x_scale is for FP8 x only, got x of dtype {x.dtype}")
     if w_scale is not None:
-        check_tensor("w_scale", w_scale, dtype=torch.float32, device=dev)
         if w_scale.numel() != G * 2 * F:
             raise ValueError(f"w_scale must have G * 2F = {G * 2 * F} elements, got shape {tuple(w_scale.shape)}")
     return torch.ops.moekit.grouped_gemm_swiglu(x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale)
@@ -476,6 +482,8 @@ def grouped_gemm_combine(
     dev = z.device
     check_tensor("out", out, ndim=2, dtype=z.dtype, device=dev, last_dim_contiguous=True)
     T, N = out.shape
+    if w_scale is not None:  # before w, whose expected dtype (FP8) depends on w_scale
+        check_tensor("w_scale", w_scale, dtype=torch.float32, device=dev)
     check_tensor("w", w, ndim=2, dtype=FP8_DTYPE if w_scale is not None else z.dtype, device=dev,
                  last_dim_contiguous=True)  # fmt: skip
     if w.shape[1] != F or N == 0 or w.shape[0] % N:
@@ -489,7 +497,6 @@ def grouped_gemm_combine(
     if row_weights is not None:
         check_tensor("row_weights", row_weights, shape=(M,), dtype=_FLOATS, device=dev)
     if w_scale is not None:
-        check_tensor("w_scale", w_scale, dtype=torch.float32, device=dev)
         if w_scale.numel() != w.shape[0]:
             raise ValueError(f"w_scale must have {w.shape[0]} elements (one per row of w), got {tuple(w_scale.shape)}")
     torch.ops.moekit.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights, w_scale)

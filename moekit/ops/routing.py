@@ -117,6 +117,15 @@ def dense_route(
     return choice, weights
 
 
+def _warn_reference_e(op: str, E: int, max_kernel_e: int) -> None:
+    """The CUDA op ``op`` hands index_shuffling of ``E`` experts to the PyTorch reference: said
+    once per op and process (a warning; not while torch.compile traces)."""
+    from moekit.ops._common import warn_once
+
+    warn_once(f"{op}-reference-E", f"moekit.{op}: E={E} experts is past the index_shuffling kernels' limit of "
+              f"{max_kernel_e}; the PyTorch reference serves it on CUDA (slower; no host sync either)")  # fmt: skip
+
+
 @triton_op("moekit::index_shuffling", mutates_args=())
 def _index_shuffling_op(
     routing_scores: torch.Tensor,
@@ -130,6 +139,7 @@ def _index_shuffling_op(
 
         if routing_scores.shape[1] <= _tri.MAX_KERNEL_E:
             return _tri.index_shuffling(routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k)
+        _warn_reference_e("index_shuffling", routing_scores.shape[1], _tri.MAX_KERNEL_E)
     return _ref.index_shuffling(routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k)
 
 
@@ -180,8 +190,10 @@ def index_shuffling(
 
     Rows ``r < V`` are sorted by ``(expert, token)`` (bitwise reproducible, unlike MSLK which
     orders an expert's rows by atomic arrival); rows ``r >= V`` hold ``-1`` in both index outputs.
-    Accepts any ``E`` (kernels up to 4096, PyTorch beyond) and any ``1 <= top_k <= E``. No host
-    synchronization; CUDA-graph capturable.
+    Accepts any ``E`` and any ``1 <= top_k <= E``. The kernels take ``E <= 4096``
+    (``moekit.ops._triton.routing.MAX_KERNEL_E``); beyond, CUDA tensors are served by the PyTorch
+    reference (slower, also sync-free), with a ``UserWarning`` the first time in the process. No
+    host synchronization; CUDA-graph capturable.
     """
     _check(routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k)
     return torch.ops.moekit.index_shuffling(
@@ -227,6 +239,7 @@ def _route_and_shuffle_op(
         if E <= _tri.MAX_KERNEL_E:
             counts, eidx, tidx = _tri.index_shuffling(sel, expert_index_start, expert_index_end, None, top_k)
         else:
+            _warn_reference_e("route_and_shuffle", E, _tri.MAX_KERNEL_E)
             counts, eidx, tidx = _ref.index_shuffling(sel, expert_index_start, expert_index_end, None, top_k)
         ok = tidx >= 0
         rw = weights[tidx.clamp(min=0).long(), (eidx.clamp(min=0) + expert_index_start).long()]
@@ -278,8 +291,9 @@ def route_and_shuffle(
     (int32, deterministic), ``row_weights [T * top_k]`` float32: row r's routing weight (0 in
     the -1 tail), and ``selection_rows [T * top_k]`` int32: the sorted row of token t's j-th choice
     at ``t * top_k + j`` (-1 when it produced no row), the token-major inverse map. ``zero_buffer`` (optional, contiguous) is set to zeros by the same launch: the
-    output the down GEMM adds into needs no memset of its own. No host synchronization;
-    CUDA-graph capturable.
+    output the down GEMM adds into needs no memset of its own. Past ``E = 4096`` the
+    ``index_shuffling`` step on CUDA is the PyTorch reference's (a ``UserWarning``, once per
+    process). No host synchronization; CUDA-graph capturable.
     """
     check_tensor("logits_TE", logits_TE, dtype=SCORE_DTYPES, ndim=2)
     T, E = logits_TE.shape

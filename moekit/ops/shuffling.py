@@ -114,6 +114,12 @@ def combine_shuffling(
     Returns ``(tokens_out [T, D], counts_out [EG + 1] int32)``: local expert ``e``'s rows from rank
     0, 1, ... packed from row 0; ``counts_out`` per local expert its total over ranks, then the
     grand total. Rows past the total are unspecified (left uninitialized on CUDA).
+
+    Shapes, dtypes and the expert range are checked everywhere. The count values are checked only
+    on CPU tensors (reading CUDA counts would be a host sync): a negative count, counts summing to
+    more than ``T``, or (``is_padded``) a rank's counts summing to more than ``T // EP`` raise a
+    ValueError naming ``token_counts``; on CUDA the kernel skips rows that would fall outside the
+    buffer and the rows moved are unspecified.
     """
     _check(tokens, token_counts, expert_start, expert_end, is_padded)
     return torch.ops.moekit.combine_shuffling(tokens, token_counts, expert_start, expert_end, is_padded)
@@ -131,6 +137,7 @@ def split_shuffling(
 
     Returns ``[T, D]``. Rank-major rows that no local expert row maps to are zeros with
     ``init_with_zeros`` and unspecified otherwise (uninitialized on CUDA, zeros on the CPU path).
+    Counts inconsistent with ``T`` raise a ValueError on CPU tensors, as in ``combine_shuffling``.
     """
     _check(tokens, token_counts, expert_start, expert_end, is_padded)
     if not isinstance(init_with_zeros, bool):

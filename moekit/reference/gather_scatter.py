@@ -1,7 +1,8 @@
 """Token movement oracles: gather + scale (+ FP8 quant) and scatter-add (dense and padded).
 
 Semantics follow MSLK ``mslk.moe.gather_scatter`` (seeds/000) with moekit's extensions:
-any D, and rows whose index is negative (the ``-1`` tail of ``index_shuffling``) are skipped.
+any D, and rows whose index is negative (the ``-1`` tail of ``index_shuffling``) or out of range
+are skipped.
 Rows that a kernel does not write are returned as zeros here; kernels leave them untouched.
 """
 
@@ -56,11 +57,14 @@ def _gathered_scaled(x, token_indices, expert_indices, scores, valid_token_count
     T, D, a = _check_gather_args(x, token_indices, expert_indices, scores, valid_token_count)
     tok = token_indices.long()
     exp = expert_indices.long()
-    written = row_mask(a, valid_token_count, x.device) & (tok >= 0) & (exp >= 0)
-    tok_safe = torch.where(written, tok, 0).clamp(max=max(T - 1, 0))
-    exp_safe = torch.where(written, exp, 0).clamp(max=max(scores.shape[1] - 1, 0))
-    if T == 0:
+    # Rows whose token or expert index is negative or out of range are skipped (as the kernels do).
+    written = row_mask(a, valid_token_count, x.device) & (tok >= 0) & (tok < T) & (exp >= 0)
+    written &= exp < scores.shape[1]
+    if T == 0 or scores.shape[1] == 0:  # no row can be in range (and nothing to index with 0)
         return torch.zeros(a, D, dtype=torch.float32, device=x.device), written & False
+    # Skipped rows index row 0 (always in range here) and are zeroed below: never clamped.
+    tok_safe = torch.where(written, tok, 0)
+    exp_safe = torch.where(written, exp, 0)
     s = scores.float()[tok_safe, exp_safe]
     rows = x.float()[tok_safe] * s.unsqueeze(1)
     rows = torch.where(written.unsqueeze(1), rows, 0.0)
@@ -78,7 +82,9 @@ def gather_scale_dense_tokens(
 
     ``x`` ``[T, D]``; indices ``[a]``; ``scores`` ``[T, E]`` (any strides). Computed in float32,
     returned in ``x.dtype``. Row ``r`` is written only when ``r < valid_token_count[0]`` (the
-    number of valid *rows*, as in MSLK) and both indices are ``>= 0``; other rows are zero here.
+    number of valid *rows*, as in MSLK), ``0 <= token_indices[r] < T`` and
+    ``0 <= expert_indices[r] < E``; other rows (negative or out-of-range indices included, which
+    are skipped, never clamped) are zero here, where the kernel leaves them unwritten.
     """
     rows, _ = _gathered_scaled(x, token_indices, expert_indices, scores, valid_token_count)
     return rows.to(x.dtype)

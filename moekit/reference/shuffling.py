@@ -27,6 +27,42 @@ from moekit._checks import INDEX_DTYPES, check_tensor, expert_range
 __all__ = ["combine_shuffling", "split_shuffling", "shuffle_row_map"]
 
 
+def _show(t: torch.Tensor, limit: int = 32) -> str:
+    """A short rendering of a small CPU tensor for an error message."""
+    if t.numel() <= limit:
+        return str(t.tolist())
+    return f"a tensor of shape {tuple(t.shape)} (first values {t.flatten()[:limit].tolist()} ...)"
+
+
+def _check_counts_fit(c: torch.Tensor, num_rows: int, is_padded: bool) -> None:
+    """Counts that the rows can hold, else a ValueError naming ``token_counts`` (instead of a raw
+    IndexError from the row map). CPU tensors only: reading device counts would be a host sync,
+    so on CUDA (and under torch.compile / fake tensors) the kernels skip the rows that would fall
+    outside the buffer instead."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if c.device.type != "cpu" or is_fake(c) or torch.compiler.is_compiling() or c.numel() == 0:
+        return
+    if bool((c < 0).any()):
+        raise ValueError(f"token_counts must be >= 0 everywhere, got a negative count in {_show(c)}")
+    EP = c.shape[0]
+    if is_padded:
+        per = c.sum(dim=1)
+        cap = num_rows // EP
+        if bool((per > cap).any()):
+            r = int((per > cap).nonzero()[0])
+            raise ValueError(
+                f"token_counts' rows must each sum to at most tokens.shape[0] / EP = {num_rows} / {EP} = {cap} "
+                f"(is_padded=True: one block of {cap} rows per rank), got {int(per[r])} for rank {r} "
+                f"(per-rank sums {_show(per)})"
+            )
+    elif int(c.sum()) > num_rows:
+        raise ValueError(
+            f"token_counts must sum to at most tokens.shape[0] = {num_rows} (the rows received), "
+            f"got a sum of {int(c.sum())} (per-rank sums {_show(c.sum(dim=1))})"
+        )
+
+
 def shuffle_row_map(
     token_counts: torch.Tensor,
     num_rows: int,
@@ -48,6 +84,7 @@ def shuffle_row_map(
         raise ValueError(f"padded layout needs tokens.shape[0] ({num_rows}) divisible by EP ({EP})")
     device = token_counts.device
     c = token_counts.long()
+    _check_counts_fit(c, num_rows, is_padded)
     EG = end - start
     # Start of every (rank, expert) segment on the rank-major side.
     within = torch.cumsum(c, dim=1) - c  # [EP, E] offset of expert e in rank r's block

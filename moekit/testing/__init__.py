@@ -1,6 +1,6 @@
 """Test helpers shared by moekit's tests and benchmarks (and usable by downstream projects)."""
 
-from moekit.testing.compare import TOLERANCES, assert_close, assert_poisoned, poison, rel_error
+from moekit.testing.compare import TOLERANCES, assert_close, assert_fp8_close, assert_poisoned, poison, rel_error
 from moekit.testing.data import (
     MODEL_SHAPES,
     ModelShape,
@@ -15,6 +15,7 @@ __all__ = [
     "ModelShape",
     "TOLERANCES",
     "assert_close",
+    "assert_fp8_close",
     "assert_poisoned",
     "poison",
     "random_expert_weights",

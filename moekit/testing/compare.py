@@ -100,3 +100,39 @@ def assert_poisoned(t: torch.Tensor, written: Union[torch.Tensor, slice], msg: s
     if not p[~mask].all():
         rows = (~p[~mask].all(dim=1)).nonzero().flatten()[:5].tolist()
         raise AssertionError(f"{msg} rows that must stay untouched were written (first, among untouched: {rows})")
+
+
+# Share of FP8 values allowed one e4m3 step off the reference in ``assert_fp8_close``. Two
+# round-to-nearest-even quantizers whose float32 inputs differ by a few ulps (another product
+# order, a reciprocal instead of a division) disagree only on values within those ulps of a
+# rounding midpoint: about 1e-5 of them; a truncating (round-toward-zero) quantizer is off on
+# about half of them, one that rounds bf16 intermediates on about 3%.
+FP8_MAX_OFF_FRACTION = 0.01
+
+
+def assert_fp8_close(
+    q: torch.Tensor, ref_q: torch.Tensor, msg: str = "", max_off_fraction: float = FP8_MAX_OFF_FRACTION
+) -> None:
+    """FP8 values against a reference quantization: every value within one e4m3 step (at the
+    larger magnitude), no NaN where the reference has none, and at most ``max_off_fraction`` of
+    the values (at least one value, for tiny tensors) one step off: rounding of values next to a
+    midpoint. A truncating quantizer is off on about half of them and fails."""
+    a, b = q.float().cpu(), ref_q.float().cpu()
+    assert a.shape == b.shape, f"{msg} shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    nan = torch.isnan(a) & ~torch.isnan(b)
+    assert not nan.any(), f"{msg} {int(nan.sum())} NaN in the fp8 output where the reference has none"
+    both = ~(torch.isnan(a) | torch.isnan(b))
+    a, b = a[both], b[both]
+    m = torch.maximum(a.abs(), b.abs())
+    step = torch.exp2(torch.floor(torch.log2(m.clamp_min(2.0**-6))) - 3)
+    diff = (a - b).abs()
+    bad = diff > step
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise AssertionError(f"{msg} {int(bad.sum())} fp8 values off by more than one step; first: {a[i]} vs {b[i]}")
+    off = int((diff > 0).sum())
+    if off > max(1.0, max_off_fraction * a.numel()):
+        raise AssertionError(
+            f"{msg} {off} of {a.numel()} fp8 values ({off / a.numel():.1%}) one step off the reference, "
+            f"more than {max_off_fraction:.1%}: a rounding mode other than round-to-nearest-even?"
+        )

@@ -228,6 +228,12 @@ def sc_call_validation(rank, R):
     _raises(ValueError, "residual must be contiguous CPU bfloat16 [2, 16]", ar, torch.zeros(2, 16, dtype=bf),
             gamma[:16], None, torch.zeros(2, 16))
     _raises(ValueError, "runtime M=5 must be in [1, 4]", ar, torch.zeros(5, 16, dtype=bf), gamma[:16])
+    x16 = torch.zeros(2, 16, dtype=bf)
+    _raises(ValueError, "eps must be a non-negative float and finite, got -1.0", ar, x16, gamma[:16], -1.0)
+    _raises(ValueError, "eps must be a non-negative float and finite, got nan", ar, x16, gamma[:16], float("nan"))
+    _raises(TypeError, "eps must be a float, got str", ar, x16, gamma[:16], "0.1")
+    _raises(ValueError, "eps must be a non-negative float and finite, got -0.5", AllReduceRMSNorm, None, 4, 16,
+            eps=-0.5)
     rs = ReduceScatterHidden(None, 4, 16 * R)
     _raises(ValueError, f"x must be contiguous CPU bfloat16 [2, {16 * R}]", rs, torch.zeros(2, 16 * R))
 
@@ -264,3 +270,23 @@ def gloo_results(request):
 def test_fallback(gloo_results, scenario):
     res = gloo_results[scenario]
     assert res == "ok", res
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(
+    "eps, exc, text",
+    [
+        (-1.0, ValueError, "eps must be a non-negative float and finite, got -1.0"),
+        (float("nan"), ValueError, "eps must be a non-negative float and finite, got nan"),
+        (float("inf"), ValueError, "eps must be a non-negative float and finite, got inf"),
+        ("1e-6", TypeError, "eps must be a float, got str"),
+        (True, TypeError, "eps must be a float, got bool"),
+    ],
+)
+def test_all_reduce_rms_norm_rejects_bad_eps(eps, exc, text):
+    """A negative or NaN eps made every output NaN (issue 16): refused as rms_norm and
+    CollectiveKernel's rms_eps are, before any group work (the call-time eps: sc_call_validation)."""
+    from moekit.comm import AllReduceRMSNorm
+
+    with pytest.raises(exc, match=re.escape(text)):
+        AllReduceRMSNorm(None, 4, 16, eps=eps)

@@ -255,6 +255,8 @@ def test_validate_shape_relaxed():
         (dict(max_token_ctas=0), ValueError, "max_token_ctas must be >= 1"),
         (dict(top_k=-1), ValueError, "top_k must be >= 0"),
         (dict(rms_eps=-1.0), ValueError, "rms_eps must be a non-negative float"),
+        (dict(rms_eps=float("nan")), ValueError, "rms_eps must be a non-negative float and finite, got nan"),
+        (dict(rms_eps="1e-6"), TypeError, "rms_eps must be a float, got str"),
         (dict(fp32_internal=1), TypeError, "fp32_internal must be a bool"),
         (dict(latent_dim=30), ValueError, "latent_dim must be a positive multiple of 8"),
         (dict(two_shot_min_m=0), ValueError, "two_shot_min_m must be >= 1"),

@@ -512,3 +512,75 @@ def test_gpu_torch_compile_fullgraph():
     torch._dynamo.reset()
     compiled = torch.compile(ms, fullgraph=True)
     assert_close(compiled(x).float(), _oracle(ms, x), tol=GPU_TOL["bf16"][0])
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("group", ["x", 3, object()])
+def test_ep_group_of_the_wrong_type_is_a_type_error(group):
+    """``MetaShufflingMoE(args, ep_group='x')`` raised AttributeError from inside (issue 16)."""
+    args = MoEArgs(dim=64, hidden_dim=32, num_experts=8, ep_size=2, ep_rank=0)
+    with pytest.raises(TypeError, match="ep_group must be a torch.distributed.ProcessGroup"):
+        MetaShufflingMoE(args, ep_group=group)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("kind", ["ep", "tp"])
+@pytest.mark.parametrize("group", ["x", 3, object()], ids=["str", "int", "object"])
+def test_unused_group_of_the_wrong_type_is_a_type_error(kind, group):
+    """Without EP (or dedup_comm) the group is unused, but a non-ProcessGroup is still a wrong
+    argument: TypeError naming it, not silently kept (issue 16)."""
+    args = MoEArgs(dim=64, hidden_dim=32, num_experts=8)
+    with pytest.raises(TypeError, match=rf"^{kind}_group must be a torch\.distributed\.ProcessGroup.*, got "
+                                        rf"{type(group).__name__}$"):  # fmt: skip
+        MetaShufflingMoE(args, **{f"{kind}_group": group})
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("group", ["x", 3], ids=["str", "int"])
+def test_tp_group_of_the_wrong_type_with_dedup_comm_is_a_type_error(group):
+    """With dedup_comm in effect the TP group is checked like the EP group (the constructor needs
+    a live EP group first: the check itself here)."""
+    args = MoEArgs(dim=64, hidden_dim=32, num_experts=8, ep_size=2, tp_size=2, dedup_comm=True)
+    assert args.uses_dedup_comm
+    with pytest.raises(TypeError, match=rf"^tp_group must be a torch\.distributed\.ProcessGroup, got "
+                                        rf"{type(group).__name__}$"):  # fmt: skip
+        BaselineMoE._check_tp_group(args, group)
+    with pytest.raises(TypeError, match="^ep_group must be a torch.distributed.ProcessGroup, got str$"):
+        MetaShufflingMoE(args, ep_group="x", tp_group=group)
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that reports ``is_cuda``: BaselineMoE._per_expert's grouped-GEMM branch on
+    the CPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.reference
+def test_baseline_grouped_mm_fallback_warns_once(monkeypatch):
+    """BaselineMoE's per-expert GEMMs fell back to a Python loop in silence when
+    torch._grouped_mm failed (issue 16): same result, with one warning naming the exception."""
+    import warnings
+
+    from moekit.ops import _common
+
+    monkeypatch.setattr(_common, "_WARNED", set())
+
+    def broken(*a, **k):
+        raise RuntimeError("grouped_mm is not supported on this device")
+
+    monkeypatch.setattr(torch, "_grouped_mm", broken, raising=False)
+    E, N, K = 3, 16, 8
+    counts = torch.tensor([2, 0, 3])
+    xs = torch.randn(5, K).bfloat16()
+    w = torch.randn(E, N, K).bfloat16()
+    want = torch.cat([xs[:2] @ w[0].T, xs[2:] @ w[2].T])
+    with pytest.warns(UserWarning, match=r"torch\._grouped_mm failed \(RuntimeError: grouped_mm is not supported.*"
+                                         r"Python loop over experts"):  # fmt: skip
+        got = BaselineMoE._per_expert(xs.as_subclass(_CudaLooking), w, None, counts, 0.0)
+    assert torch.equal(got.as_subclass(torch.Tensor), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        BaselineMoE._per_expert(xs.as_subclass(_CudaLooking), w, None, counts, 0.0)  # once

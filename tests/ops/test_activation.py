@@ -25,17 +25,7 @@ def _count(n, device="cpu", dtype=torch.int32):
     return torch.tensor([n], dtype=dtype, device=device)
 
 
-def assert_fp8_close(q: torch.Tensor, ref_q: torch.Tensor, msg: str = "") -> None:
-    """Every value within one e4m3 step (at the larger magnitude) of the reference; no NaN."""
-    a, b = q.float().cpu(), ref_q.float().cpu()
-    assert a.shape == b.shape, f"{msg} shape {tuple(a.shape)} vs {tuple(b.shape)}"
-    assert not torch.isnan(a).any(), f"{msg} NaN in fp8 output"
-    m = torch.maximum(a.abs(), b.abs())
-    step = torch.exp2(torch.floor(torch.log2(m.clamp_min(2.0**-6))) - 3)
-    bad = (a - b).abs() > step
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{msg} {int(bad.sum())} fp8 values off by more than one step; first at {i}: {a[i]} vs {b[i]}")
+from moekit.testing import assert_fp8_close  # noqa: E402  (one copy, with a cap on values one step off)
 
 
 def assert_scales_close(s: torch.Tensor, ref_s: torch.Tensor, msg: str = "") -> None:

@@ -12,7 +12,7 @@ import torch
 from moekit import reference as ref
 from moekit.ops import gather_scatter as ops
 from moekit.reference.gather_scatter import row_mask
-from moekit.testing import assert_close, assert_poisoned, poison, tie_free_scores
+from moekit.testing import assert_close, assert_fp8_close, assert_poisoned, poison, tie_free_scores
 
 FP8 = torch.float8_e4m3fn
 
@@ -60,6 +60,7 @@ def check_fp8(q, scale, rq, rscale, written):
     step = torch.maximum(e4m3_step(q), e4m3_step(rq))
     bad = (q - rq).abs() > step
     assert not bad.any(), f"{int(bad.sum())} fp8 values off by more than one e4m3 step"
+    assert_fp8_close(q, rq)  # and only a few values one step off (round to nearest even)
     s, rs = scale.cpu()[written.cpu()], rscale.cpu()[written.cpu()]
     assert torch.all((s - rs).abs() <= 1e-6 * rs.abs()), "dequant scales differ by more than 1e-6 relative"
 
@@ -186,6 +187,53 @@ def test_gather_scale_quant_interpreter_unmasked(D):
     assert one_pass and block_r == 1 and n_chunks * block_d == D
     s, _, eidx, tidx = routing(T, E, K, start=2, end=E, seed=D)
     _check_quant_launcher(randn(T, D, dtype=torch.bfloat16, seed=D), tidx, eidx, s, partial=True)
+
+
+def _out_of_range_indices(T: int, E: int, idt: torch.dtype):
+    """(token_indices, expert_indices, rows the kernels write): in-range rows mixed with a token
+    past T (7 of 4, T itself, 2**32 + 1 or int32's max), negative ones and experts past E."""
+    big = 2**32 + 1 if idt == torch.int64 else 2**31 - 1
+    tok = torch.tensor([0, 7, T, big, -1, 1, 3, 2, 2, -(2**31), 1], dtype=idt)
+    exp = torch.tensor([0, 0, 1, 0, 0, E, 2, -1, 1, 0, E - 1], dtype=idt)
+    written = torch.tensor([True, False, False, False, False, False, True, False, True, False, True])
+    return tok, exp, written
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("idt", [torch.int32, torch.int64])
+@pytest.mark.parametrize("whole_row", [0, 1], ids=["column_blocks", "whole_rows"])
+def test_gather_interpreter_out_of_range_indices_match_reference(monkeypatch, idt, whole_row):
+    """Negative and out-of-range token / expert indices: the kernels skip those rows (they stay
+    poisoned), and the reference (the CPU path of the public ops) leaves them zero instead of
+    clamping the index to the last token / expert; written rows are bitwise the reference's
+    (issue 16)."""
+    tri = _tri()
+    monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", whole_row)
+    monkeypatch.setattr(tri, "_GATHER_STREAM_PROGRAMS_PER_SM", 1)
+    T, E, D = 4, 3, 16
+    tok, exp, w = _out_of_range_indices(T, E, idt)
+    A = tok.shape[0]
+    assert bool(tri._gather_tiles(A, D, torch.device("cpu"))[5]) == bool(whole_row)  # streamed kernel or not
+    x = randn(T, D, seed=21)
+    s = randn(T, E, seed=22).abs() + 0.25
+    out = poison(torch.empty(A, D))
+    tri.gather_scale_dense_tokens(x, tok, exp, s, out=out)
+    want = ref.gather_scale_dense_tokens(x, tok, exp, s)
+    assert_poisoned(out, w)
+    assert torch.equal(out[w], want[w])
+    assert (want[~w] == 0).all(), "the reference wrote rows the kernel skips"
+    assert torch.equal(ops.gather_scale_dense_tokens(x, tok, exp, s), want)
+
+    xb = x.to(torch.bfloat16)
+    q, sc = poison(torch.empty(A, D, dtype=FP8)), poison(torch.empty(A))
+    tri.gather_scale_quant_dense_tokens(xb, tok, exp, s, out=q, out_scale=sc)
+    rq, rs = ref.gather_scale_quant_dense_tokens(xb, tok, exp, s)
+    assert_poisoned(q, w)
+    assert_poisoned(sc, w)
+    check_fp8(q, sc, rq, rs, w)
+    assert (rq[~w].float() == 0).all() and (rs[~w] == 0).all()
+    oq, osc = ops.gather_scale_quant_dense_tokens(xb, tok, exp, s)
+    assert torch.equal(oq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(osc, rs)
 
 
 @pytest.mark.interpreter

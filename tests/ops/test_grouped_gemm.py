@@ -330,7 +330,7 @@ def test_interp_gemv_fp8_and_dense():
                      deterministic=True, config=cfg)  # fmt: skip
     expect = out0.clone()
     ref.grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, token_weights=tw, _output_tensor=expect, _scatter_add_indices=idx)
-    assert_close(out.float(), expect.float(), tol=2e-2)
+    assert_close(out.float(), expect.float(), tol=1e-2)  # same fp8 inputs: accumulation + bf16 rounding
     assert torch.equal(out[0], out0[0])
     # dense FP8 GEMM of one row: the GEMV path with the single implicit group
     d = tri.f8f8bf16_rowwise(xq[:1], wq[:N], xs[:1], ws[:N], out0[0])
@@ -668,7 +668,9 @@ SIZE_KINDS = ["routing", "one", "zeros", "short", "over"]
 
 
 def _tol(dtype):
-    return {torch.bfloat16: 1e-2, FP8: 6e-2, torch.float16: 2e-3, torch.float32: TF32_TOL}[dtype]
+    # FP8 against the same quantized inputs: only the accumulation (fast on Hopper) and the bf16
+    # output rounding differ, measured ~2e-3; 6e-2 let a 5%-wrong output pass (issue 16).
+    return {torch.bfloat16: 1e-2, FP8: 2e-2, torch.float16: 2e-3, torch.float32: TF32_TOL}[dtype]
 
 
 @pytest.mark.gpu
@@ -899,7 +901,7 @@ def test_gpu_f8f8bf16_rowwise(M, backend, cuda):
         y = f8f8bf16_rowwise(xq, wq, xs, ws, bias)
     want = (xq.float() @ wq.float().T) * xs[:, None] * ws[None, :] + bias.float()
     assert y.dtype == torch.bfloat16
-    assert_close(y.float(), want, tol=6e-2)
+    assert_close(y.float(), want, tol=2e-2)
 
 
 @pytest.mark.gpu
@@ -920,9 +922,9 @@ def test_gpu_torch_compile(cuda):
     torch._dynamo.reset()
     a, b, out, c = torch.compile(f, fullgraph=True)(x, w, ms, xq, wq, xs, ws, idx, torch.zeros(64, N, device=cuda,
                                                                                           dtype=torch.bfloat16))  # fmt: skip
-    assert_close(c.float(), _oracle(xq[:3], wq, ms, x_scale=xs[:3], w_scale=ws), tol=6e-2)
+    assert_close(c.float(), _oracle(xq[:3], wq, ms, x_scale=xs[:3], w_scale=ws), tol=2e-2)
     assert_close(a.float(), _oracle(x, w, ms), tol=1e-2)
-    assert_close(b.float(), _oracle(xq, wq, ms, x_scale=xs, w_scale=ws), tol=6e-2)
+    assert_close(b.float(), _oracle(xq, wq, ms, x_scale=xs, w_scale=ws), tol=2e-2)
     assert_close(out.float(), torch.zeros(64, N, device=cuda).index_add_(0, idx, _oracle(x, w, ms)), tol=1e-2)
 
 
@@ -976,9 +978,10 @@ def test_gpu_bad_input(cuda):
 @pytest.mark.reference
 def test_module_exports():
     assert set(gg_ops.__all__) == {"grouped_gemm", "grouped_gemm_fp8_rowwise", "grouped_gemm_swiglu",
-                                   "f8f8bf16_rowwise"}  # fmt: skip
+                                   "grouped_gemm_combine", "f8f8bf16_rowwise"}  # fmt: skip
     for name in ("grouped_gemm", "grouped_gemm_scatter_add", "grouped_gemm_fp8_rowwise",
-                 "grouped_gemm_fp8_rowwise_scatter_add", "grouped_gemm_swiglu", "f8f8bf16_rowwise"):  # fmt: skip
+                 "grouped_gemm_fp8_rowwise_scatter_add", "grouped_gemm_swiglu", "grouped_gemm_combine",
+                 "f8f8bf16_rowwise"):  # fmt: skip
         assert hasattr(torch.ops.moekit, name)
     assert os.path.basename(gg_ops.__file__) == "grouped_gemm.py"
 
@@ -1039,3 +1042,88 @@ def test_inductor_sees_only_the_output_written():
     assert "Encountered an exception" not in proc.stderr, proc.stderr[-4000:]
     assert writes["gemv"] == ["y_ptr"] and writes["stream"] == ["y_ptr"], writes
     assert writes["tiled"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes
+
+
+
+# ---------------------------------------------------------------------------- non-tensor arguments
+
+
+def _valid_public_calls():
+    """Each public wrapper with valid CPU arguments, every tensor argument it takes (required and
+    optional) given by keyword: ``(id, fn, kwargs)``."""
+    from moekit.ops.grouped_gemm import grouped_gemm_combine, grouped_gemm_swiglu
+
+    G, N, K, M, F = 2, 16, 32, 6, 8
+    x, w, _, _ = _inputs(M, G, N, K, torch.float32, seed=1)
+    xq, wq, xs, ws = _inputs(M, G, N, K, FP8, seed=1)
+    ms = torch.tensor([4, 2], dtype=torch.int32)
+    idx = torch.arange(M, dtype=torch.int32)
+    w13q, w13s = quantize_fp8_row(torch.randn(G * 2 * F, K, generator=_gen(2)))
+    w2q, w2s = quantize_fp8_row(torch.randn(G * N, F, generator=_gen(3)))
+    bf16_out = torch.zeros(M, N, dtype=torch.bfloat16)
+    return [
+        ("grouped_gemm", grouped_gemm, dict(x=x, w=w, m_sizes=ms, bias=torch.zeros(G, N), token_weights=torch.ones(M),
+                                            _output_tensor=torch.zeros(M, N), _scatter_add_indices=idx)),
+        ("grouped_gemm-w_scale", grouped_gemm, dict(x=x, w=wq, m_sizes=ms, w_scale=ws)),
+        ("grouped_gemm_fp8_rowwise", grouped_gemm_fp8_rowwise,
+         dict(x=xq, w=wq, m_sizes=ms, x_scale=xs, w_scale=ws, token_weights=torch.ones(M), _output_tensor=bf16_out,
+              _scatter_add_indices=idx)),
+        ("grouped_gemm_swiglu", grouped_gemm_swiglu,
+         dict(x=xq, w13=w13q, m_sizes=ms, gather_indices=idx, row_scales=torch.ones(M), x_scale=xs, w_scale=w13s)),
+        ("grouped_gemm_swiglu-bf16", grouped_gemm_swiglu,
+         dict(x=x, w13=w13q.float(), m_sizes=ms, gather_indices=idx, row_scales=torch.ones(M))),
+        ("grouped_gemm_combine", grouped_gemm_combine,
+         dict(z=torch.randn(M, F), w=w2q, expert_indices=torch.zeros(M, dtype=torch.int32), selection_rows=idx,
+              out=torch.zeros(M, N), row_weights=torch.ones(M), w_scale=w2s)),
+        ("f8f8bf16_rowwise", f8f8bf16_rowwise,
+         dict(XQ=xq, WQ=wq[:N], x_scale=xs, w_scale=ws[:N], bias=torch.zeros(N, dtype=torch.bfloat16))),
+    ]
+
+
+_CALLS = _valid_public_calls()
+
+
+def _non_tensor_cases():
+    """(call id, argument, non-tensor value): None for the required tensors, a str and a list for
+    every tensor argument."""
+    import inspect
+
+    out = []
+    for cid, fn, kw in _CALLS:
+        params = inspect.signature(fn).parameters
+        for name in kw:
+            for bad in ([] if params[name].default is None else [None]) + ["x", [1.0, 2.0]]:
+                out.append((cid, name, bad))
+    return out
+
+
+_NON_TENSOR = _non_tensor_cases()
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("cid", [c[0] for c in _CALLS])
+def test_public_calls_for_the_type_checks_are_valid(cid):
+    """The baseline of the non-tensor test below: every call runs as given."""
+    _, fn, kw = next(c for c in _CALLS if c[0] == cid)
+    fn(**{k: v.clone() for k, v in kw.items()})
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("cid,name,bad", _NON_TENSOR, ids=[f"{c}-{n}-{type(b).__name__}" for c, n, b in _NON_TENSOR])
+def test_non_tensor_argument_is_a_type_error_naming_it(cid, name, bad):
+    """``grouped_gemm(None, ...)`` raised AttributeError ('NoneType' object has no attribute
+    'dtype') before any check (issue 16): every tensor argument of every public wrapper, given a
+    non-tensor, raises TypeError naming it (checked before anything reads it or depends on it)."""
+    _, fn, kw = next(c for c in _CALLS if c[0] == cid)
+    args = {k: v.clone() for k, v in kw.items()}
+    args[name] = bad
+    with pytest.raises(TypeError, match=rf"^{name} must be a torch\.Tensor, got {type(bad).__name__}$"):
+        fn(**args)
+
+
+@pytest.mark.reference
+def test_grouped_gemm_none_x_positional():
+    """The issue's own call."""
+    w = torch.randn(32, 16)
+    with pytest.raises(TypeError, match="^x must be a torch.Tensor, got NoneType$"):
+        grouped_gemm(None, w, torch.tensor([2, 2], dtype=torch.int32))

@@ -366,3 +366,15 @@ def test_gpu_combine(T, K, G, N, F, fp8, cuda):
     assert_close(out.float(), want.float(), tol=1e-2)
     grouped_gemm_combine(z, w, eidx, srow, again, row_weights=rw, w_scale=ws)
     assert torch.equal(out, again)  # no atomics: bitwise reproducible
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("fn", ["grouped_gemm", "grouped_gemm_fp8_rowwise", "grouped_gemm_swiglu"])
+def test_none_x_is_a_type_error(fn):
+    """``grouped_gemm(None, ...)`` read x.dtype before validating (AttributeError; issue 16)."""
+    from moekit import ops
+
+    w, ms = torch.zeros(16, 16), torch.zeros(1, dtype=torch.int32)
+    args = (None, w, ms) if fn != "grouped_gemm_fp8_rowwise" else (None, w, ms, None, None)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got NoneType"):
+        getattr(ops, fn)(*args)

@@ -283,3 +283,30 @@ def test_gpu_cuda_graph_replays_new_routing(T, cuda):
         g.replay()
         torch.cuda.synchronize()
         check(outs, ref.route_and_shuffle(new, k, sf, renorm, **{**kw, "e_score_correction_bias": b.cpu()}))
+
+
+@pytest.mark.reference
+def test_fallbacks_are_said_once(monkeypatch):
+    """Silent fallbacks are explicit (issue 16): E past the kernels on CUDA, CUDA without Triton."""
+    import warnings
+
+    from moekit.ops import _common
+    from moekit.ops import routing as ops_routing
+    from moekit.ops._triton import routing as tri
+
+    monkeypatch.setattr(_common, "_WARNED", set())
+    monkeypatch.setattr(ops_routing, "use_triton", lambda t: True)  # the CUDA branch, on CPU tensors
+    monkeypatch.setattr(tri, "MAX_KERNEL_E", 8)
+    s = torch.rand(3, 16)
+    with pytest.warns(UserWarning, match="PyTorch reference serves it"):
+        ops_routing.index_shuffling(s, top_k=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops_routing.index_shuffling(s, top_k=2)  # once only
+
+    class _Cuda:
+        is_cuda = True
+
+    monkeypatch.setattr(_common, "HAS_TRITON", False)
+    with pytest.warns(UserWarning, match="Triton is not installed"):
+        assert not _common.use_triton(_Cuda())

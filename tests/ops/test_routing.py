@@ -688,3 +688,111 @@ def test_gpu_opcheck_and_compile():
     assert_same(fn(s, 2, 100, v, 4), ref_of(s, 2, 100, v, 4))
     for x, k in ((s, 4), (c, 8), (tie_free_scores(9, 6, dtype=torch.bfloat16, seed=1, device="cuda"), 2)):
         assert_same(fn(x, None, None, None, k), ref_of(x, top_k=k), f"compiled, no valid count, {tuple(x.shape)}")
+
+
+# ----------------------------------------------------------------------------- explicit fallbacks
+# Issue 16: the PyTorch references that serve CUDA tensors past the kernels' limits (or without
+# Triton) say so, once per process. The CUDA branches run here on CPU tensors: ``use_triton`` is
+# forced on and the kernels' expert limit lowered below the test's E.
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that reports ``is_cuda`` (for the branch logic only)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    from moekit.ops import _common
+
+    monkeypatch.setattr(_common, "_WARNED", set())
+
+
+def _past_kernel_e(monkeypatch, limit: int = 8):
+    pytest.importorskip("triton")
+    import moekit.ops.routing as ops_routing
+    from moekit.ops._triton import routing as tri
+
+    monkeypatch.setattr(ops_routing, "use_triton", lambda t: True)  # the CUDA branch
+    monkeypatch.setattr(tri, "MAX_KERNEL_E", limit)
+
+
+def _no_warning(fn):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        return fn()
+
+
+@pytest.mark.reference
+def test_index_shuffling_past_kernel_e_warns_once(monkeypatch, fresh_warnings):
+    _past_kernel_e(monkeypatch)
+    s = tie_free_scores(5, 16, seed=3)
+    with pytest.warns(UserWarning, match=r"index_shuffling: E=16 experts is past .* limit of 8; the PyTorch "
+                                         r"reference serves it on CUDA"):  # fmt: skip
+        got = index_shuffling(s, top_k=2)
+    assert_same(got, ref.index_shuffling(s, top_k=2))
+    assert_same(_no_warning(lambda: index_shuffling(s, top_k=2)), got, "second call: no warning")
+
+
+@pytest.mark.interpreter
+def test_index_shuffling_within_kernel_e_does_not_warn(monkeypatch, fresh_warnings):
+    """E at the limit takes the kernel (in the interpreter here), silently."""
+    _past_kernel_e(monkeypatch, limit=16)
+    s = tie_free_scores(5, 16, seed=3)
+    assert_same(_no_warning(lambda: index_shuffling(s, top_k=2)), ref.index_shuffling(s, top_k=2))
+
+
+@pytest.mark.reference
+def test_route_and_shuffle_composite_past_kernel_e_warns_once(monkeypatch, fresh_warnings):
+    """The composite path (batches past the one-launch kernel) of route_and_shuffle also hands
+    index_shuffling past the limit to the reference: said once."""
+    from moekit.ops import route_and_shuffle
+    from moekit.ops._triton import route as R
+
+    _past_kernel_e(monkeypatch)
+    monkeypatch.setattr(R, "kernel_supports", lambda *a: False)  # the composite
+    p = torch.argsort(torch.rand(6, 16, generator=torch.Generator().manual_seed(1)), dim=1).float()
+    logits = (p - 8) / 16
+    with pytest.warns(UserWarning, match=r"route_and_shuffle: E=16 .* PyTorch reference serves it on CUDA"):
+        got = route_and_shuffle(logits, 3, "softmax", True)
+    want = ref.route_and_shuffle(logits, 3, "softmax", True)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) if not g.is_floating_point() else torch.allclose(g, w, rtol=1e-6, atol=0)
+    _no_warning(lambda: route_and_shuffle(logits, 3, "softmax", True))
+
+
+@pytest.mark.reference
+def test_cuda_without_triton_warns_once(monkeypatch, fresh_warnings):
+    from moekit.ops import _common
+
+    monkeypatch.setattr(_common, "HAS_TRITON", False)
+    cuda_like = torch.zeros(2).as_subclass(_CudaLooking)
+    assert _no_warning(lambda: _common.use_triton(torch.zeros(2))) is False  # CPU: the reference, silently
+    with pytest.warns(UserWarning, match="Triton is not installed, so CUDA tensors run the .*PyTorch references"):
+        assert _common.use_triton(cuda_like) is False
+    assert _no_warning(lambda: _common.use_triton(cuda_like)) is False  # once
+
+
+@pytest.mark.reference
+def test_warn_once_is_silent_under_torch_compile(fresh_warnings):
+    """dynamo cannot trace warnings.warn (fullgraph=True fails on it): the fallback warnings
+    stay out of traces, and the next eager call still warns."""
+    from moekit.ops._common import warn_once
+
+    def f(x):
+        warn_once("compile-test", "fallback")
+        return x * 2
+
+    torch._dynamo.reset()
+    try:
+        out = _no_warning(lambda: torch.compile(f, fullgraph=True, backend="eager")(torch.ones(3)))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(out, torch.full((3,), 2.0))
+    with pytest.warns(UserWarning, match="fallback"):
+        f(torch.ones(3))

@@ -33,7 +33,8 @@ def naive_gather(x, tok, exp, scores, vtc):
     D = x.shape[1]
     rows, written = [], []
     for r in range(len(tok)):
-        ok = (vtc is None or r < vtc) and tok[r] >= 0 and exp[r] >= 0
+        # negative or out-of-range indices: skipped (never clamped to the last token / expert)
+        ok = (vtc is None or r < vtc) and 0 <= tok[r] < len(xs) and 0 <= exp[r] < scores.shape[1]
         written.append(ok)
         if ok:
             s = sc[tok[r]][exp[r]]
@@ -83,6 +84,31 @@ def test_gather_scale_random_indices_with_negatives():
         out = ref.gather_scale_dense_tokens(x, tok, exp, scores, i32(vtc))
         rows, _ = naive_gather(x, tok.tolist(), exp.tolist(), scores, vtc)
         assert torch.equal(out, torch.tensor(rows, dtype=torch.float32).reshape(a, D))
+
+
+@pytest.mark.parametrize("idt", [torch.int32, torch.int64])
+@pytest.mark.parametrize("vtc", [None, 9])
+def test_gather_out_of_range_indices_are_skipped_not_clamped(idt, vtc):
+    """Token 7 of 4, token T, an index past 2**32 (int32: 2**31 - 1), negative ones and an expert
+    past E leave their rows unwritten (zeros here; the kernels skip them, leaving them untouched)
+    instead of gathering the clamped last token / expert; the other rows are unaffected and the
+    FP8 rows get zero values and a zero scale (issue 16)."""
+    T, E, D = 4, 3, 16
+    x = rand(T, D, seed=1)
+    scores = rand(T, E, seed=2).abs() + 0.25
+    big = 2**32 + 1 if idt == torch.int64 else 2**31 - 1
+    tok = torch.tensor([0, 7, big, 1, 3, 2, T, -1, 2, 1, -(2**31)], dtype=idt)
+    exp = torch.tensor([0, 0, 1, 5, 2, 1, 0, 0, -1, E - 1, 0], dtype=idt)
+    in_range = [True, False, False, False, True, True, False, False, False, True, False]
+    want_rows, written = naive_gather(x, tok.tolist(), exp.tolist(), scores, vtc)
+    assert written == [ok and (vtc is None or r < vtc) for r, ok in enumerate(in_range)]
+    out = ref.gather_scale_dense_tokens(x, tok, exp, scores, i32(vtc))
+    assert torch.equal(out, torch.tensor(want_rows, dtype=torch.float32).reshape(len(written), D))
+    q, scale = ref.gather_scale_quant_dense_tokens(x, tok, exp, scores, None, i32(vtc))
+    w = torch.tensor(written)
+    assert (q[~w].float() == 0).all() and (scale[~w] == 0).all(), "skipped rows must not be written"
+    assert (scale[w] > 0).all()
+    assert_close(q[w].float() * scale[w, None], out[w], tol=6e-2)
 
 
 @pytest.mark.parametrize("T,E,K,D,start,end,vtc", GATHER_CASES)

@@ -271,3 +271,58 @@ BAD_CALLS = [
 @pytest.mark.parametrize("call,exc,name", BAD_CALLS, ids=[f"{i}-{c[2]}" for i, c in enumerate(BAD_CALLS)])
 def test_bad_arguments_raise_naming_the_argument(call, exc, name):
     naive.assert_raises_naming(call, exc, name)
+
+
+# Counts inconsistent with the 6 rows of tokens (EP = 2: 3 rows per rank block when padded):
+# (counts, is_padded, what the message must say).
+BAD_COUNTS = [
+    ([[3, 4], [1, 1]], False, "must sum to at most tokens.shape[0] = 6"),  # 9 rows counted
+    ([[0, 0], [4, 3]], False, "got a sum of 7"),
+    ([[3, 4], [1, 1]], True, "at most tokens.shape[0] / EP = 6 / 2 = 3"),
+    ([[0, 0], [2, 2]], True, "got 4 for rank 1"),  # rank 1's block would run past the buffer
+    ([[4, 0], [0, 0]], True, "got 4 for rank 0"),  # in bounds, but spills into rank 1's block
+    ([[1, -1], [1, 1]], False, "must be >= 0 everywhere"),
+    ([[1, -1], [1, 1]], True, "must be >= 0 everywhere"),
+]
+
+
+@pytest.mark.parametrize("fn", ["combine_shuffling", "split_shuffling"])
+@pytest.mark.parametrize("counts,padded,text", BAD_COUNTS)
+@pytest.mark.parametrize("api", ["ops", "reference"])
+def test_counts_inconsistent_with_rows_raise(fn, counts, padded, text, api):
+    """Counts the rows cannot hold (more rows than tokens has, a rank over its padded block, a
+    negative count): a ValueError naming token_counts, what was expected and what came, never a
+    raw IndexError from inside or a silently wrong layout (issue 16). CPU tensors: the public op
+    runs the reference, which reads the counts (on CUDA they are not read: no host sync)."""
+    import re
+
+    from moekit import ops
+
+    mod = ops if api == "ops" else ref
+    x = rand(6, 8)
+    for idt in (torch.int32, torch.int64):
+        with pytest.raises(ValueError, match="token_counts") as e:
+            getattr(mod, fn)(x, torch.tensor(counts, dtype=idt), is_padded=padded)
+        assert re.search(re.escape(text), str(e.value)), str(e.value)
+    # an expert range does not hide the inconsistency (the offsets use every expert's count)
+    with pytest.raises(ValueError, match="token_counts"):
+        getattr(mod, fn)(x, torch.tensor(counts, dtype=torch.int32), 1, 2, is_padded=padded)
+
+
+@pytest.mark.parametrize("fn", ["combine_shuffling", "split_shuffling"])
+@pytest.mark.parametrize(
+    "counts,padded", [([[3, 1], [1, 1]], False), ([[1, 2], [2, 1]], True), ([[0, 0], [0, 0]], True)]
+)
+def test_counts_that_fill_the_rows_exactly_are_accepted(fn, counts, padded):
+    """The bounds of the check are inclusive: every row used (dense) or every block full (padded)."""
+    from moekit import ops
+
+    x = rand(6, 8)
+    c = torch.tensor(counts, dtype=torch.int32)
+    got = getattr(ops, fn)(x, c, is_padded=padded)
+    want = getattr(ref, fn)(x, c, is_padded=padded)
+    if fn == "combine_shuffling":
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert int(got[1][-1]) == sum(map(sum, counts))
+    else:
+        assert torch.equal(got, want)

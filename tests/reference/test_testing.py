@@ -206,3 +206,62 @@ def test_random_expert_weights_shapes():
     assert p["w13_e2FD"].dtype == torch.bfloat16
     ds = MODEL_SHAPES["deepseek-v3"]
     assert ds.E == 256 and ds.n_group == 8 and ds.topk_group == 4 and ds.top_k == 8
+
+
+def _fp8_data(seed: int = 0) -> torch.Tensor:
+    """Row-scaled values spanning e4m3's range (as a row-wise quantizer produces them)."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed))
+    return x * (448 / x.abs().amax(dim=1, keepdim=True))
+
+
+def _truncate_fp8(v: torch.Tensor) -> torch.Tensor:
+    """Round toward zero: one e4m3 code down in magnitude wherever round-to-nearest rounded up."""
+    rne = v.to(torch.float8_e4m3fn)
+    up = rne.float().abs() > v.abs()
+    bits = rne.view(torch.uint8).clone()
+    bits[up] -= 1  # e4m3 magnitudes are monotone in their low 7 bits
+    return bits.view(torch.float8_e4m3fn)
+
+
+def test_assert_fp8_close_catches_a_truncating_quantizer():
+    """+-1 e4m3 step on every element with no cap let a truncating quantizer pass (issue 16):
+    it is one step off on about half of the values, far above the cap."""
+    from moekit.testing import assert_fp8_close
+
+    v = _fp8_data()
+    ref_q = v.to(torch.float8_e4m3fn)
+    assert_fp8_close(ref_q, ref_q)
+    trunc_q = _truncate_fp8(v)
+    off = float((trunc_q.float() != ref_q.float()).float().mean())
+    assert 0.3 < off < 0.7, off
+    with pytest.raises(AssertionError, match="one step off the reference"):
+        assert_fp8_close(trunc_q, ref_q)
+    # a few rows are enough to catch it (the cap allows at least one value, not one per row)
+    with pytest.raises(AssertionError, match="one step off the reference"):
+        assert_fp8_close(trunc_q[:1, :32], ref_q[:1, :32])
+
+
+def test_assert_fp8_close_accepts_round_to_nearest_implementations():
+    """Round-to-nearest-even quantizers whose float32 inputs differ by a few ulps (another
+    product order, a multiply by 1 / scale instead of a division) disagree on about 1e-5 of the
+    values, a float16 intermediate on ~0.4%: all under the cap. A bfloat16 intermediate (double
+    rounding, ~3%) and values two steps off are not."""
+    from moekit.testing import assert_fp8_close
+    from moekit.testing.compare import FP8_MAX_OFF_FRACTION
+
+    for seed in range(3):
+        v = _fp8_data(seed)
+        ref_q = v.to(torch.float8_e4m3fn)
+        for other in (v * (1 + 2.0**-23), v * (1 - 4 * 2.0**-23), v.half().float()):
+            assert_fp8_close(other.to(torch.float8_e4m3fn), ref_q)
+        off = float((v.bfloat16().float().to(torch.float8_e4m3fn).float() != ref_q.float()).float().mean())
+        assert off > FP8_MAX_OFF_FRACTION
+        with pytest.raises(AssertionError, match="one step off the reference"):
+            assert_fp8_close(v.bfloat16().float().to(torch.float8_e4m3fn), ref_q)
+    # a single value one step off in a tiny tensor is tolerated; two steps never are
+    ref_q = torch.tensor([1.0, 2.0, 3.0, -4.0]).to(torch.float8_e4m3fn)
+    assert_fp8_close(torch.tensor([1.0, 2.0, 3.25, -4.0]).to(torch.float8_e4m3fn), ref_q)
+    with pytest.raises(AssertionError, match="more than one step"):
+        assert_fp8_close(torch.tensor([1.0, 2.0, 3.5, -4.0]).to(torch.float8_e4m3fn), ref_q)
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_fp8_close(torch.tensor([1.0, float("nan"), 3.0, -4.0]).to(torch.float8_e4m3fn), ref_q)
