@@ -43,31 +43,11 @@ def shared_expert(x: torch.Tensor, w: dict) -> Optional[torch.Tensor]:
 
 
 def torch_pipeline(x: torch.Tensor, w: dict, cfg: RoutingConfig) -> torch.Tensor:
-    """What a user writes with stock PyTorch: top-k, stable argsort, bincount, gather,
-    ``torch._grouped_mm`` twice, ``index_add_``."""
-    T, D = x.shape
-    E = w["router_DE"].shape[1]
-    F = w["w2_eDF"].shape[2]
-    sel, weights = route(x @ w["router_DE"], cfg, w.get("e_score_correction_bias"))
-    ids = torch.topk(sel, cfg.top_k, dim=-1).indices.reshape(-1)
-    order = torch.argsort(ids, stable=True)
-    tok = order // cfg.top_k
-    eid = ids[order]
-    # bincount would sync with the host (it sizes its output from the data): count with scatter_add_.
-    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, ids, torch.ones_like(ids))
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    wt = weights[tok, eid]
-    xs = x[tok]
-    if cfg.apply_router_weight_on_input:
-        xs = (xs.float() * wt.unsqueeze(1)).to(x.dtype)
-    h = torch._grouped_mm(xs, w["w13_e2FD"].transpose(1, 2), offs=offs)
-    z = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
-    y = torch._grouped_mm(z, w["w2_eDF"].transpose(1, 2), offs=offs)
-    if not cfg.apply_router_weight_on_input:
-        y = (y.float() * wt.unsqueeze(1)).to(x.dtype)
-    out = shared_expert(x, w)
-    out = torch.zeros_like(x) if out is None else out
-    return out.index_add_(0, tok, y)
+    """What a user writes with stock PyTorch: the router GEMM, ``torch_routed`` (top-k, stable
+    argsort, counts, gather, ``torch._grouped_mm`` twice, ``index_add_``) and the shared expert."""
+    routed = torch_routed(x, x @ w["router_DE"], w, cfg)
+    shared = shared_expert(x, w)
+    return routed if shared is None else routed.add_(shared)
 
 
 def moekit_pipeline(x: torch.Tensor, w: dict, cfg: RoutingConfig, fp8: Optional[dict] = None,
@@ -291,8 +271,7 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
 
 
 def torch_routed(x: torch.Tensor, logits: torch.Tensor, w: dict, cfg: RoutingConfig) -> torch.Tensor:
-    """The routed experts with stock PyTorch from router logits (``torch_pipeline`` less the router
-    GEMM and the shared expert)."""
+    """The routed experts with stock PyTorch from router logits."""
     E = w["router_DE"].shape[1]
     F = w["w2_eDF"].shape[2]
     sel, weights = route(logits, cfg, w.get("e_score_correction_bias"))
@@ -300,6 +279,7 @@ def torch_routed(x: torch.Tensor, logits: torch.Tensor, w: dict, cfg: RoutingCon
     order = torch.argsort(ids, stable=True)
     tok = order // cfg.top_k
     eid = ids[order]
+    # bincount would sync with the host (it sizes its output from the data): count with scatter_add_.
     counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, ids, torch.ones_like(ids))
     offs = torch.cumsum(counts, 0).to(torch.int32)
     wt = weights[tok, eid]
