@@ -15,6 +15,8 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_PDL_MODE`` | ``pdl_mode`` | per kernel | force every PDL kernel's trigger: 1 early, 2 late (experiments) |
 | ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
 | ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 128 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k; see ``moekit.layers.experts.choose_path``) |
+| ``MOEKIT_ROUTE_FUSED_MAX_T`` | ``route_fused_max_t`` | 8 | ``route_and_shuffle`` routes up to this many tokens in one program (one launch); more take a program per block of tokens and a placing launch |
+| ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True``) |
 | ``MOEKIT_GG_TUNED`` | ``gg_tuned`` | none | JSON table of grouped-GEMM configurations (``benchmarks/tune_gemm.py`` writes it) |
 | ``MOEKIT_GG_GEMV_MAX_M`` | ``gg_gemv_max_m`` | 4 | grouped GEMMs of at most this many rows run the GEMV kernel (0: never) |
 | ``MOEKIT_GG_GEMV_SPREAD_MAX_M`` | ``gg_gemv_spread_max_m`` | 8 | ... and up to this many rows when they rarely share an expert (top-k decode) |
@@ -40,6 +42,7 @@ from typing import Any, Optional
 __all__ = ["Settings", "get", "override", "on_change", "reload"]
 
 MOE_PATHS = ("auto", "decode", "sorted")
+DOWN_SUMS = ("auto", "atomic", "sum")
 F8_DENSE = ("auto", "triton", "scaled_mm")
 _DEFAULT_PDL_SKIP = frozenset({"_gg_tiled_kernel", "_gg_stream_kernel"})
 
@@ -51,6 +54,8 @@ class Settings:
     pdl_mode: Optional[int] = None
     moe_path: str = "auto"
     decode_max_rows: int = 128
+    route_fused_max_t: int = 8
+    down_sum: str = "auto"
     gg_tuned: Optional[str] = None
     gg_gemv_max_m: int = 4
     gg_gemv_spread_max_m: int = 8
@@ -112,6 +117,8 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         pdl_mode=int(mode) if mode else None,
         moe_path=_choice(env, "MOEKIT_MOE_PATH", "auto", MOE_PATHS),
         decode_max_rows=_int(env, "MOEKIT_DECODE_MAX_ROWS", 128),
+        route_fused_max_t=_int(env, "MOEKIT_ROUTE_FUSED_MAX_T", 8),
+        down_sum=_choice(env, "MOEKIT_DOWN_SUM", "auto", DOWN_SUMS),
         gg_tuned=env.get("MOEKIT_GG_TUNED") or None,
         gg_gemv_max_m=_int(env, "MOEKIT_GG_GEMV_MAX_M", 4),
         gg_gemv_spread_max_m=_int(env, "MOEKIT_GG_GEMV_SPREAD_MAX_M", 8),
@@ -164,6 +171,8 @@ def override(**changes: Any) -> Iterator[Settings]:
             raise TypeError(f"override: unknown setting {k!r}; settings are {sorted(names)}")
     if "moe_path" in changes and changes["moe_path"] not in MOE_PATHS:
         raise ValueError(f"moe_path must be one of {MOE_PATHS}, got {changes['moe_path']!r}")
+    if "down_sum" in changes and changes["down_sum"] not in DOWN_SUMS:
+        raise ValueError(f"down_sum must be one of {DOWN_SUMS}, got {changes['down_sum']!r}")
     before = get()
     if "knobs" in changes:
         changes["knobs"] = {**before.knobs, **changes["knobs"]}

@@ -230,7 +230,7 @@ def _route_and_shuffle_op(
                 logits_TE, e_score_correction_bias, top_k, score_func, renormalize, n_group, topk_group,
                 routed_scaling_factor, expert_index_start, expert_index_end, zero_buffer,
             )  # fmt: skip
-        # Batches past the one-launch kernel: dense scores (torch ops), index_shuffling's kernels,
+        # Batches past the kernels: dense scores (torch ops), index_shuffling's kernels,
         # one gather of the sorted rows' weights.
         sel, weights = dense_route(
             logits_TE, top_k, score_func, renormalize, n_group, topk_group, e_score_correction_bias,
@@ -279,9 +279,10 @@ def route_and_shuffle(
     zero_buffer: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits to the sorted row layout, fused: score function, top-k, weights, counts
-    and ``index_shuffling``'s (expert, token)-sorted rows, in one launch for ``T <= 256`` tokens,
-    ``E <= 512``, ``top_k <= 16`` (batches beyond take a few launches: dense scores, then
-    ``index_shuffling``).
+    and ``index_shuffling``'s (expert, token)-sorted rows, for ``E <= 512``, ``top_k <= 16``: one
+    launch up to ``settings.route_fused_max_t`` tokens (8), two (blocks of tokens side by side,
+    then the placement) up to 128 blocks (2048 tokens at E = 128, 1024 at E = 256); batches
+    beyond take a few launches (dense scores, then ``index_shuffling``).
 
     Routing options are ``moekit.reference.routing_weights``'s (``score_func`` sigmoid / softmax /
     topk_softmax, ``renormalize``, DeepSeek grouped top-k ``n_group`` / ``topk_group``,

@@ -113,16 +113,51 @@ def test_interp_strided_logits_and_one_expert():
 
 @pytest.mark.interpreter
 def test_interp_sub_tiles_carry_ranks():
-    """More tokens than one sub-tile (E = 512: 4 tokens per tile): ranks carried across tiles."""
+    """More tokens than one sub-tile (E = 512: 4 tokens per tile) in the one-program path: ranks
+    carried across tiles."""
+    from moekit import settings
+
     r = ROUTINGS[7]
     logits, k, sf, renorm, kw = _inputs(r, 23, seed=9)
+    with settings.override(route_fused_max_t=64):
+        check(_launch_interp(logits, k, sf, renorm, kw), ref.route_and_shuffle(logits, k, sf, renorm, **kw))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("r", [ROUTINGS[0], ROUTINGS[1], ROUTINGS[7]], ids=["qwen3", "deepseek", "k16-E512"])
+@pytest.mark.parametrize("fused_max_t", [0, 4, 1000])
+def test_interp_split_and_fused_paths_agree(r, fused_max_t):
+    """One program for the whole batch, or blocks of tokens + the placing launch (blocks of 1, 2
+    and 4 tokens at T = 70, 130, 300 of E = 128; an expert range; a zero buffer): same bits."""
+    from moekit import settings
+
+    with settings.override(route_fused_max_t=fused_max_t):
+        for T in (3, 70):
+            logits, k, sf, renorm, kw = _inputs(r, T, seed=T + 1)
+            E = logits.shape[1]
+            zero = torch.full((T, 40), 7.0)
+            got = _launch_interp(logits, k, sf, renorm, kw, E // 8, E - 3, zero)
+            check(got, ref.route_and_shuffle(logits, k, sf, renorm, expert_index_start=E // 8,
+                                             expert_index_end=E - 3, **kw), f"T={T}")  # fmt: skip
+            assert (zero == 0).all()
+
+
+@pytest.mark.interpreter
+def test_interp_split_blocks_of_several_tokens():
+    """T = 300 over E = 16: blocks of 8 tokens (38 programs, the last one partial)."""
+    from moekit.ops._triton import route as R
+
+    r = ROUTINGS[3]
+    logits, k, sf, renorm, kw = _inputs(r, 300, seed=4)
+    assert R._blocks(300, 16) == (8, 38)
     check(_launch_interp(logits, k, sf, renorm, kw), ref.route_and_shuffle(logits, k, sf, renorm, **kw))
 
 
 @pytest.mark.interpreter
 def test_interp_public_op_uses_kernel_and_composite(monkeypatch):
-    """The registered op's CUDA branch (forced onto the interpreter): the one-launch kernel up to
-    256 tokens, the composite (dense scores + index_shuffling) beyond, same results."""
+    """The registered op's CUDA branch (forced onto the interpreter): the kernels up to
+    ``SPLIT_MAX_BLOCKS`` token blocks, the composite (dense scores + index_shuffling) beyond,
+    same results."""
     import moekit.ops.routing as ops_routing
     from moekit.ops._triton import route as R
 
@@ -130,17 +165,20 @@ def test_interp_public_op_uses_kernel_and_composite(monkeypatch):
     calls = []
     real = R.route_and_shuffle
     monkeypatch.setattr(R, "route_and_shuffle", lambda *a: calls.append(1) or real(*a))
-    for T in (256, 257):
+    for T, blocks in ((5, 64), (37, 64), (37, 36)):
+        monkeypatch.setattr(R, "SPLIT_MAX_BLOCKS", blocks)
         logits, k, sf, renorm, kw = _inputs(ROUTINGS[1], T, seed=T)
         check(route_and_shuffle(logits, k, sf, renorm, **kw), ref.route_and_shuffle(logits, k, sf, renorm, **kw))
-    assert calls == [1]
+    assert calls == [1, 1]
 
 
 @pytest.mark.reference
 def test_kernel_supports():
     from moekit.ops._triton.route import kernel_supports
 
-    assert kernel_supports(256, 512, 16, None) and not kernel_supports(257, 16, 1, None)
+    assert kernel_supports(256, 512, 16, None) and kernel_supports(2048, 128, 8, None)
+    assert kernel_supports(1024, 256, 8, 8) and not kernel_supports(1025, 256, 8, 8)  # 128 blocks of 8
+    assert kernel_supports(16384, 16, 1, None) and not kernel_supports(16385, 16, 1, None)
     assert not kernel_supports(1, 513, 1, None) and not kernel_supports(1, 16, 17, None)
     assert kernel_supports(4, 256, 8, 8) and not kernel_supports(4, 24, 2, 4)  # groups: powers of two
 

@@ -1,7 +1,7 @@
-"""Triton kernel of ``route_and_shuffle``: router logits to the sorted row layout in one launch.
+"""Triton kernels of ``route_and_shuffle``: router logits to the sorted row layout.
 
-One program routes every token (decode-sized batches: ``T <= ROUTE_MAX_T``), in sub-tiles of
-``BT`` tokens x ``BLOCK_E`` experts:
+Up to ``settings.route_fused_max_t`` tokens one program routes every token (one launch: the
+decode critical path), in sub-tiles of ``BT`` tokens x ``BLOCK_E`` experts:
 
 1. scores in float32 (sigmoid / softmax / the logits themselves for top-k softmax), the
    correction bias added for selection, DeepSeek's group mask (a group's score is the sum of its
@@ -15,10 +15,17 @@ One program routes every token (decode-sized batches: ``T <= ROUTE_MAX_T``), in 
    ``base[e] + rank``: expert, token and weight of each sorted row, ``-1`` / 0 in the tail, and
    the selection's row itself (the token-major inverse map).
 
+Larger batches split step 1-2 over programs of ``BT`` tokens each (``SPLIT``: ranks counted
+within the block, the block's expert counts stored as one row of a ``[blocks, E]`` table), and a
+second launch (``_route_place_kernel``, one program per block, PDL-chained) scans the table
+(expert totals -> bases; the blocks before its own -> its offsets) and places the block's rows.
+One program routing 256 tokens took 103 µs at E = 128 (H200, 16 serial sub-tiles of K rounds of
+row reductions); the split path runs the sub-tiles side by side.
+
 The ranks count earlier tokens only, so rows of an expert come in token order and the result is
-bitwise the layout of ``index_shuffling`` (no atomics anywhere). Programs ``1..`` of the same
-grid zero an optional buffer (the routed output that the down GEMM scatter-adds into): the
-memset needs no launch of its own.
+bitwise the layout of ``index_shuffling`` (no atomics anywhere). Programs past the routing ones
+zero an optional buffer (the routed output that the down GEMM scatter-adds into): the memset
+needs no launch of its own.
 """
 
 from __future__ import annotations
@@ -29,15 +36,18 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.routing import _row_below, _score_keys
 
-# Largest batch / expert count / top-k the one-program kernel takes (the launcher falls back to
-# the multi-launch composite beyond: dense scores with torch ops, then ``index_shuffling``).
-ROUTE_MAX_T = 256
+# Largest expert count / top-k the kernels take, and the most token blocks of the split path (the
+# launcher falls back to the multi-launch composite beyond: dense scores with torch ops, then
+# ``index_shuffling``). ``SPLIT_TARGET``: programs the split path aims at.
 ROUTE_MAX_E = 512
 ROUTE_MAX_K = 16
+SPLIT_MAX_BLOCKS = 128
+SPLIT_TARGET = 64
 # Elements of one sub-tile (tokens x experts) and of one zeroing program.
 ROUTE_TILE = 2048
 ZERO_BLOCK = 8192
@@ -87,7 +97,7 @@ def _group_mask(c, BT: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr, TOPK_GR
     return tl.where(tl.reshape(keep3, [BT, NG * GP]), c, float("-inf"))
 
 
-@triton.jit(do_not_specialize=["T", "start", "end", "zero_numel"])
+@triton.jit(do_not_specialize=["T", "start", "end", "zero_numel", "n_route"])
 def _route_fused_kernel(
     logits_ptr,
     bias_ptr,
@@ -98,6 +108,7 @@ def _route_fused_kernel(
     srow_ptr,
     packed_ptr,
     pw_ptr,
+    bcounts_ptr,
     zero_ptr,
     T,
     E,
@@ -107,6 +118,7 @@ def _route_fused_kernel(
     stride_e,
     scale,
     zero_numel,
+    n_route,
     K: tl.constexpr,
     SCORE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -114,6 +126,7 @@ def _route_fused_kernel(
     NG: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    SPLIT: tl.constexpr,
     BT: tl.constexpr,
     BLOCK_E: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -121,12 +134,16 @@ def _route_fused_kernel(
     ZB: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
+    """``SPLIT`` False: program 0 routes every token and places the rows (the one-launch path);
+    True: program ``b < n_route`` routes tokens ``[b * BT, (b + 1) * BT)`` only, its ranks
+    counting from 0, and stores its expert counts as row ``b`` of ``bcounts [n_route, E]``
+    (``_route_place_kernel`` places the rows). Programs from ``n_route`` on zero ``zero_ptr``."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
-    if HAS_ZERO and pid > 0:
-        offs = (pid - 1).to(tl.int64) * ZB + tl.arange(0, ZB)
+    if HAS_ZERO and pid >= n_route:
+        offs = (pid - n_route).to(tl.int64) * ZB + tl.arange(0, ZB)
         tl.store(zero_ptr + offs, tl.zeros([ZB], dtype=zero_ptr.dtype.element_ty), mask=offs < zero_numel)
-    if pid == 0:
+    if pid < n_route:
         cols = tl.arange(0, BLOCK_E)
         col_ok = cols < E
         in_range = (cols >= start) & (cols < end)
@@ -136,9 +153,15 @@ def _route_fused_kernel(
         if HAS_BIAS:
             bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         carry = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for t0 in range(0, T, BT):
+        if SPLIT:
+            t_begin = pid * BT
+            t_end = tl.minimum(t_begin + BT, T)
+        else:
+            t_begin = 0
+            t_end = T
+        for t0 in range(t_begin, t_end, BT):
             rows = t0 + tl.arange(0, BT)
-            row_ok = rows < T
+            row_ok = rows < t_end
             ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :] * stride_e
             l = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             c, s = _scores(l, col_ok, bias, SCORE, HAS_BIAS)
@@ -171,34 +194,114 @@ def _route_fused_kernel(
             tl.store(packed_ptr + r, tl.where(valid, (rank << 16) | ids, -1), mask=ok)
             tl.store(pw_ptr + r, w, mask=ok)
             carry += tl.sum(one, axis=0)
-        n_rows = tl.sum(carry, axis=0)
-        tl.store(counts_ptr + cols, carry, mask=col_ok)
+        if SPLIT:
+            tl.store(bcounts_ptr + pid.to(tl.int64) * E + cols, carry, mask=col_ok)
+        else:
+            n_rows = tl.sum(carry, axis=0)
+            tl.store(counts_ptr + cols, carry, mask=col_ok)
+            tl.store(counts_ptr + E, T)
+            tl.store(counts_ptr + E + 1, n_rows)
+            base = tl.cumsum(carry, axis=0) - carry
+            tl.debug_barrier()  # every scratch row written before any is read back
+            N = T * K
+            for r0 in range(0, N, RB):
+                r = r0 + tl.arange(0, RB)
+                m = r < N
+                p = tl.load(packed_ptr + r, mask=m, other=-1)
+                wv = tl.load(pw_ptr + r, mask=m, other=0.0)
+                ok = p >= 0
+                e = tl.where(ok, p & 65535, 0)
+                dest = tl.gather(base, e, 0) + (p >> 16)
+                tl.store(eidx_ptr + dest, e - start, mask=ok)
+                tl.store(tidx_ptr + dest, r // K, mask=ok)
+                tl.store(rw_ptr + dest, wv, mask=ok)
+                tl.store(srow_ptr + r, tl.where(ok, dest, -1), mask=m)
+                tail = m & (r >= n_rows)
+                tl.store(eidx_ptr + r, -1, mask=tail)
+                tl.store(tidx_ptr + r, -1, mask=tail)
+                tl.store(rw_ptr + r, 0.0, mask=tail)
+
+
+@triton.jit(do_not_specialize=["T", "start", "n_blocks"])
+def _route_place_kernel(
+    bcounts_ptr,
+    packed_ptr,
+    pw_ptr,
+    counts_ptr,
+    eidx_ptr,
+    tidx_ptr,
+    rw_ptr,
+    srow_ptr,
+    T,
+    E,
+    start,
+    n_blocks,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CB: tl.constexpr,
+    RB: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    """The second launch of the split path: program ``b`` sums the ``n_blocks`` count rows (the
+    expert totals, their exclusive scan = the expert bases) and the rows of the blocks before
+    its own (its offset in each expert), then places block ``b``'s selections at ``base[e] +
+    offset[e] + rank`` and writes the ``-1`` tail of its own range of rows. Program 0 stores
+    the counts."""
+    pdl_prologue(USE_PDL)
+    b = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    tot = tl.zeros([BLOCK_E], dtype=tl.int32)
+    pre = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, n_blocks, CB):
+        blk = c0 + tl.arange(0, CB)
+        c = tl.load(bcounts_ptr + blk.to(tl.int64)[:, None] * E + cols[None, :],
+                    mask=(blk < n_blocks)[:, None] & col_ok[None, :], other=0)  # fmt: skip
+        tot += tl.sum(c, axis=0)
+        pre += tl.sum(tl.where((blk < b)[:, None], c, 0), axis=0)
+    n_rows = tl.sum(tot, axis=0)
+    if b == 0:
+        tl.store(counts_ptr + cols, tot, mask=col_ok)
         tl.store(counts_ptr + E, T)
         tl.store(counts_ptr + E + 1, n_rows)
-        base = tl.cumsum(carry, axis=0) - carry
-        tl.debug_barrier()  # every scratch row written before any is read back
-        N = T * K
-        for r0 in range(0, N, RB):
-            r = r0 + tl.arange(0, RB)
-            m = r < N
-            p = tl.load(packed_ptr + r, mask=m, other=-1)
-            wv = tl.load(pw_ptr + r, mask=m, other=0.0)
-            ok = p >= 0
-            e = tl.where(ok, p & 65535, 0)
-            dest = tl.gather(base, e, 0) + (p >> 16)
-            tl.store(eidx_ptr + dest, e - start, mask=ok)
-            tl.store(tidx_ptr + dest, r // K, mask=ok)
-            tl.store(rw_ptr + dest, wv, mask=ok)
-            tl.store(srow_ptr + r, tl.where(ok, dest, -1), mask=m)
-            tail = m & (r >= n_rows)
-            tl.store(eidx_ptr + r, -1, mask=tail)
-            tl.store(tidx_ptr + r, -1, mask=tail)
-            tl.store(rw_ptr + r, 0.0, mask=tail)
+    off = tl.cumsum(tot, axis=0) - tot + pre
+    N = T * K
+    r_begin = b * (BT * K)
+    for r0 in range(r_begin, r_begin + BT * K, RB):
+        r = r0 + tl.arange(0, RB)
+        m = (r < N) & (r < r_begin + BT * K)
+        p = tl.load(packed_ptr + r, mask=m, other=-1)
+        wv = tl.load(pw_ptr + r, mask=m, other=0.0)
+        ok = p >= 0
+        e = tl.where(ok, p & 65535, 0)
+        dest = tl.gather(off, e, 0) + (p >> 16)
+        tl.store(eidx_ptr + dest, e - start, mask=ok)
+        tl.store(tidx_ptr + dest, r // K, mask=ok)
+        tl.store(rw_ptr + dest, wv, mask=ok)
+        tl.store(srow_ptr + r, tl.where(ok, dest, -1), mask=m)
+        tail = m & (r >= n_rows)
+        tl.store(eidx_ptr + r, -1, mask=tail)
+        tl.store(tidx_ptr + r, -1, mask=tail)
+        tl.store(rw_ptr + r, 0.0, mask=tail)
+
+
+def _blocks(T: int, E: int) -> tuple[int, int]:
+    """(tokens per program, programs) of the split path: blocks of a power of two tokens, as
+    small as keeps the programs at most ``SPLIT_TARGET`` (the per-program work is a few rounds of
+    row reductions whose latency hardly depends on the block: more programs, less time)."""
+    tile_t = max(1, ROUTE_TILE // max(16, next_pow2(E)))
+    bt = min(tile_t, next_pow2(max(1, cdiv(T, SPLIT_TARGET))))
+    return bt, cdiv(T, bt)
 
 
 def kernel_supports(T: int, E: int, top_k: int, n_group: Optional[int]) -> bool:
-    """Shapes the one-launch kernel takes (grouped routing needs power-of-two groups filling E)."""
-    if T > ROUTE_MAX_T or E > ROUTE_MAX_E or top_k > ROUTE_MAX_K:
+    """Shapes the kernels take (grouped routing needs power-of-two groups filling E): one
+    program up to ``settings.route_fused_max_t`` tokens, else blocks of tokens, at most
+    ``SPLIT_MAX_BLOCKS`` of them (the placing programs each read every block's counts)."""
+    if E > ROUTE_MAX_E or top_k > ROUTE_MAX_K:
+        return False
+    if T > settings.get().route_fused_max_t and _blocks(T, E)[1] > SPLIT_MAX_BLOCKS:
         return False
     if n_group is not None and n_group > 1:
         return E >= 16 and E == next_pow2(E) and n_group == next_pow2(n_group) and n_group <= E
@@ -230,18 +333,29 @@ def route_and_shuffle(
     packed = torch.empty(N, dtype=torch.int32, device=dev)
     pw = torch.empty(N, dtype=torch.float32, device=dev)
     block_e = max(16, next_pow2(E))
-    bt = max(1, min(next_pow2(max(T, 1)), ROUTE_TILE // block_e))
     k_pad = next_pow2(top_k)
+    split = T > settings.get().route_fused_max_t
+    if split:
+        bt, n_route = _blocks(T, E)
+    else:
+        bt, n_route = max(1, min(next_pow2(max(T, 1)), ROUTE_TILE // block_e)), 1
+    bcounts = torch.empty((n_route, E) if split else (1,), dtype=torch.int32, device=dev)
     zero_numel = 0 if zero_buffer is None else zero_buffer.numel()
-    grid = 1 + cdiv(zero_numel, ZERO_BLOCK)
     ng = 1 if n_group is None else int(n_group)
-    launch(_route_fused_kernel)[(grid,)](
-        logits, bias, counts, eidx, tidx, rw, srow, packed, pw, zero_buffer,
-        T, E, start, end, logits.stride(0), logits.stride(1), float(scale), zero_numel,
+    launch(_route_fused_kernel)[(n_route + cdiv(zero_numel, ZERO_BLOCK),)](
+        logits, bias, counts, eidx, tidx, rw, srow, packed, pw, bcounts, zero_buffer,
+        T, E, start, end, logits.stride(0), logits.stride(1), float(scale), zero_numel, n_route,
         K=top_k, SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-        NG=ng, TOPK_GROUP=int(topk_group or 1), HAS_ZERO=zero_buffer is not None,
+        NG=ng, TOPK_GROUP=int(topk_group or 1), HAS_ZERO=zero_buffer is not None, SPLIT=split,
         BT=bt, BLOCK_E=block_e, K_PAD=k_pad, RB=min(1024, max(16, next_pow2(N))), ZB=ZERO_BLOCK,
         # One warp for a single token's row (no cross-warp reductions on the decode critical path).
         num_warps=max(1, min(8, bt * block_e // 256)),
     )  # fmt: skip
+    if split:
+        rows = bt * top_k
+        launch(_route_place_kernel)[(n_route,)](
+            bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_route,
+            K=top_k, BT=bt, BLOCK_E=block_e, CB=max(1, min(next_pow2(n_route), 4096 // block_e)),
+            RB=min(1024, max(16, next_pow2(rows))), num_warps=4,
+        )  # fmt: skip
     return counts, eidx, tidx, rw, srow
