@@ -283,6 +283,19 @@ def _grouped_gemm_combine(device: torch.device) -> float:
     return _close(got.float(), want.float(), "out", dtype=dt)
 
 
+@check("combine_rows")
+def _combine_rows(device: torch.device) -> float:
+    from moekit.ops import combine_rows
+
+    dt = _dt(device)
+    x, w13, w2, m, eidx, tidx, rw, srow = _decode_inputs(dt)
+    rows = torch.randn(srow.shape[0], x.shape[1]).to(dt)
+    out = torch.randn(x.shape).to(dt)
+    got = combine_rows(out.to(device).clone(), rows.to(device), srow.to(device))
+    want = ref.combine_rows(out.clone(), rows, srow)
+    return _close(got.float(), want.float(), "out", dtype=dt)
+
+
 # ---------------------------------------------------------------------------------------------
 # Quantization, activation, norm
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 from moekit import settings
 from moekit._checks import FP8_DTYPE, check_tensor
 
-__all__ = ["run_experts", "choose_path", "DECODE_ROWS_PER_EXPERT"]
+__all__ = ["run_experts", "choose_path", "down_sums_rows", "DECODE_ROWS_PER_EXPERT"]
 
 # Mean rows per hit expert below which the decode pipeline runs (the grouped GEMM's streaming
 # kernel range: from 48 rows per group it takes its tiled kernel).
@@ -68,6 +68,20 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
             return "decode"
     return "sorted"
 
+
+
+def down_sums_rows(deterministic: bool = False) -> bool:
+    """Whether the down projection stores its rows and sums them per token (``combine_rows``)
+    instead of scatter-adding them with atomics: ``settings.down_sum``; ``auto``: for
+    ``deterministic`` only (one launch instead of the deterministic scatter-add's inverse-map
+    launches, the same bits). Measured (H200, RESULTS.md session 8, Qwen3-30B and DeepSeek-V3
+    TP8 at T = 16..256, bf16 and FP8): the atomics cost nothing visible there (layer within
+    +-3 µs either way, e.g. DeepSeek FP8 T=256 474.7 vs 475.0 µs): the down GEMM is bound by its
+    weights, not by the bf16 atomic adds."""
+    mode = settings.get().down_sum
+    if mode != "auto":
+        return mode == "sum"
+    return bool(deterministic)
 
 
 def _combine_pays(rows: int, experts: int, top_k: int) -> bool:
@@ -116,6 +130,7 @@ def run_experts(
     unwritten).
     """
     from moekit.ops import (
+        combine_rows,
         gather_scale_dense_tokens,
         gather_scale_quant_dense_tokens,
         grouped_gemm,
@@ -150,6 +165,15 @@ def run_experts(
         down.update(_output_tensor=out, _scatter_add_indices=token_ids, deterministic=deterministic)
 
     top_k = max(1, N // max(1, x.shape[0])) if token_ids is not None else 1
+    # The down projection into out: scatter-add (atomics) or stored rows + combine_rows.
+    rows_dtype = torch.bfloat16 if fp8_w else x.dtype
+    sum_rows = (
+        out is not None
+        and selection_rows is not None
+        and out.dtype == rows_dtype
+        and out.stride(-1) == 1
+        and down_sums_rows(deterministic)
+    )
     if choose_path(N, e, path, fp8=fp8_w, top_k=top_k) == "decode":
         z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=x_scale,
                                 w_scale=ws13)  # fmt: skip
@@ -157,6 +181,8 @@ def run_experts(
         combine = out is not None and selection_rows is not None and out.is_contiguous()
         if combine and _combine_pays(N, e, top_k):
             return grouped_gemm_combine(z, w2, expert_ids, selection_rows, out, row_weights=out_w, w_scale=ws2)
+        if sum_rows:
+            return combine_rows(out, grouped_gemm(z, w2, m_sizes, token_weights=out_w, w_scale=ws2), selection_rows)
         return grouped_gemm(z, w2, m_sizes, w_scale=ws2, **down)
 
     if token_ids is not None:
@@ -165,6 +191,8 @@ def run_experts(
         xg = gather_scale_dense_tokens(x, token_ids, expert_ids, ones) if token_ids is not None else x
         h = grouped_gemm(xg, w13, m_sizes, token_weights=in_w)
         z = silu_mul(h[:, :F], h[:, F:])
+        if sum_rows:
+            return combine_rows(out, grouped_gemm(z, w2, m_sizes, token_weights=out_w), selection_rows)
         return grouped_gemm(z, w2, m_sizes, **down)
     if x.dtype == FP8_DTYPE:
         if x_scale is None:
@@ -178,4 +206,7 @@ def run_experts(
         xq, xs = quantize_fp8_row(x)
     h = grouped_gemm_fp8_rowwise(xq, w13, m_sizes, xs, ws13, use_fast_accum, token_weights=in_w)
     zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
+    if sum_rows:
+        rows = grouped_gemm_fp8_rowwise(zq, w2, m_sizes, zs, ws2, use_fast_accum, token_weights=out_w)
+        return combine_rows(out, rows, selection_rows)
     return grouped_gemm_fp8_rowwise(zq, w2, m_sizes, zs, ws2, use_fast_accum, **down)

@@ -12,6 +12,7 @@ from moekit.ops.gather_scatter import (
 from moekit.ops.grouped_gemm import (
     f8f8bf16_rowwise,
     grouped_gemm,
+    combine_rows,
     grouped_gemm_combine,
     grouped_gemm_fp8_rowwise,
     grouped_gemm_swiglu,
@@ -27,6 +28,7 @@ __all__ = [
     "gather_scale_dense_tokens",
     "gather_scale_quant_dense_tokens",
     "grouped_gemm",
+    "combine_rows",
     "grouped_gemm_combine",
     "grouped_gemm_fp8_rowwise",
     "grouped_gemm_swiglu",

@@ -48,6 +48,7 @@ _ref = importlib.import_module("moekit.reference.grouped_gemm")
 
 __all__ = [
     "grouped_gemm",
+    "combine_rows",
     "grouped_gemm_combine",
     "grouped_gemm_fp8_rowwise",
     "grouped_gemm_swiglu",
@@ -65,6 +66,16 @@ def _check_dims(name: str, v: int, what: str) -> None:
     if v <= 0:
         raise ValueError(f"{name} must be a positive multiple of 8, got {what}={v}")
     check_multiple(f"{name} ({what})", v, 8)
+
+
+def _check_no_broadcast(name: str, t: torch.Tensor) -> None:
+    """An output added into in place must not alias itself (a stride-0 dim of size > 1, e.g. an
+    ``expand()``ed tensor): the kernels would race on the shared elements."""
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise ValueError(
+            f"{name} is written in place and must not have overlapping elements (a stride-0 dim, e.g. an expand()ed "
+            f"tensor), got strides {t.stride()} for shape {tuple(t.shape)}"
+        )
 
 
 def _validate(
@@ -108,6 +119,7 @@ def _validate(
         )
     if output is not None:
         check_tensor("_output_tensor", output, ndim=2, dtype=out_dtype, device=dev, last_dim_contiguous=True)
+        _check_no_broadcast("_output_tensor", output)
         if output.shape[1] != N:
             raise ValueError(f"_output_tensor must have N={N} columns, got shape {tuple(output.shape)}")
         check_tensor("_scatter_add_indices", indices, shape=(M,), dtype=INDEX_DTYPES, device=dev)
@@ -260,6 +272,16 @@ def _grouped_gemm_combine_op(
         _cb.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights, _flat(w_scale))
         return
     _ref.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights=row_weights, w_scale=w_scale)
+
+
+@triton_op("moekit::combine_rows", mutates_args=("out",))
+def _combine_rows_op(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor) -> None:
+    if use_triton(rows):
+        from moekit.ops._triton import combine_rows as _cr
+
+        _cr.combine_rows(out, rows, selection_rows)
+        return
+    _ref.combine_rows(out, rows, selection_rows)
 
 
 # Dense FP8 on CUDA: the Triton kernel (1 group) below this many rows, torch._scaled_mm (cuBLASLt /
@@ -481,6 +503,7 @@ def grouped_gemm_combine(
     M, F = z.shape
     dev = z.device
     check_tensor("out", out, ndim=2, dtype=z.dtype, device=dev, last_dim_contiguous=True)
+    _check_no_broadcast("out", out)
     T, N = out.shape
     if w_scale is not None:  # before w, whose expected dtype (FP8) depends on w_scale
         check_tensor("w_scale", w_scale, dtype=torch.float32, device=dev)
@@ -499,7 +522,34 @@ def grouped_gemm_combine(
     if w_scale is not None:
         if w_scale.numel() != w.shape[0]:
             raise ValueError(f"w_scale must have {w.shape[0]} elements (one per row of w), got {tuple(w_scale.shape)}")
+    if M == 0 or T == 0:  # no row to add / no token to add into (the CPU reference indexed empty rows)
+        return out
     torch.ops.moekit.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights, w_scale)
+    return out
+
+
+def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor) -> torch.Tensor:
+    """Each token's expert-output rows added into ``out`` without atomics: ``out[t] += sum_j
+    rows[selection_rows[t * K + j]]`` (``K = len(selection_rows) // T``; negative or ``>= len(rows)``
+    entries: no row), the rows summed in float32 in ascending row order and added to ``out`` once:
+    bitwise reproducible, and the bits of ``scatter_add_dense_tokens(out, rows, token_indices,
+    deterministic=True)`` for the same rows. ``selection_rows``: ``route_and_shuffle``'s
+    token-major inverse map; ``rows [M, D]`` e.g. a grouped GEMM's output rows; ``out [T, D]``
+    of rows' dtype (bf16 / fp16 / fp32). One launch; no host synchronization. Returns ``out``."""
+    check_tensor("rows", rows, ndim=2, dtype=_FLOATS, last_dim_contiguous=True)
+    check_tensor("out", out, ndim=2, dtype=rows.dtype, device=rows.device, last_dim_contiguous=True)
+    T, D = out.shape
+    if rows.shape[1] != D:
+        raise ValueError(f"rows must have D={D} columns like out, got shape {tuple(rows.shape)}")
+    check_tensor("selection_rows", selection_rows, ndim=1, dtype=INDEX_DTYPES, device=rows.device,
+                 contiguous=True)  # fmt: skip
+    if T and selection_rows.shape[0] % T:
+        raise ValueError(
+            f"selection_rows must have T * K entries for out's T={T} tokens, got {selection_rows.shape[0]}"
+        )
+    if not T and selection_rows.shape[0]:
+        raise ValueError(f"selection_rows must be empty for an empty out, got {selection_rows.shape[0]} entries")
+    torch.ops.moekit.combine_rows(out, rows, selection_rows)
     return out
 
 

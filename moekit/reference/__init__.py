@@ -15,6 +15,7 @@ from moekit.reference.gather_scatter import (
 from moekit.reference.grouped_gemm import (
     f8f8bf16_rowwise,
     grouped_gemm,
+    combine_rows,
     grouped_gemm_combine,
     grouped_gemm_fp8_rowwise,
     grouped_gemm_swiglu,
@@ -43,6 +44,7 @@ __all__ = [
     "gather_scale_dense_tokens",
     "gather_scale_quant_dense_tokens",
     "grouped_gemm",
+    "combine_rows",
     "grouped_gemm_combine",
     "grouped_gemm_fp8_rowwise",
     "grouped_gemm_swiglu",

@@ -258,6 +258,31 @@ def grouped_gemm_combine(
     return out
 
 
+def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor) -> torch.Tensor:
+    """Each token's expert-output rows added into ``out``: ``out[t] += sum_j rows[r]`` over
+    ``r = selection_rows[t * K + j]`` (``K = len(selection_rows) // T``; skipped when negative or
+    ``>= len(rows)``), summed in float32 in ascending row order and added to ``out`` once.
+    ``out [T, D]``, ``rows [M, D]`` of one floating dtype. Returns ``out``."""
+    check_tensor("out", out, ndim=2, dtype=_FLOATS)
+    T, D = out.shape
+    check_tensor("rows", rows, ndim=2, dtype=out.dtype, device=out.device)
+    if rows.shape[1] != D:
+        raise ValueError(f"rows must have D={D} columns like out, got shape {tuple(rows.shape)}")
+    if T == 0:
+        return out
+    M = rows.shape[0]
+    K = selection_rows.numel() // T
+    sel = selection_rows.long().view(T, K)
+    ok = (sel >= 0) & (sel < M)
+    sel = torch.where(ok, sel, M).sort(dim=1).values  # ascending, the missing ones last
+    padded = torch.cat([rows.float(), torch.zeros(1, D, dtype=torch.float32, device=rows.device)])
+    acc = torch.zeros(T, D, dtype=torch.float32, device=out.device)
+    for j in range(K):
+        acc = acc + padded[sel[:, j]]
+    out.copy_((out.float() + acc).to(out.dtype))
+    return out
+
+
 def f8f8bf16_rowwise(
     XQ: torch.Tensor,
     WQ: torch.Tensor,

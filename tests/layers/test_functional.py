@@ -105,6 +105,21 @@ def test_moe_forward_cpu_matches_reference(s, T, deterministic):
     assert_close(got, _reference(x, w, s), tol=1e-4)
 
 
+@pytest.mark.parametrize("s", CASES, ids=lambda s: f"{s.name}-E{s.E}-k{s.top_k}-{s.score_func}")
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+@pytest.mark.reference
+def test_moe_forward_cpu_down_sum_matches_reference(s, path):
+    """The down projection as stored rows + combine_rows (no scatter-add), both pipelines."""
+    from moekit import settings
+
+    w = random_expert_weights(s, dtype=torch.float32, seed=3)
+    x = torch.randn(9, s.D)
+    with settings.override(down_sum="sum", moe_path=path):
+        got = moe_forward(x, w["router_DE"], w["w13_e2FD"], w["w2_eDF"], _cfg(s),
+                          e_score_correction_bias=w.get("e_score_correction_bias"), shared_out_TD=_shared(x, w))  # fmt: skip
+    assert_close(got, _reference(x, w, s), tol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("s", CASES, ids=lambda s: f"{s.name}-E{s.E}-k{s.top_k}-{s.score_func}")
 @pytest.mark.parametrize("T", [1, 33, 512])
@@ -229,9 +244,11 @@ def test_gpu_decode_and_sorted_pipelines_match_reference(name, fp8, T):
     logits = x.float() @ w["router_DE"].float()
     want = _reference_hit(x, w, s, logits)
     for path, tol in (("decode", 2e-2), ("sorted", 8e-2 if fp8 else 2e-2)):
-        with settings.override(moe_path=path):
-            got = _forward(s, w, x, logits, fp8)
-        assert_close(got.float(), want, tol=tol, msg=f"{name} T={T} {path}")
+        # the down projection's scatter-add and its stored rows + combine_rows, where they differ
+        for down in ("atomic", "sum") if T >= 64 else ("auto",):
+            with settings.override(moe_path=path, down_sum=down):
+                got = _forward(s, w, x, logits, fp8)
+            assert_close(got.float(), want, tol=tol, msg=f"{name} T={T} {path} down={down}")
 
 
 @pytest.mark.gpu
