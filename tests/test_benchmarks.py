@@ -10,7 +10,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py"))
+# results_table.py renders RESULTS.md from JSON rows: no GPU involved (tested below).
+SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f != "results_table.py")
 
 
 @pytest.mark.reference
@@ -21,3 +22,16 @@ def test_benchmark_script_runs_without_cuda(script):
                        capture_output=True, text=True, timeout=180)  # fmt: skip
     assert r.returncode == 0, f"{script} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
     assert "CUDA" in r.stdout or "GPU" in r.stdout, r.stdout[-500:]
+
+
+@pytest.mark.reference
+def test_results_md_tables_match_their_json_rows():
+    """RESULTS.md's generated tables are what ``results_table.py`` makes of the JSON rows they name."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import results_table
+    finally:
+        sys.path.pop(0)
+    md = os.path.join(ROOT, "benchmarks", "RESULTS.md")
+    assert "<!-- table: " in open(md).read()
+    assert results_table.update(md, check=True), "RESULTS.md is stale: python benchmarks/results_table.py --update benchmarks/RESULTS.md"

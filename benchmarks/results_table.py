@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""RESULTS.md's current tables, generated from the JSON rows the benchmarks write.
+
+    python benchmarks/results_table.py benchmarks/results/layer_h200.json      # print the table
+    python benchmarks/results_table.py --update benchmarks/RESULTS.md          # rewrite every
+                                                                               # generated block
+    python benchmarks/results_table.py --check benchmarks/RESULTS.md           # exit 1 if stale
+
+A generated block in a Markdown file sits between ``<!-- table: PATH -->`` and ``<!-- end table
+-->`` (PATH relative to the repository root): a JSON file written by ``bench_layer.py`` (``{"meta":
+..., "rows": [...]}``). Copy a benchmark's JSON under ``benchmarks/results/`` and run ``--update``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = re.compile(r"(<!-- table: (?P<path>\S+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+
+_DT = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}
+
+
+def _us(v) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def _ratio(a, b) -> str:
+    return "—" if a is None or b is None or not b else f"{a / b:.2f}"
+
+
+def layer_table(data: dict) -> str:
+    """The layer benchmark's rows: one line per (model, dtype, T), moekit against the floor and
+    every peer of the same run."""
+    meta = data.get("meta", {})
+    head = (
+        f"{meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, "
+        f"MSLK {meta.get('mslk') or '—'}, {meta.get('date', '?')}\n\n"
+    )
+    cols = ["model", "dtype", "T", "path", "floor µs", "moekit µs", "other pipeline µs", "vLLM µs", "MSLK µs",
+            "torch µs", "% of floor", "moekit / vLLM", "moekit / MSLK"]  # fmt: skip
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in data["rows"]:
+        other = r.get("sorted_us") if r.get("path") == "decode" else r.get("decode_us")
+        m = r.get("moekit_us")
+        pct = "—" if not m else f"{100 * r['floor_us'] / m:.0f}%"
+        lines.append("| " + " | ".join([
+            r["model"], _DT.get(r["dtype"], r["dtype"]), str(r["T"]), r.get("path", "—"), _us(r.get("floor_us")),
+            _us(m), _us(other), _us(r.get("vllm_us")), _us(r.get("mslk_us")), _us(r.get("torch_us")), pct,
+            _ratio(m, r.get("vllm_us")), _ratio(m, r.get("mslk_us")),
+        ]) + " |")  # fmt: skip
+    return head + "\n".join(lines) + "\n"
+
+
+def render(path: str) -> str:
+    with open(os.path.join(ROOT, path)) as f:
+        data = json.load(f)
+    return layer_table(data)
+
+
+def update(md_path: str, check: bool = False) -> bool:
+    """Rewrite (or, with ``check``, compare) every generated block; True when it was up to date."""
+    with open(md_path) as f:
+        text = f.read()
+    new = BLOCK.sub(lambda m: m.group(1) + render(m.group("path")) + m.group(4), text)
+    if new == text:
+        return True
+    if not check:
+        with open(md_path, "w") as f:
+            f.write(new)
+    return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", nargs="?", help="a benchmark's JSON file: print its table")
+    ap.add_argument("--update", metavar="MD", help="rewrite the generated blocks of a Markdown file")
+    ap.add_argument("--check", metavar="MD", help="exit 1 when a generated block is stale")
+    args = ap.parse_args()
+    if args.check:
+        ok = update(args.check, check=True)
+        print("up to date" if ok else f"{args.check}: stale generated tables (run --update)")
+        return 0 if ok else 1
+    if args.update:
+        update(args.update)
+        return 0
+    if not args.json:
+        ap.error("give a JSON file, --update or --check")
+    print(render(os.path.relpath(os.path.abspath(args.json), ROOT)), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
