@@ -60,9 +60,10 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
         # activation quantization saves (H200: Qwen3-30B T=4 80 vs 55 µs; RESULTS.md session 7).
         return "decode" if use_gemv(rows, hits) else "sorted"
     # bf16: the fused pipeline on its streaming kernels beat the sorted one for top-8 models up to
-    # 128 rows (Qwen3-30B T=16 197 vs 206 µs, DeepSeek-V3 TP8 309 vs 334) and lost a little for
-    # top-1 / top-4 (Scout T=16 651 vs 626, gpt-oss-120b 622 vs 610; H200, RESULTS.md session 7),
-    # where it keeps to the GEMV kernels.
+    # 2048 rows (H200, RESULTS.md session 8, after the router's split: Qwen3-30B T=16 187 vs 190
+    # µs, T=64 290 vs 296, T=256 306 vs 318; DeepSeek-V3 TP8 T=16 294 vs 296, T=256 692 vs 700,
+    # T=64 552 vs 548) and lost for top-1 / top-4 (gpt-oss-120b T=16 601 vs 591, T=64 1317 vs
+    # 1283; Scout T=16 593 vs 581), where it keeps to the GEMV kernels.
     if rows <= s.decode_max_rows and rows / hits < DECODE_ROWS_PER_EXPERT:
         if top_k >= COMBINE_MIN_TOP_K or use_gemv(rows, hits):
             return "decode"
