@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The main job: benchmark the default config (a small CPU config when there is no GPU).
+# The main job. On a CUDA GPU: one MoE layer (Llama 4 Scout), moekit vs its peers and the roofline
+# floor. Without one: tiny random transformers models generating with moekit vs eager experts,
+# tokens checked (CPU times; no kernel timings). `moekit bench --hf ARCH`: a whole model (README).
 bench: $(STAMP)
 	$(BIN)/moekit bench
 

@@ -56,6 +56,36 @@ def test_console_script_entry_point():
 def test_parser_defaults():
     a = build_parser().parse_args(["bench"])
     assert a.dtype == "bf16" and a.model is None
+    assert a.hf is None and a.plot is None and a.from_ is None and not a.strict
+    # --hf options default to None: hfbench fills them in from the size and the device.
+    assert all(getattr(a, k) is None for k in ("layers", "prompt_len", "batch", "new_tokens", "reps", "size",
+                                               "vocab", "baseline", "seed"))  # fmt: skip
+
+
+def test_parser_hf_and_plot_options():
+    a = build_parser().parse_args(["bench", "--hf", "qwen3-moe,mixtral", "--layers", "3", "--prompt-len", "128",
+                                   "--batch", "2", "--new-tokens", "8", "--size", "tiny", "--strict"])  # fmt: skip
+    assert (a.hf, a.layers, a.prompt_len, a.batch, a.new_tokens, a.size, a.strict) == (
+        "qwen3-moe,mixtral", 3, 128, 2, 8, "tiny", True)  # fmt: skip
+    a = build_parser().parse_args(["bench", "--plot", "o.png", "--from", "a.json", "b.json"])
+    assert a.plot == "o.png" and a.from_ == ["a.json", "b.json"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--size", "huge"])
+
+
+def test_bench_layer_rows_of_several_models(tmp_path, capsys):
+    path = tmp_path / "rows.json"
+    assert main(["bench", "--model", "tiny,tiny", "--quick", "--tokens", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["model"], r["T"]) for r in rows] == [("tiny", 1), ("tiny", 1)]
+
+
+def test_hf_options_need_hf(capsys):
+    assert main(["bench", "--model", "tiny", "--layers", "3"]) == 2
+    assert "--layers only apply to --hf runs" in capsys.readouterr().out
+    assert main(["bench", "--hf", "mixtral", "--tokens", "1,2"]) == 2
+    assert "--tokens: layer benchmark options, not for --hf" in capsys.readouterr().out
+    assert main(["bench", "--hf", "mixtral", "--dtype", "fp8"]) == 2
 
 
 def test_bench_torch_baseline_matches_reference():
