@@ -62,8 +62,10 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
                 stage = (bn + h.block_m) * bk * elem
                 stages = max(2, min(6, (128 * 1024) // stage))
                 warps = 8 if bn * h.block_m >= 16384 else (2 if bn * h.block_m <= 256 else 4)
+                stages = max(2, min(stages, -(-K // bk)))
                 for tma in (True, False):
                     out.append(GemmConfig("stream", h.block_m, bn, bk, stages, warps, use_tma=tma))
+                out.append(GemmConfig("stream", h.block_m, bn, bk, stages, warps, use_tma=True, x_tma=True))
     bk = 128 if elem == 1 else (64 if elem == 2 else 32)
     for bm, bn, k, stages in ((128, 128, bk, 4), (128, 128, 2 * bk, 3), (128, 256, bk, 3), (64, 256, bk, 3),
                               (64, 256, bk, 4), (64, 128, bk, 4)):

@@ -62,6 +62,8 @@ def compile_one(kernel, args, kwargs):
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + TY[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif type(v).__name__ == "TensorDescriptor":  # a host TMA descriptor (triton.tools)
+            sig[name] = "tensordesc<%s[%s]>" % (TY[v.base.dtype], ", ".join(str(b) for b in v.block_shape))
         elif isinstance(v, bool):
             sig[name] = "i1"
         elif isinstance(v, int):

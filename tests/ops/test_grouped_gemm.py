@@ -177,6 +177,42 @@ def test_interp_fp8(kind):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [FP8, torch.float16], ids=["fp8", "fp16"])
+@pytest.mark.parametrize("scatter", [False, True], ids=["rows", "scatter"])
+def test_interp_stream_x_through_tma(dtype, scatter):
+    """The streaming kernel reading whole x row tiles through a TMA descriptor (``x_tma``): the
+    rows of the next group and past M that come along are never stored; groups of 0..40 rows
+    over 16-row tiles, M not a multiple of the tile."""
+    from dataclasses import replace
+
+    M, G, N, K = 53, 4, 32, 64
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=6)
+    ms = torch.tensor([0, 40, 3, 10], dtype=torch.int32)
+    tw = torch.rand(M, generator=_gen(2)) + 0.5
+    cfg = replace(_cfg("stream", 16, 16, 32, tma=True), x_tma=True)
+    fp8 = dtype == FP8
+    refk = dict(x_scale=xs, w_scale=ws) if fp8 else {}
+    if scatter:
+        idx = torch.randint(-1, 9, (M,), generator=_gen(3), dtype=torch.int32)
+        out = torch.randn(8, N, generator=_gen(4)).to(torch.bfloat16 if fp8 else dtype)
+        want = out.clone()
+        det = fp8  # the interpreter has no bf16 atomic add: the stored rows + deterministic sum
+        _tri().grouped_gemm(x, w, ms, token_weights=tw, out=out, scatter_indices=idx, config=cfg, deterministic=det,
+                            **refk)  # fmt: skip
+        _tri().grouped_gemm(x, w, ms, token_weights=tw, out=want, scatter_indices=idx, config=replace(cfg, x_tma=False),
+                            deterministic=det, **refk)  # fmt: skip
+        assert_close(out.float(), want.float(), tol=1e-2)
+        return
+    y = _tri().grouped_gemm(x, w, ms, token_weights=tw, config=cfg, **refk)
+    if fp8:
+        want = ref.grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw)
+    else:
+        want = ref.grouped_gemm(x, w, ms, None, tw)
+    n = int(ms.sum())
+    assert_close(y[:n].float(), want[:n].float(), tol=1e-2)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("kind", ["stream", "tiled"])
 def test_interp_scatter_add(kind, deterministic):
@@ -396,6 +432,11 @@ def test_heuristic_buckets():
     for fp8 in (False, True):
         c = sel(16384, 7168, 2048, 256, fp8, 1 if fp8 else 2, 132)
         assert (c.kind, c.block_m, c.block_n, c.stages, c.flatten) == ("tiled", 64, 256, 4, True)
+    # no more pipeline stages than K steps (DeepSeek-V3 TP8 down, K = 256: two FP8 steps, four bf16)
+    c = sel(2048, 7168, 256, 256, True, 1, 132)
+    assert (c.kind, c.block_k, c.stages) == ("stream", 128, 2)
+    assert sel(2048, 7168, 256, 256, False, 2, 132).stages == 4
+    assert sel(128, 7168, 256, 256, True, 1, 132).stages == 2  # one step of 256
     # one token, short rows: 16 KB of weights per program (DeepSeek w2 FP8: 8 rows of 2 KB)
     assert sel(1, 7168, 2048, 256, True, 1, 132).block_n == 8
     assert sel(1, 5120, 1024, 128, False, 2, 132).block_n == 8
@@ -978,10 +1019,10 @@ def test_gpu_bad_input(cuda):
 @pytest.mark.reference
 def test_module_exports():
     assert set(gg_ops.__all__) == {"grouped_gemm", "grouped_gemm_fp8_rowwise", "grouped_gemm_swiglu",
-                                   "grouped_gemm_combine", "f8f8bf16_rowwise"}  # fmt: skip
+                                   "grouped_gemm_combine", "combine_rows", "f8f8bf16_rowwise"}  # fmt: skip
     for name in ("grouped_gemm", "grouped_gemm_scatter_add", "grouped_gemm_fp8_rowwise",
                  "grouped_gemm_fp8_rowwise_scatter_add", "grouped_gemm_swiglu", "grouped_gemm_combine",
-                 "f8f8bf16_rowwise"):  # fmt: skip
+                 "combine_rows", "f8f8bf16_rowwise"):  # fmt: skip
         assert hasattr(torch.ops.moekit, name)
     assert os.path.basename(gg_ops.__file__) == "grouped_gemm.py"
 
@@ -1009,7 +1050,7 @@ base = dict(x_ptr=t(M, K, dt=torch.float8_e4m3fn), w_ptr=t(G * N, K, dt=torch.fl
             SCATTER=True, W_ONLY=False, G_BLOCK=16)
 cases = {
     "gemv": dict(base, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, STAGES=5, USE_PDL=0),
-    "stream": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, USE_PDL=0),
+    "stream": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False, USE_PDL=0),
     "tiled": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
                   GROUP_M=8, STAGES=3, USE_PDL=0),
 }

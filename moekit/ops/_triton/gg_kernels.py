@@ -122,8 +122,12 @@ def _gg_stream_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    X_TMA: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
+    """``X_TMA``: ``x_ptr`` is a TMA descriptor too: the row tile is read whole from ``m0`` (rows of
+    the next group or past M come along, zero past M, and are never stored), which frees the
+    ``[BLOCK_M, BLOCK_K]`` pointer tile's registers for more resident programs."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -149,7 +153,8 @@ def _gg_stream_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_mask = offs_m < m_end
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+            if not X_TMA:
+                x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
             for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < K
@@ -161,8 +166,11 @@ def _gg_stream_kernel(
                         mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0,
                     )
-                # x through pointers: masked rows (other groups, past M) cost no traffic.
-                x_t = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if X_TMA:
+                    x_t = x_ptr.load([m0, k0])
+                else:
+                    # x through pointers: masked rows (other groups, past M) cost no traffic.
+                    x_t = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 if W_ONLY:  # weight-only FP8: the weight tile in x's dtype, in registers
                     w_t = w_t.to(x_t.dtype)
                 acc = tl.dot(w_t, tl.trans(x_t), acc)

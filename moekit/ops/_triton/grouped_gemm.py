@@ -186,7 +186,8 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     stream = cfg.kind == "stream"
     # The streaming kernel reads x through masked pointers (only the group's rows move).
     use_tma = cfg.use_tma and _tma_ok(w, tuple(w_block)) and (stream or _tma_ok(x, tuple(x_block)))
-    x_arg = _descriptor(x, x_block) if use_tma and not stream else x
+    x_tma = stream and use_tma and cfg.x_tma and _tma_ok(x, tuple(x_block))
+    x_arg = _descriptor(x, x_block) if use_tma and (not stream or x_tma) else x
     w_arg = _descriptor(w, w_block) if use_tma else w
     common = dict(
         HAS_MSIZES=m_sizes is not None,
@@ -223,7 +224,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         # programs per SM): programs past the non-empty groups exit at once, and a capped grid
         # loops over the items.
         grid = (max(1, min(min(G, M) * cdiv(N, bn), settings.get().gg_stream_pps * sms)),)
-        launch(_gg_stream_kernel)[grid](*args, **common)
+        launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, **common)
     else:
         upper = (cdiv(M, bm) + min(G, M)) * cdiv(N, bn)
         grid = (max(1, min(sms, upper)),)
