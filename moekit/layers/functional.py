@@ -8,49 +8,21 @@ pipeline: gather (+ FP8 quant) -> grouped GEMM -> SwiGLU -> grouped GEMM + scatt
 sync anywhere: CUDA-graph capturable.
 
 ``route`` is the same routing as dense ``[T, E]`` torch ops (selection scores and weights), kept
-for callers that want the scores themselves.
+for callers that want the scores themselves. ``RoutingConfig`` is defined in
+``moekit.layers.config`` (re-exported here).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from moekit._checks import FP8_DTYPE, check_tensor
-from moekit.ops.routing import SCORE_DTYPES, check_routing_options, dense_route
+from moekit.layers.config import RoutingConfig
+from moekit.ops.routing import SCORE_DTYPES, dense_route
 
 __all__ = ["RoutingConfig", "route", "quantize_expert_weights", "moe_forward"]
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    """How router logits become expert choices and weights (``moekit.reference.routing_weights``'s
-    contract). Validated on construction; the fit with the number of experts when used."""
-
-    top_k: int = 1
-    score_func: str = "sigmoid"
-    renormalize: bool = False
-    n_group: Optional[int] = None
-    topk_group: Optional[int] = None
-    routed_scaling_factor: float = 1.0
-    apply_router_weight_on_input: bool = True
-
-    def __post_init__(self) -> None:
-        check_routing_options(
-            self.top_k, self.score_func, self.renormalize, self.n_group, self.topk_group, self.routed_scaling_factor
-        )
-        if not isinstance(self.apply_router_weight_on_input, bool):
-            raise TypeError(
-                f"apply_router_weight_on_input must be a bool, got {type(self.apply_router_weight_on_input).__name__}"
-            )
-
-    def check_experts(self, num_experts: int) -> None:
-        check_routing_options(
-            self.top_k, self.score_func, self.renormalize, self.n_group, self.topk_group,
-            self.routed_scaling_factor, num_experts,
-        )  # fmt: skip
 
 
 def route(

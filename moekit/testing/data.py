@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from moekit.layers.config import RoutingConfig, routing_default
+
 
 def _gen(seed: Optional[int]) -> torch.Generator:
     g = torch.Generator()
@@ -65,7 +67,11 @@ def random_m_sizes(
 @dataclass(frozen=True)
 class ModelShape:
     """MoE dimensions of a model: D (model dim), F (expert hidden), E experts, top_k, shared
-    expert hidden size (0 = none), routing function and where the router weight is applied."""
+    expert hidden size (0 = none), routing function and where the router weight is applied.
+
+    The routing fields and their defaults are ``moekit.layers.RoutingConfig``'s (the field order
+    here is this class's own: ``MODEL_SHAPES`` passes them by position); ``routing_config`` builds
+    one."""
 
     name: str
     D: int
@@ -73,12 +79,17 @@ class ModelShape:
     E: int
     top_k: int
     shared_F: int = 0
-    score_func: str = "sigmoid"
-    renormalize: bool = False
-    apply_router_weight_on_input: bool = False
-    n_group: Optional[int] = None
-    topk_group: Optional[int] = None
-    routed_scaling_factor: float = 1.0
+    score_func: str = routing_default("score_func")
+    renormalize: bool = routing_default("renormalize")
+    apply_router_weight_on_input: bool = routing_default("apply_router_weight_on_input")
+    n_group: Optional[int] = routing_default("n_group")
+    topk_group: Optional[int] = routing_default("topk_group")
+    routed_scaling_factor: float = routing_default("routed_scaling_factor")
+
+    @property
+    def routing_config(self) -> RoutingConfig:
+        """This model's routing as a ``RoutingConfig``."""
+        return RoutingConfig.of(self)
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {
