@@ -115,3 +115,13 @@ def expert_range(
             f"{num_experts} (number of experts), got [{s}, {e})"
         )
     return s, e
+
+
+def check_no_broadcast(name: str, t: torch.Tensor) -> None:
+    """An output written in place must not alias itself (a stride-0 dim of size > 1, e.g. an
+    ``expand()``ed tensor): the kernels would race on the shared elements."""
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise ValueError(
+            f"{name} is written in place and must not have overlapping elements (a stride-0 dim, e.g. an expand()ed "
+            f"tensor), got strides {t.stride()} for shape {tuple(t.shape)}"
+        )

@@ -8,15 +8,21 @@ through ``ExpertsInterface``: the model computes its routing (top-k ids and weig
 
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moekit")
 
-or ``enable(model)`` on a loaded model. ``enable`` also patches Llama 4 text MoE blocks, whose
-experts do not go through the interface.
+or ``enable(model)`` on a loaded model. Llama 4 text MoE blocks (whose experts do not go through
+the interface) honour the same switch: ``register()`` wraps ``Llama4TextMoe.forward`` so that a
+block whose config says ``"moekit"`` runs moekit (any other value: the model's own forward), and
+``enable`` also patches each block. Other experts-like modules (a class named ``*Experts`` with 3-D
+weights) next to supported routed experts, e.g. Inkling's ``shared_experts`` (dense: every token),
+keep their own forward; elsewhere they are refused with their names.
 
 The moekit forward (host-sync free, static shapes, CUDA-graph capturable) runs the MetaShuffling
 pipeline on the routing the model already computed:
 
 1. a ``[T, E]`` selection tensor holding ``K - k`` at ``(t, top_k_index[t, k])`` and 0 elsewhere,
    whose top-k is exactly the model's choice, goes through ``index_shuffling`` (fused count +
-   sort, no host sync);
+   sort, no host sync). A token whose top-k names an expert twice (or more) gets one row for it,
+   weighted by the sum of those slots' weights (what eager / grouped_mm add up, as the expert's
+   output is linear in its weight), and a filler row of weight 0 per repeat;
 2. ``gather_scale_dense_tokens`` (unit scale: these models weight the expert *outputs*);
 3. ``grouped_gemm`` on the fused gate|up weights (+ the model's bias, if any);
 4. ``silu_mul`` when the model's gate is the standard concatenated SwiGLU, otherwise the model's
@@ -44,6 +50,7 @@ quantized (e.g. FP8) expert weights, ``D`` or ``F`` not multiples of 8.
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from typing import Any, NamedTuple, Optional
@@ -66,12 +73,13 @@ IMPLEMENTATION = "moekit"
 
 #: Model families tested end to end (CPU reference tier; CUDA in the gpu tier). Any other
 #: ``@use_experts_implementation`` experts class with the standard attributes works too.
-SUPPORTED_MODELS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4 (text)")
+SUPPORTED_MODELS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4 (text)", "inkling (text)")
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _CACHE_ATTR = "_moekit_weight_cache"
 _DET_ATTR = "_moekit_deterministic"
 _ORIG_FWD_ATTR = "_moekit_original_forward"
+_DISPATCH_ATTR = "_moekit_dispatch_original"
 _repacks = [0]
 
 
@@ -91,6 +99,48 @@ def register() -> None:
     iface = _interface()
     if iface._global_mapping.get(IMPLEMENTATION) is not moekit_experts_forward:
         iface.register(IMPLEMENTATION, moekit_experts_forward)
+    _install_llama4_dispatch()
+
+
+def _install_llama4_dispatch() -> None:
+    """Wrap ``Llama4TextMoe.forward`` (idempotent): a block whose config's experts implementation
+    is ``"moekit"`` (``from_pretrained`` / ``from_config(..., experts_implementation="moekit")``)
+    runs ``_llama4_moe_forward``; any other value runs the model's own forward, unchanged."""
+    try:
+        from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+    except ImportError:  # no Llama 4 in this transformers
+        return
+    orig = Llama4TextMoe.__dict__.get("forward")
+    if orig is None or hasattr(orig, _DISPATCH_ATTR):
+        return
+
+    @functools.wraps(orig)
+    def forward(self, hidden_states):
+        if _config_impl(self) == IMPLEMENTATION:
+            return _llama4_moe_forward(self, hidden_states)
+        return orig(self, hidden_states)
+
+    setattr(forward, _DISPATCH_ATTR, orig)
+    Llama4TextMoe.forward = forward
+
+
+def _block_config(module: torch.nn.Module) -> Any:
+    """The model config of an experts module or a Llama 4 MoE block (which holds none itself: its
+    shared expert does)."""
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        cfg = getattr(getattr(module, "shared_expert", None), "config", None)
+    return cfg
+
+
+def _config_impl(module: torch.nn.Module) -> Optional[str]:
+    return getattr(_block_config(module), "_experts_implementation", None)
+
+
+def _llama4_own_forward(module: torch.nn.Module):
+    """The model's own ``forward`` of a Llama 4 MoE block (under moekit's dispatch wrapper)."""
+    fwd = type(module).forward
+    return getattr(fwd, _DISPATCH_ATTR, fwd)
 
 
 def repack_count() -> int:
@@ -242,16 +292,31 @@ def _plan(module: torch.nn.Module) -> _Plan:
 # ----------------------------------------------------------------------------------------------
 
 
-def _routing(top_k_index: torch.Tensor, E: int, K: int):
-    """``(counts, expert_ids [T*K], token_ids [T*K])`` of the given top-k choice, via
-    ``index_shuffling`` on a ``[T, E]`` tensor whose top-k is exactly that choice (no host sync)."""
+def _routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: int):
+    """``(counts, expert_ids [T*k], token_ids [T*k], row_weights [T*k] float32)`` of the given top-k
+    choice (``k = min(K, E)``), via ``index_shuffling`` on a ``[T, E]`` tensor whose top-k is
+    exactly that choice (no host sync).
+
+    One cell per (token, expert): a token whose top-k names an expert more than once gets one row
+    for it weighted by the sum of those slots' weights (eager and grouped_mm add one output per
+    slot; the expert's output is the same for each, so the sum is the same result), and its freed
+    slots select zero-score filler experts whose rows weigh 0 (no contribution). The sum is taken
+    per slot over the token's K slots (no atomics: deterministic), so every slot naming the same
+    expert writes the same value into the dense ``[T, E]`` weights."""
     from moekit.ops import index_shuffling
 
-    T = top_k_index.shape[0]
+    T, K = top_k_index.shape
     dev = top_k_index.device
+    idx = top_k_index.long()
     rank = torch.arange(K, 0, -1, dtype=torch.float32, device=dev).expand(T, K)
-    sel = torch.zeros((T, E), dtype=torch.float32, device=dev).scatter_(1, top_k_index.long(), rank)
-    return index_shuffling(sel, top_k=K)
+    sel = torch.zeros((T, E), dtype=torch.float32, device=dev).scatter_(1, idx, rank)
+    counts, expert_ids, token_ids = index_shuffling(sel, top_k=min(K, E))
+    w = top_k_weights.float()
+    same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(torch.float32)  # [T, K, K]
+    w_sum = (same * w.unsqueeze(1)).sum(dim=-1)  # [T, K]: the weight of every slot naming that expert
+    dense_w = torch.zeros((T, E), dtype=torch.float32, device=dev).scatter_(1, idx, w_sum)
+    row_weights = dense_w[token_ids.clamp(min=0).long(), expert_ids.clamp(min=0).long()]
+    return counts, expert_ids, token_ids, row_weights
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -312,11 +377,8 @@ def moekit_experts_forward(
     x = _rows(hidden_states.to(dtype))
     E, F = plan.E, plan.F
 
-    counts, expert_ids, token_ids = _routing(top_k_index, E, K)
+    counts, expert_ids, token_ids, token_weights = _routing(top_k_index, top_k_weights, E)
     m_sizes = counts[:E]
-    dense_w = torch.zeros((T, E), dtype=top_k_weights.dtype, device=x.device)
-    dense_w.scatter_(1, top_k_index.long(), top_k_weights)
-    token_weights = dense_w[token_ids.clamp(min=0).long(), expert_ids.clamp(min=0).long()]
 
     out = torch.zeros((T, plan.D), dtype=dtype, device=x.device)
     post_norm = getattr(self, "has_post_expert_norm", False)
@@ -325,7 +387,7 @@ def moekit_experts_forward(
         # small batches).
         run_experts(
             x, plan.w13.view(E, 2 * F, plan.D), plan.w2.view(E, plan.D, F), m_sizes, token_ids=token_ids,
-            expert_ids=expert_ids, row_weights=token_weights.float(), out=out, deterministic=deterministic,
+            expert_ids=expert_ids, row_weights=token_weights, out=out, deterministic=deterministic,
         )  # fmt: skip
         return out.to(hidden_states.dtype)
     unit = torch.ones((1, 1), dtype=torch.float32, device=x.device).expand(T, E)
@@ -351,6 +413,41 @@ def moekit_experts_forward(
     return out.to(hidden_states.dtype)
 
 
+def _llama4_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Validate a Llama 4 text MoE block; ``(w13 [E * 2F, D], w2 [E * D, F], E, F)`` in moekit's
+    layout (cached repacked copies). Errors name the block's and the experts' classes."""
+    ex = module.experts
+    where = f"{type(module).__name__}.experts ({type(ex).__name__})"
+    if not _is_silu(getattr(ex, "act_fn", None)):
+        raise TypeError(
+            f"{where}: moekit runs Llama 4 experts with SwiGLU (hidden_act='silu') only, got "
+            f"{type(getattr(ex, 'act_fn', None)).__name__}"
+        )
+    up, down = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+    for attr, p in (("gate_up_proj", up), ("down_proj", down)):
+        if not isinstance(p, torch.Tensor) or p.dim() != 3:
+            got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"{where}.{attr} must be a 3-D tensor of stacked expert weights, got {got}")
+        if p.dtype not in _FLOATS:
+            raise TypeError(
+                f"{where}.{attr}: moekit supports bfloat16 / float16 / float32 expert weights, got {p.dtype} "
+                "(quantized experts are not supported)"
+            )
+    E, D, F2 = up.shape
+    if F2 % 2 or tuple(down.shape) != (E, F2 // 2, D):
+        raise ValueError(
+            f"{where}: gate_up_proj {tuple(up.shape)} and down_proj {tuple(down.shape)} are not "
+            "[E, D, 2F] and [E, F, D]"
+        )
+    if down.dtype != up.dtype:
+        raise TypeError(f"{where}: gate_up_proj is {up.dtype} but down_proj is {down.dtype}; they must match")
+    if D % 8 or F2 % 16:
+        raise ValueError(f"{where}: moekit needs D and F multiples of 8, got D={D}, F={F2 // 2}")
+    w13 = _weight(ex, "gate_up_proj", transposed=True)  # [E * 2F, D]
+    w2 = _weight(ex, "down_proj", transposed=True)  # [E * D, F]
+    return w13, w2, E, F2 // 2
+
+
 def _llama4_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     """moekit replacement of ``Llama4TextMoe.forward``: the router's dense sigmoid scores (0 off
     the top-k) both select the experts and scale their inputs, as in the model."""
@@ -358,18 +455,15 @@ def _llama4_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
 
     if _needs_autograd(self, hidden_states):
         _warn_autograd_fallback("the model's own Llama 4 MoE forward")
-        return type(self).forward(self, hidden_states)
-    experts = self.experts
+        own = self.__dict__.get(_ORIG_FWD_ATTR)  # an instance forward ``enable`` replaced
+        return own(hidden_states) if own is not None else _llama4_own_forward(self)(self, hidden_states)
+    w13, w2, E, F = _llama4_weights(self)
     x = hidden_states.reshape(-1, self.hidden_dim)
     router_scores, router_logits = self.router(x)
     out = self.shared_expert(x)
     T = x.shape[0]
     if T == 0:
         return out, router_logits
-    w13 = _weight(experts, "gate_up_proj", transposed=True)  # [E * 2F, D]
-    w2 = _weight(experts, "down_proj", transposed=True)  # [E * D, F]
-    E = experts.gate_up_proj.shape[0]
-    F = experts.gate_up_proj.shape[2] // 2
     # A selected expert whose score underflowed to 0 may be swapped for another zero-score one:
     # its input is then scaled to 0 and, with no biases, so is its output (the same result).
     counts, expert_ids, token_ids = index_shuffling(router_scores, top_k=self.top_k)
@@ -385,21 +479,6 @@ def _llama4_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     return out, router_logits
 
 
-def _check_llama4(name: str, module: torch.nn.Module) -> None:
-    ex = module.experts
-    if not _is_silu(getattr(ex, "act_fn", None)):
-        raise TypeError(
-            f"{name}: moekit runs Llama 4 experts with SwiGLU (hidden_act='silu') only, got {type(ex.act_fn).__name__}"
-        )
-    E, D, F2 = ex.gate_up_proj.shape
-    if ex.gate_up_proj.dtype not in _FLOATS:
-        raise TypeError(f"{name}: unsupported expert weight dtype {ex.gate_up_proj.dtype}")
-    if D % 8 or F2 % 16:
-        raise ValueError(f"{name}: moekit needs D and F multiples of 8, got D={D}, F={F2 // 2}")
-    _weight(ex, "gate_up_proj", transposed=True)  # repack now (also what torch.compile will use)
-    _weight(ex, "down_proj", transposed=True)
-
-
 # ----------------------------------------------------------------------------------------------
 # Enabling on a model
 # ----------------------------------------------------------------------------------------------
@@ -411,6 +490,31 @@ def _set_impl(model: torch.nn.Module, mods: list[torch.nn.Module], impl: str) ->
     for m in mods:  # standalone experts modules, or sub-models the call above skipped
         if m.config._experts_implementation != impl:
             m.config._experts_implementation = impl
+
+
+def _set_llama4_impl(blocks: list[torch.nn.Module], impl: str) -> None:
+    """The experts implementation of Llama 4 blocks' config (``set_experts_implementation`` skips
+    these models: their experts are no ``ExpertsInterface`` class). Only ``"moekit"`` changes what
+    they run (``_install_llama4_dispatch``)."""
+    for m in blocks:
+        cfg = _block_config(m)
+        if cfg is not None and getattr(cfg, "_experts_implementation", None) != impl:
+            cfg._experts_implementation = impl
+
+
+def _foreign_experts(model: torch.nn.Module, found: list[tuple[str, torch.nn.Module]]) -> list[str]:
+    """``"name (Class)"`` of the experts-like modules moekit cannot run: neither a supported experts
+    module nor a sibling of supported routed experts (a sibling, e.g. Inkling's ``shared_experts``
+    next to its routed ``experts``, keeps its own forward: moekit only replaces routed experts)."""
+    routed = [m for _, m in found if _uses_interface(m)] + [m.experts for _, m in found if _is_llama4_moe(m)]
+    covered = {id(m) for _, m in found} | {id(m) for m in routed}
+    parent_of = {id(c): p for p in model.modules() for c in p.children()}
+    hosts = {id(parent_of[id(m)]) for m in routed if id(m) in parent_of}
+    return [
+        f"{n or '<root>'} ({type(m).__name__})"
+        for n, m in model.named_modules()
+        if _looks_like_experts(m) and id(m) not in covered and id(parent_of.get(id(m))) not in hosts
+    ]
 
 
 def enable(model: torch.nn.Module, *, deterministic: bool = False) -> torch.nn.Module:
@@ -428,13 +532,12 @@ def enable(model: torch.nn.Module, *, deterministic: bool = False) -> torch.nn.M
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     register()
     found = experts_modules(model)
-    covered = {id(m) for _, m in found} | {id(m.experts) for _, m in found if _is_llama4_moe(m)}
-    foreign = [f"{n or '<root>'} ({type(m).__name__})" for n, m in model.named_modules()
-               if _looks_like_experts(m) and id(m) not in covered]  # fmt: skip
+    foreign = _foreign_experts(model, found)
     if foreign:
         raise TypeError(
             "moekit cannot run these experts modules (they neither use transformers' ExpertsInterface "
-            f"(@use_experts_implementation) nor are Llama 4 text experts): {', '.join(foreign[:4])}"
+            "(@use_experts_implementation) nor are Llama 4 text experts, nor sit next to such experts as "
+            f"shared experts): {', '.join(foreign[:4])}"
             + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         )
     if not found:
@@ -445,7 +548,7 @@ def enable(model: torch.nn.Module, *, deterministic: bool = False) -> torch.nn.M
     iface = [m for _, m in found if _uses_interface(m)]
     for name, m in found:
         try:
-            _check_llama4(name, m) if _is_llama4_moe(m) else _plan(m)
+            _llama4_weights(m) if _is_llama4_moe(m) else _plan(m)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name or '<root>'}: {e}") from e
     for name, m in found:
@@ -455,16 +558,20 @@ def enable(model: torch.nn.Module, *, deterministic: bool = False) -> torch.nn.M
             m.forward = types.MethodType(_llama4_moe_forward, m)
     if iface:
         _set_impl(model, iface, IMPLEMENTATION)
+    _set_llama4_impl([m for _, m in found if _is_llama4_moe(m)], IMPLEMENTATION)
     return model
 
 
 def disable(model: torch.nn.Module, experts_implementation: str = "grouped_mm") -> torch.nn.Module:
-    """Undo ``enable``: switch the experts to ``experts_implementation`` (transformers' default
-    ``"grouped_mm"``, or ``"eager"``...), restore Llama 4 forwards and free the repacked copies."""
+    """Undo ``enable`` (or ``experts_implementation="moekit"`` at load): switch the experts to
+    ``experts_implementation`` (transformers' default ``"grouped_mm"``, or ``"eager"``...; Llama 4
+    blocks run their own forward for any value but ``"moekit"``), restore Llama 4 forwards and
+    free the repacked copies."""
     found = experts_modules(model)
     iface = [m for _, m in found if _uses_interface(m)]
     if iface:
         _set_impl(model, iface, experts_implementation)
+    _set_llama4_impl([m for _, m in found if _is_llama4_moe(m)], experts_implementation)
     for _, m in found:
         if _is_llama4_moe(m) and _ORIG_FWD_ATTR in m.__dict__:
             orig = m.__dict__.pop(_ORIG_FWD_ATTR)

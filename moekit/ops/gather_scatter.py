@@ -22,6 +22,7 @@ from torch.library import triton_op
 from moekit._checks import (
     INDEX_DTYPES,
     check_optional_count,
+    check_no_broadcast,
     check_optional_scale_ub,
     check_tensor,
 )
@@ -51,6 +52,8 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
     if D % 8 != 0:
         raise ValueError(f"{name} must have a last dim (D) that is a multiple of 8, got shape {tuple(t.shape)}")
     check_tensor(name, t, last_dim_contiguous=True)
+    if D == 0:  # no element is accessed (and torch gives an empty contiguous tensor unit strides)
+        return
     for dim in range(t.dim() - 1):
         if t.shape[dim] > 1 and t.stride(dim) % 8 != 0:
             raise ValueError(
@@ -94,6 +97,7 @@ def _check_scatter(
             f"out_tokens must have {D} columns like in_tokens {tuple(in_tokens.shape)}, got shape {tuple(out_tokens.shape)}"
         )
     _check_rows("out_tokens", out_tokens)
+    check_no_broadcast("out_tokens", out_tokens)
     _check_rows("in_tokens", in_tokens)
     check_tensor("token_indices", token_indices, shape=(a,), dtype=INDEX_DTYPES, device=out_tokens.device)
     check_optional_count("valid_token_count", valid_token_count, out_tokens.device)
@@ -120,6 +124,7 @@ def _check_padded(
             f"out_tokens must have {D} columns like in_tokens {tuple(in_tokens.shape)}, got shape {tuple(out_tokens.shape)}"
         )
     _check_rows("out_tokens", out_tokens)
+    check_no_broadcast("out_tokens", out_tokens)
 
 
 # ----------------------------------------------------------------------------------------------

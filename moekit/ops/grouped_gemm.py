@@ -32,14 +32,13 @@ warp-specialize these kernels on Hopper).
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Optional
 
 import torch
 from torch.library import triton_op
 
 from moekit import settings
-from moekit._checks import FP8_DTYPE, INDEX_DTYPES, check_multiple, check_tensor
+from moekit._checks import FP8_DTYPE, INDEX_DTYPES, check_multiple, check_no_broadcast, check_tensor
 from moekit.ops._common import use_triton
 
 # ``moekit.reference`` re-exports a function named ``grouped_gemm``, which shadows the submodule
@@ -66,16 +65,6 @@ def _check_dims(name: str, v: int, what: str) -> None:
     if v <= 0:
         raise ValueError(f"{name} must be a positive multiple of 8, got {what}={v}")
     check_multiple(f"{name} ({what})", v, 8)
-
-
-def _check_no_broadcast(name: str, t: torch.Tensor) -> None:
-    """An output added into in place must not alias itself (a stride-0 dim of size > 1, e.g. an
-    ``expand()``ed tensor): the kernels would race on the shared elements."""
-    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
-        raise ValueError(
-            f"{name} is written in place and must not have overlapping elements (a stride-0 dim, e.g. an expand()ed "
-            f"tensor), got strides {t.stride()} for shape {tuple(t.shape)}"
-        )
 
 
 def _validate(
@@ -119,7 +108,7 @@ def _validate(
         )
     if output is not None:
         check_tensor("_output_tensor", output, ndim=2, dtype=out_dtype, device=dev, last_dim_contiguous=True)
-        _check_no_broadcast("_output_tensor", output)
+        check_no_broadcast("_output_tensor", output)
         if output.shape[1] != N:
             raise ValueError(f"_output_tensor must have N={N} columns, got shape {tuple(output.shape)}")
         check_tensor("_scatter_add_indices", indices, shape=(M,), dtype=INDEX_DTYPES, device=dev)
@@ -503,7 +492,7 @@ def grouped_gemm_combine(
     M, F = z.shape
     dev = z.device
     check_tensor("out", out, ndim=2, dtype=z.dtype, device=dev, last_dim_contiguous=True)
-    _check_no_broadcast("out", out)
+    check_no_broadcast("out", out)
     T, N = out.shape
     if w_scale is not None:  # before w, whose expected dtype (FP8) depends on w_scale
         check_tensor("w_scale", w_scale, dtype=torch.float32, device=dev)
@@ -538,6 +527,7 @@ def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Te
     of rows' dtype (bf16 / fp16 / fp32). One launch; no host synchronization. Returns ``out``."""
     check_tensor("rows", rows, ndim=2, dtype=_FLOATS, last_dim_contiguous=True)
     check_tensor("out", out, ndim=2, dtype=rows.dtype, device=rows.device, last_dim_contiguous=True)
+    check_no_broadcast("out", out)
     T, D = out.shape
     if rows.shape[1] != D:
         raise ValueError(f"rows must have D={D} columns like out, got shape {tuple(rows.shape)}")

@@ -35,7 +35,7 @@ def _check(
     if D % 8 != 0:
         raise ValueError(f"tokens must have a last dim (D) that is a multiple of 8, got shape {tuple(tokens.shape)}")
     check_tensor("tokens", tokens, last_dim_contiguous=True)
-    if T > 1 and tokens.stride(0) % 8 != 0:
+    if T > 1 and D and tokens.stride(0) % 8 != 0:  # D = 0: no element is accessed
         raise ValueError(
             f"tokens must have a row stride that is a multiple of 8 elements (e.g. contiguous), "
             f"got strides {tokens.stride()}"

@@ -236,7 +236,7 @@ def grouped_gemm_combine(
     if w.shape[1] != F or w.shape[0] % max(N, 1):
         raise ValueError(f"w must have shape [G * {N}, {F}], got {tuple(w.shape)}")
     G = w.shape[0] // max(N, 1)
-    if T == 0:
+    if T == 0 or M == 0:  # no token to add into / no row to add
         return out
     K = selection_rows.numel() // T
     rows = selection_rows.long().view(T, K)

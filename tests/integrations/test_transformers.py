@@ -54,15 +54,27 @@ def _config(family: str, top_k: int = 2):
             hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_local_experts=8,
             num_experts_per_tok=top_k, interleave_moe_layer_step=1, **_ATTN,
         )  # fmt: skip
+    if family == "inkling":  # routed ExpertsInterface experts + shared experts holding 3-D weights
+        if not hasattr(transformers, "InklingTextConfig"):
+            pytest.skip(f"transformers {transformers.__version__} has no Inkling")
+        return transformers.InklingTextConfig(
+            hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8,
+            num_experts_per_tok=top_k, n_shared_experts=2, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+            swa_head_dim=16, sliding_window_size=8, rel_extent=16, **_ATTN,
+        )  # fmt: skip
     raise KeyError(family)
 
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4"]
+# Every architecture the README lists (+ Inkling: shared experts with 3-D weights).
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4", "inkling"]
+# The ExpertsInterface ones (Llama 4's router gives dense scores: no duplicate ids there).
+IFACE_FAMILIES = [f for f in FAMILIES if f != "llama4"]
+N_EXPERTS = {"mixtral": 6}
 
 
-def _model(family: str, dtype=torch.float32, device="cpu", top_k: int = 2, seed: int = 0):
+def _model(family: str, dtype=torch.float32, device="cpu", top_k: int = 2, seed: int = 0, **load):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(family, top_k)).eval()
+    model = AutoModelForCausalLM.from_config(_config(family, top_k), **load).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 3:  # stacked expert weights: large enough to matter in the logits
@@ -136,6 +148,110 @@ def test_from_pretrained_with_moekit(tmp_path):
     assert rel_error(out.float(), ref) < 1e-4
 
 
+def _count_routings(monkeypatch) -> list:
+    """Calls of moekit's index_shuffling (one per MoE layer forward that ran moekit)."""
+    import moekit.ops
+
+    calls = []
+    real = moekit.ops.index_shuffling
+    monkeypatch.setattr(moekit.ops, "index_shuffling", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_config_with_moekit(family, monkeypatch):
+    """``from_config(..., experts_implementation="moekit")`` runs moekit in every MoE layer
+    (Llama 4 too: its blocks read the config), and ``disable`` switches it back."""
+    calls = _count_routings(monkeypatch)
+    ref_model = _model(family)
+    ids, mask = _inputs(2, 6, 2)
+    ref = _logits(ref_model, ids, mask, "eager")
+    assert not calls
+    mt.register()
+    model = _model(family, experts_implementation="moekit")
+    model.load_state_dict(ref_model.state_dict())
+    assert model.config._experts_implementation == "moekit"
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).logits.float()
+    n_moe = len(mt.experts_modules(model))
+    assert len(calls) == n_moe > 0, f"{family}: moekit ran in {len(calls)} of {n_moe} MoE layers"
+    assert rel_error(out, ref) < 1e-4
+    mt.disable(model, "eager")
+    with torch.no_grad():
+        back = model(input_ids=ids, attention_mask=mask).logits.float()
+    assert len(calls) == n_moe  # the model's own experts again
+    assert rel_error(back, ref) < 1e-6
+
+
+@pytest.mark.reference
+def test_llama4_dispatch_leaves_other_implementations_alone(monkeypatch):
+    """The Llama 4 wrapper ``register()`` installs only acts on ``"moekit"`` configs."""
+    mt.register()
+    calls = _count_routings(monkeypatch)
+    model = _model("llama4")  # default implementation
+    ids, mask = _inputs(1, 4, 0)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert not calls
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    assert Llama4TextMoe.forward.__name__ == "forward"
+    mt.register()  # idempotent: no second wrapper
+    assert not hasattr(mt._llama4_own_forward(_first_experts_block(model)), "_moekit_dispatch_original")
+
+
+def _first_experts_block(model):
+    return mt.experts_modules(model)[0][1]
+
+
+def _dup_routing(T: int, E: int, K: int, seed: int, dtype=torch.float32):
+    """Top-k ids with repeats: every token names some expert 2+ times (one names a single expert
+    in all K slots), plus weights that are not normalized (a repeat's weights add up)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    idx[:, 1] = idx[:, 0]
+    idx[0] = idx[0, 0]
+    w = torch.rand(T, K, generator=g) + 0.1
+    return idx, w.to(dtype)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", IFACE_FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_duplicate_expert_ids(family, dtype):
+    """A top-k naming the same expert twice: eager and grouped_mm add both slots; so does moekit
+    (one row with the summed weight). Also K > E (only possible with repeats) and T = 1."""
+    model = _model(family, dtype=dtype)
+    mt.register()
+    experts = _first_experts(model)
+    E, D = experts.gate_up_proj.shape[0], model.config.hidden_size
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    g = torch.Generator().manual_seed(7)
+    for T, K in [(9, 2), (1, 3), (12, 4), (5, E + 2)]:
+        x = torch.randn(T, D, generator=g).to(dtype)
+        idx, w = _dup_routing(T, E, K, seed=T * 10 + K, dtype=dtype)
+        ref = _call(experts, "eager", x, idx, w)
+        grouped = _call(experts, "grouped_mm", x, idx, w)
+        out = _call(experts, "moekit", x, idx, w)
+        assert rel_error(grouped, ref) < tol  # the contract: both slots count
+        assert rel_error(out, ref) < tol, f"{family} {dtype} T={T} K={K}: rel err {rel_error(out, ref):.2e}"
+
+
+@pytest.mark.reference
+def test_duplicate_expert_ids_deterministic():
+    """deterministic=True stays bitwise reproducible with repeated ids (the summed weights take no
+    atomics), in the batched model path too."""
+    model = _model("qwen3_moe")
+    mt.enable(model, deterministic=True)
+    experts = _first_experts(model)
+    x = torch.randn(33, 64, generator=torch.Generator().manual_seed(2))
+    idx, w = _dup_routing(33, 8, 3, seed=2)
+    a, b = _call(experts, "moekit", x, idx, w), _call(experts, "moekit", x, idx, w)
+    assert torch.equal(a, b)
+    assert rel_error(a, _call(experts, "eager", x, idx, w)) < 1e-5
+
+
 # ----------------------------------------------------------------------------------------------
 # Whole models, float32 on the CPU (reference ops)
 # ----------------------------------------------------------------------------------------------
@@ -156,9 +272,8 @@ def test_model_matches_eager_fp32(family, shape, monkeypatch):
     assert not calls
     out = _logits(model, ids, mask, "moekit")
     assert len(calls) == len(mt.experts_modules(model)) > 0  # one moekit routing per MoE layer
-    if family != "llama4":
-        assert model.config._experts_implementation == "moekit"
-    else:
+    assert model.config._experts_implementation == "moekit"
+    if family == "llama4":
         assert "forward" in mt.experts_modules(model)[0][1].__dict__  # patched block
     err = rel_error(out, ref)
     assert err < 1e-4, f"{family}: rel error {err:.2e}"
@@ -416,6 +531,53 @@ def test_unsupported_experts_modules():
         _call(experts, "moekit", x, idx, w[:, :1])
 
 
+@pytest.mark.reference
+def test_shared_experts_with_3d_weights():
+    """Experts-like modules next to supported routed experts (Inkling's shared_experts, 3-D
+    weights) keep their own forward; the same class anywhere else is refused by name."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    class FooSharedExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(2, 16, 64))
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    block = torch.nn.Module()
+    block.experts, block.shared_experts = Qwen3MoeExperts(cfg), FooSharedExperts()
+    mt.enable(torch.nn.ModuleDict({"mlp": block}))  # accepted
+    stray = torch.nn.ModuleDict({"mlp": block, "side": torch.nn.ModuleDict({"extra": FooSharedExperts()})})
+    with pytest.raises(TypeError, match=r"side\.extra \(FooSharedExperts\)"):
+        mt.enable(stray)
+    model = _model("inkling")
+    mt.enable(model)
+    names = [n for n, _ in mt.experts_modules(model)]
+    assert names and all(n.endswith("mlp.experts") for n in names)
+
+
+@pytest.mark.reference
+def test_load_time_refusals_name_the_module():
+    """experts_implementation="moekit" at load defers validation to the first forward: the error
+    names the experts class (enable names the module path)."""
+    mt.register()
+    cfg = _config("qwen3_moe")
+    cfg.moe_intermediate_size = 20
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="moekit").eval()
+    ids, _ = _inputs(1, 3, 0)
+    with pytest.raises(ValueError, match="multiples of 8, got D=64, F=20 in Qwen3MoeExperts"), torch.no_grad():
+        model(input_ids=ids)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: .*F=20"):
+        mt.enable(model)
+    cfg = _config("llama4")
+    cfg.intermediate_size = 20
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="moekit").eval()
+    with pytest.raises(ValueError, match=r"Llama4TextMoe\.experts \(Llama4TextExperts\).*F=20"), torch.no_grad():
+        model(input_ids=ids)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.feed_forward: Llama4TextMoe"):
+        mt.enable(model)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU tier (bf16 Triton kernels, CUDA graphs)
 # ----------------------------------------------------------------------------------------------
@@ -441,6 +603,23 @@ def test_experts_module_bf16_cuda(family, T):
     ref = _call(experts, "eager", x, idx, w)
     out = _call(experts, "moekit", x, idx, w)
     assert rel_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "inkling"])
+@pytest.mark.parametrize("T", [1, 7, 300])
+def test_duplicate_expert_ids_bf16_cuda(family, T):
+    model = _model(family, dtype=torch.bfloat16, device="cuda")
+    mt.register()
+    experts = _first_experts(model)
+    E, D = experts.gate_up_proj.shape[0], model.config.hidden_size
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    for K in (2, 8):
+        idx, w = _dup_routing(T, E, K, seed=T + K, dtype=torch.bfloat16)
+        idx, w = idx.cuda(), w.cuda()
+        ref = _call(experts, "eager", x, idx, w)
+        out = _call(experts, "moekit", x, idx, w)
+        assert rel_error(out, ref) < 1e-2, f"{family} T={T} K={K}"
 
 
 @pytest.mark.gpu
@@ -485,7 +664,8 @@ def test_experts_cuda_graph_replay(family):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("path", ["decode", "sorted"])
-def test_experts_module_triton_kernels_interpreted(family, path, monkeypatch):
+@pytest.mark.parametrize("routing", ["distinct", "repeated_ids"])
+def test_experts_module_triton_kernels_interpreted(family, path, routing, monkeypatch):
     """Force every moekit op onto its Triton launcher (run by the CPU interpreter): the kernel
     composition the CUDA path uses (index_shuffling, then the decode pipeline: gate|up GEMM with
     the fused SwiGLU, down GEMM with the weighted scatter-add; or the sorted one: gather, grouped
@@ -508,7 +688,7 @@ def test_experts_module_triton_kernels_interpreted(family, path, monkeypatch):
     E, D = experts.gate_up_proj.shape[0], model.config.hidden_size
     T = 9
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(4))
-    idx, w = _routing(T, E, 2, seed=4)
+    idx, w = _routing(T, E, 2, seed=4) if routing == "distinct" else _dup_routing(T, E, 2, seed=4)
     ref = _call(experts, "eager", x, idx, w)
     with settings.override(moe_path=path):
         out = _call(experts, "moekit", x, idx, w)

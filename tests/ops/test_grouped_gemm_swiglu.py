@@ -166,6 +166,20 @@ def test_interp_combine(fp8, T, K, G, N, F):
     assert_close(out, want, tol=1e-5)
 
 
+@pytest.mark.interpreter
+def test_interp_combine_skips_expert_ids_past_G():
+    """A row whose expert id is >= G (or negative) adds nothing: its weight rows lie past w."""
+    from moekit.ops._triton import gg_combine as CB
+
+    z, w, eidx, srow, rw, ws, out = _combine_case(3, 2, 5, 32, 64, torch.float32, False, seed=7)
+    eidx = eidx.clone()
+    eidx[0], eidx[3] = 5, -2
+    big = torch.cat([w, torch.full((32, 64), 1e6)])  # what an unchecked id 5 would read
+    want = ref.grouped_gemm_combine(z, w, eidx, srow, out.clone(), row_weights=rw)
+    CB.grouped_gemm_combine(z, big[: w.shape[0]], eidx, srow, out, rw, None, config=(8, 16, 3))
+    assert_close(out, want, tol=1e-5)
+
+
 # ---------------------------------------------------------------------------- reference tier
 
 

@@ -39,6 +39,7 @@ def _combine_kernel(
     N,
     F,
     M,
+    G,
     stride_zm,
     stride_wn,
     stride_om,
@@ -61,7 +62,7 @@ def _combine_kernel(
     r_ok = (rows >= 0) & (rows < M)
     rows = tl.where(r_ok, rows, 0)
     e = tl.load(eidx_ptr + rows, mask=r_ok, other=0)
-    r_ok = r_ok & (e >= 0)
+    r_ok = r_ok & (e >= 0) & (e < G)
     e = tl.where(r_ok, e, 0)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -135,7 +136,7 @@ def grouped_gemm_combine(
     ph = torch.empty((1,), dtype=torch.float32, device=z.device)
     launch(_combine_kernel)[(T * cdiv(N, bn),)](
         z, w, out, selection_rows, expert_indices, row_weights if row_weights is not None else ph,
-        w_scale if w_scale is not None else ph, T, N, F, M, z.stride(0), w.stride(0), out.stride(0),
+        w_scale if w_scale is not None else ph, T, N, F, M, G, z.stride(0), w.stride(0), out.stride(0),
         K=K, K_PAD=k_pad, HAS_RW=row_weights is not None, HAS_WS=w_scale is not None,
         BLOCK_N=bn, BLOCK_F=bf, EVEN_F=F % bf == 0, STAGES=stages, num_warps=4, num_stages=stages,
     )  # fmt: skip
