@@ -174,11 +174,6 @@ def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: 
             stages = max(2, min(6, _STREAM_SMEM // stage_bytes))
         else:
             stages = max(2, min(8 if warps == 2 else 6, (128 * 1024) // stage_bytes))
-        # No more pipeline stages than K steps: a short K (DeepSeek-V3 TP8's 256-wide down rows:
-        # two FP8 steps of 128) otherwise reserves shared memory that only limits how many
-        # programs an SM holds (102 KB for 5 stages: 2 per SM, 40 KB of weights in flight; its
-        # FP8 down GEMM ran at 50% of the copy rate, 219 µs for 470 MB at T=256 on the H200).
-        stages = max(2, min(stages, cdiv(K, block_k)))
         return GemmConfig("stream", block_m, block_n, block_k, stages, warps)
     # Tiled persistent: compute-bound (or nearly) tiles. Groups of under ~200 rows waste less of
     # their last row tile with 64-row tiles; 64 x 256 with four stages was the measured best from
