@@ -24,8 +24,10 @@ setup: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/moekit bench
 
-# Reference and interpreter tiers on the CPU (the GPU tier is skipped without CUDA).
+# Lint (ruff, configured in pyproject.toml), then the reference and interpreter tiers on the CPU
+# (the GPU tier is skipped without CUDA).
 test: $(STAMP)
+	$(BIN)/ruff check moekit tests benchmarks
 	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
 
 # On a CUDA machine with torch and triton already installed (no network): GPU tier + benchmarks.

@@ -31,7 +31,9 @@ full: 240, 0: none) the remaining cells are skipped (and listed), and past 85% o
 longer timed (its compilations dominate); every row is printed as soon as it is measured.
 
 ``--quick``: one projection per model family (Scout TP8, Maverick TP8, Llama 4, DeepSeek,
-Qwen3) at M = 1, 16, 128, 16384, bf16 and fp8 (40 cells), smallest M first.
+Qwen3) at M = 1, 16, 128, 16384, bf16 and fp8 (40 cells), smallest M first. The full grid: every
+shape at M = 1, 16 and G x {1, 8, 32, 64, 128, 256, 512, 2048} rows per group up to 65536 rows
+(``grid_ms``; set ``--budget 0`` to run all of it).
 """
 
 from __future__ import annotations
@@ -76,11 +78,25 @@ SHAPES = [
     ("deepseek-w2", 256, 7168, 2048),
     ("qwen3-w13", 128, 1536, 2048),
     ("qwen3-w2", 128, 2048, 768),
+    ("deepseek-tp8-w13", 256, 512, 7168),
+    ("deepseek-tp8-w2", 256, 7168, 256),
+    ("gpt-oss-w13", 128, 5760, 2880),
+    ("gpt-oss-w2", 128, 2880, 2880),
 ]
-MS = [1, 16, 64, 128, 2048, 16384]
+# The full grid: decode (M = 1, 16) and M = G x rows per group for every shape, up to 65536 rows
+# (issue 15: 32-512 rows per expert is where both peers sit near half the floor).
+ROWS_PER_GROUP = [1, 8, 32, 64, 128, 256, 512, 2048]
+MAX_M = 65536
+
+
+def grid_ms(G: int) -> list[int]:
+    """Total rows M of the full grid for a shape of G groups."""
+    return sorted({1, 16} | {G * r for r in ROWS_PER_GROUP if G * r <= MAX_M})
+
+
 QUICK_SHAPES = ["scout-tp8-w13", "maverick-tp8-w2", "llama4-w2", "deepseek-w2", "qwen3-w2"]
 QUICK_MS = [1, 16, 128, 16384]
-TOP_K = {"deepseek": 8, "qwen3": 8}
+TOP_K = {"deepseek": 8, "qwen3": 8, "gpt": 4}
 
 
 def _top_k(name: str, M: int, G: int) -> int:
@@ -383,7 +399,7 @@ def bench_dense(rows, quick):
                 "triton µs": tri_us, "_scaled_mm µs": sm_us,
                 "triton ÷ scaled_mm": tri_us / sm_us if _num(tri_us) and _num(sm_us) else None,
             })  # fmt: skip
-        del wq
+        wq = None  # the next shape's weights replace these
 
 
 def main() -> int:
@@ -415,7 +431,7 @@ def main() -> int:
         by_name = {s[0]: s for s in SHAPES}
         plan = [(by_name[n], m) for m in QUICK_MS for n in QUICK_SHAPES]
     else:
-        plan = [(s, m) for s in SHAPES for m in MS]
+        plan = [(s, m) for s in SHAPES for m in grid_ms(s[1])]
     if args.tune:
         from sweep_gemm import tune
 

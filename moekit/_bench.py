@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 

@@ -167,7 +167,6 @@ def index_shuffling(
     )
     device = routing_scores.device
     check_optional_count("valid_token_count", valid_token_count, device)
-    N = T * top_k
 
     _, ids = _topk_lowest_index_on_ties(routing_scores.float(), top_k)  # [T, K]
     counts, expert_indices, token_indices, _ = _shuffle_ids(ids, E, start, end, valid_token_count)
