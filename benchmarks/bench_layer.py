@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from moekit import _bench
+from moekit import layer_bench
 from moekit.benchmarking import markdown_table, save_rows
 
 
@@ -34,13 +34,13 @@ def main() -> int:
     models = (a.models or "qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout").split(",")
     if a.quick and not a.models:
         models = models[:2]
-    tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else (_bench.GPU_TOKENS_QUICK if a.quick else _bench.GPU_TOKENS)
+    tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else (layer_bench.GPU_TOKENS_QUICK if a.quick else layer_bench.GPU_TOKENS)
     rows, wrong = [], []
     for dt in a.dtype.split(","):  # every model in bf16 first: a run cut short loses FP8 rows first
         for m in models:
             print(f"== {m} {dt}", flush=True)
             try:
-                rows += _bench.run(m, tokens, dt == "fp8", a.quick)
+                rows += layer_bench.run(m, tokens, dt == "fp8", a.quick)
                 save_rows("bench_layer", rows)  # after every model: a run cut short keeps its rows
             except AssertionError as exc:  # a wrong result: fail the benchmark (after the other models)
                 print(f"   {m} {dt} WRONG RESULT: {exc}")

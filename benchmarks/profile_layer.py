@@ -23,13 +23,13 @@ import torch  # noqa: E402
 
 
 def profile_one(model: str, T: int, fp8: bool, top: int) -> dict:
-    from moekit import _bench
+    from moekit import layer_bench
     from moekit.benchmarking import bench_us
     from moekit.layers.functional import quantize_expert_weights
     from moekit.testing import MODEL_SHAPES, random_expert_weights
 
     s = MODEL_SHAPES[model]
-    cfg = _bench.routing_config(s)
+    cfg = layer_bench.routing_config(s)
     w = random_expert_weights(s, dtype=torch.bfloat16, device="cuda", seed=0)
     q = None
     if fp8:

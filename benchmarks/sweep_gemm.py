@@ -27,7 +27,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from moekit import settings  # noqa: E402
-from moekit._checks import FP8_DTYPE  # noqa: E402
+from moekit._validate import FP8_DTYPE  # noqa: E402
 from moekit.ops._common import next_pow2, num_sms  # noqa: E402
 from moekit.ops._triton.gg_config import (  # noqa: E402
     GemmConfig,

@@ -4,7 +4,7 @@ on this machine: one line per op, a non-zero exit on any failure).
 
 ``moekit bench`` runs one of three jobs:
 
-* the layer benchmark (``moekit._bench``; the default on a CUDA GPU, or with ``--model`` /
+* the layer benchmark (``moekit.layer_bench``; the default on a CUDA GPU, or with ``--model`` /
   ``--tokens``): one MoE layer, moekit vs its peers, with the roofline floor;
 * ``--hf ARCH``: a whole transformers model with random weights, transformers' experts vs
   moekit's (``moekit.hfbench``);
@@ -38,7 +38,7 @@ def _layer_bench(args: argparse.Namespace) -> tuple[int, list]:
     import os
     import tempfile
 
-    from moekit import _bench
+    from moekit import layer_bench
 
     models = [m.strip() for m in args.model.split(",") if m.strip()] if args.model else [None]
     rows: list = []
@@ -47,7 +47,7 @@ def _layer_bench(args: argparse.Namespace) -> tuple[int, list]:
             ns = copy.copy(args)
             ns.model = m
             ns.json = os.path.join(tmp, f"{i}.json")
-            rc = _bench.main(ns)
+            rc = layer_bench.main(ns)
             if rc:
                 return rc, rows
             with open(ns.json) as f:

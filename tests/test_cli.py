@@ -93,7 +93,7 @@ def test_bench_torch_baseline_matches_reference():
     import torch
 
     from moekit import reference as ref
-    from moekit._bench import routing_config, torch_pipeline
+    from moekit.layer_bench import routing_config, torch_pipeline
     from moekit.testing import MODEL_SHAPES, assert_close, random_expert_weights
 
     s = MODEL_SHAPES["tiny"]

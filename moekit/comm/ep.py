@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from moekit._checks import FP8_DTYPE
+from moekit._validate import FP8_DTYPE
 
 __all__ = ["ExpertParallelComm", "DispatchedRows"]
 

@@ -23,7 +23,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from moekit._checks import check_int, same_device
+from moekit._validate import check_int, same_device
 
 __all__ = [
     "AllReduceRMSNorm",

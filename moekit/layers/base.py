@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from moekit._checks import check_int, check_tensor, same_device
+from moekit._validate import check_int, check_tensor, same_device
 from moekit.layers.config import _FLOAT_DTYPES, MoEArgs
 from moekit.layers.weights import RoutedExperts, SharedExperts, _randn, _seed_for
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from moekit._checks import check_int
+from moekit._validate import check_int
 from moekit.reference.routing import SCORE_FUNCS
 
 __all__ = ["PRECISIONS", "EP_COMMS", "ROUTING_FIELDS", "RoutingConfig", "MoEArgs", "routing_default"]

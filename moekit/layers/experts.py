@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from moekit import settings
-from moekit._checks import FP8_DTYPE, check_tensor
+from moekit._validate import FP8_DTYPE, check_tensor
 
 __all__ = ["run_experts", "choose_path", "down_sums_rows", "DECODE_ROWS_PER_EXPERT"]
 

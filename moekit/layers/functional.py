@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from moekit._checks import FP8_DTYPE, check_tensor
+from moekit._validate import FP8_DTYPE, check_tensor
 from moekit.layers.config import RoutingConfig
 from moekit.ops.routing import SCORE_DTYPES, dense_route
 

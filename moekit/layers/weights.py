@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from moekit._checks import FP8_DTYPE, check_int, check_tensor
+from moekit._validate import FP8_DTYPE, check_int, check_tensor
 from moekit.layers.config import _FLOAT_DTYPES, PRECISIONS
 from moekit.layers.functional import quantize_expert_weights
 

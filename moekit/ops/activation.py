@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
-from moekit._checks import check_optional_scale_ub
+from moekit._validate import check_optional_scale_ub
 from moekit.ops._common import use_triton
 from moekit.reference import activation as _ref
 

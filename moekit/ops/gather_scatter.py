@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
-from moekit._checks import (
+from moekit._validate import (
     INDEX_DTYPES,
     check_optional_count,
     check_no_broadcast,

@@ -38,7 +38,7 @@ import torch
 from torch.library import triton_op
 
 from moekit import settings
-from moekit._checks import FP8_DTYPE, INDEX_DTYPES, check_multiple, check_no_broadcast, check_tensor
+from moekit._validate import FP8_DTYPE, INDEX_DTYPES, check_multiple, check_no_broadcast, check_tensor
 from moekit.ops._common import use_triton
 
 # ``moekit.reference`` re-exports a function named ``grouped_gemm``, which shadows the submodule

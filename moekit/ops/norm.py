@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
-from moekit._checks import check_tensor
+from moekit._validate import check_tensor
 from moekit.ops._common import use_triton
 from moekit.reference import norm as _ref
 

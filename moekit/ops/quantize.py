@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 from torch.library import triton_op
 
-from moekit._checks import INDEX_DTYPES, check_int, check_optional_scale_ub, check_tensor
+from moekit._validate import INDEX_DTYPES, check_int, check_optional_scale_ub, check_tensor
 from moekit.ops._common import use_triton as _on_triton
 from moekit.reference import quantize as _ref
 from moekit.reference.quantize import DEFAULT_EPS, FUSED_EPS

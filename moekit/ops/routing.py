@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
-from moekit._checks import check_int, check_optional_count, check_tensor, expert_range
+from moekit._validate import check_int, check_optional_count, check_tensor, expert_range
 from moekit.ops._common import use_triton
 from moekit.reference import routing as _ref
 from moekit.reference.routing import SCORE_FUNCS

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
-from moekit._checks import FP8_DTYPE, INDEX_DTYPES, check_tensor, expert_range
+from moekit._validate import FP8_DTYPE, INDEX_DTYPES, check_tensor, expert_range
 from moekit.ops._common import use_triton
 from moekit.reference import shuffling as _ref
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from moekit._checks import FP8_DTYPE, check_optional_count, check_optional_scale_ub, check_tensor
+from moekit._validate import FP8_DTYPE, check_optional_count, check_optional_scale_ub, check_tensor
 from moekit.reference.gather_scatter import row_mask
 from moekit.reference.quantize import FUSED_EPS, quantize_rows
 

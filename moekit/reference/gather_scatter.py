@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from moekit._checks import (
+from moekit._validate import (
     FP8_DTYPE,
     INDEX_DTYPES,
     check_optional_count,

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from moekit._checks import FP8_DTYPE, INDEX_DTYPES, check_tensor
+from moekit._validate import FP8_DTYPE, INDEX_DTYPES, check_tensor
 
 __all__ = [
     "grouped_gemm",

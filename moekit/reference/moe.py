@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from moekit._checks import check_tensor
+from moekit._validate import check_tensor
 from moekit.reference.routing import routing_weights
 
 __all__ = ["swiglu_expert", "moe_forward"]

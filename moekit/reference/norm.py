@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from moekit._checks import INDEX_DTYPES, check_tensor
+from moekit._validate import INDEX_DTYPES, check_tensor
 
 __all__ = ["rms_norm", "topk_finalize", "rank_sum", "all_reduce_rms_norm", "reduce_scatter_hidden", "moe_tail"]
 

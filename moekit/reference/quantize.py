@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from moekit._checks import FP8_DTYPE, FP8_MAX, check_optional_scale_ub, check_tensor
+from moekit._validate import FP8_DTYPE, FP8_MAX, check_optional_scale_ub, check_tensor
 
 DEFAULT_EPS = 1.0 / 512.0
 FUSED_EPS = 1e-12

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from moekit._checks import INDEX_DTYPES, check_int, check_optional_count, check_tensor, expert_range
+from moekit._validate import INDEX_DTYPES, check_int, check_optional_count, check_tensor, expert_range
 
 SCORE_FUNCS = ("sigmoid", "softmax", "topk_softmax")
 

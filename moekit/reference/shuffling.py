@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from moekit._checks import INDEX_DTYPES, check_tensor, expert_range
+from moekit._validate import INDEX_DTYPES, check_tensor, expert_range
 
 __all__ = ["combine_shuffling", "split_shuffling", "shuffle_row_map"]
 

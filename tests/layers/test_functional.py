@@ -213,7 +213,7 @@ def _gpu_weights(name, fp8):
 
 def _reference_hit(x, w, s, logits):
     """The float32 routed experts, converting only the hit experts' weights (full-size models)."""
-    from moekit._bench import _reference_routed
+    from moekit.layer_bench import _reference_routed
 
     wts, ids = ref.routing_weights(logits, s.top_k, s.score_func, s.renormalize, n_group=s.n_group,
                                    topk_group=s.topk_group, e_score_correction_bias=w.get("e_score_correction_bias"),

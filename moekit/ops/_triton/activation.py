@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit._checks import FP8_DTYPE, FP8_MAX
+from moekit._validate import FP8_DTYPE, FP8_MAX
 from moekit.ops._common import interpreting, launch, next_pow2
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
 from moekit.ops._triton.quantize import (

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit._checks import FP8_DTYPE
+from moekit._validate import FP8_DTYPE
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_config import (

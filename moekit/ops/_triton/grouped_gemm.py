@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 
 from moekit import settings
-from moekit._checks import FP8_DTYPE
+from moekit._validate import FP8_DTYPE
 from moekit.ops._common import _capability_major, cdiv, interpreting, launch, next_pow2, num_sms
 from moekit.ops._triton.gg_config import (  # noqa: F401  (re-exported: the launcher's configuration API)
     GemmConfig,

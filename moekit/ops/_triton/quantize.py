@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit._checks import FP8_DTYPE, FP8_MAX
+from moekit._validate import FP8_DTYPE, FP8_MAX
 from moekit.ops._common import launch, next_pow2, num_sms
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
 from moekit.ops._triton._pdl import pdl_prologue
