@@ -7,8 +7,9 @@
     python benchmarks/results_table.py --check benchmarks/RESULTS.md           # exit 1 if stale
 
 A generated block in a Markdown file sits between ``<!-- table: PATH -->`` and ``<!-- end table
--->`` (PATH relative to the repository root): a JSON file written by ``bench_layer.py`` (``{"meta":
-..., "rows": [...]}``). Copy a benchmark's JSON under ``benchmarks/results/`` and run ``--update``.
+-->`` (PATH relative to the repository root): a JSON file a benchmark wrote (``{"meta": ...,
+"rows": [...]}``: ``bench_layer.py``'s rows get the layer layout, any other benchmark's one column
+per key). Copy a benchmark's JSON under ``benchmarks/results/`` and run ``--update``.
 """
 
 from __future__ import annotations
@@ -58,10 +59,37 @@ def layer_table(data: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _cell(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        if v != v:
+            return "—"
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def generic_table(data: dict) -> str:
+    """Any benchmark's rows (``benchmarking.save_rows``): one column per key, in the order the
+    keys first appear (keys starting with ``_`` left out)."""
+    meta = data.get("meta", {})
+    head = f"{meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, {meta.get('date', '?')}\n\n"
+    cols: list = []
+    for r in data["rows"]:
+        cols += [k for k in r if k not in cols and not k.startswith("_")]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in data["rows"]]
+    return head + "\n".join(lines) + "\n"
+
+
 def render(path: str) -> str:
+    """The table of one JSON file: the layer benchmark's own layout, else one column per key."""
     with open(os.path.join(ROOT, path)) as f:
         data = json.load(f)
-    return layer_table(data)
+    rows = data.get("rows", [])
+    if rows and all("moekit_us" in r and "floor_us" in r and "model" in r for r in rows):
+        return layer_table(data)
+    return generic_table(data)
 
 
 def update(md_path: str, check: bool = False) -> bool:

@@ -35,3 +35,16 @@ def test_results_md_tables_match_their_json_rows():
     md = os.path.join(ROOT, "benchmarks", "RESULTS.md")
     assert "<!-- table: " in open(md).read()
     assert results_table.update(md, check=True), "RESULTS.md is stale: python benchmarks/results_table.py --update benchmarks/RESULTS.md"
+
+
+@pytest.mark.reference
+def test_results_table_renders_any_benchmarks_rows():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import results_table
+    finally:
+        sys.path.pop(0)
+    data = {"meta": {"gpu": "G", "date": "D"}, "rows": [{"op": "a", "us": 3.14159, "_private": 1},
+                                                          {"op": "b", "us": None, "M": 12.5}]}  # fmt: skip
+    t = results_table.generic_table(data).splitlines()
+    assert t[2] == "| op | us | M |" and t[4] == "| a | 3.14 | — |" and t[5] == "| b | — | 12.5 |"
