@@ -98,6 +98,13 @@ def check_int(name: str, v: object, *, lo: Optional[int] = None, hi: Optional[in
     return v
 
 
+def check_bool(name: str, v: object) -> bool:
+    """A Python bool (``0`` / ``"yes"`` / a tensor are TypeErrors, not silently truthy)."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return v
+
+
 def check_multiple(name: str, v: int, m: int) -> None:
     if v % m != 0:
         raise ValueError(f"{name} must be a multiple of {m}, got {v}")

@@ -38,7 +38,7 @@ import torch
 from torch.library import triton_op
 
 from moekit import settings
-from moekit._validate import FP8_DTYPE, INDEX_DTYPES, check_multiple, check_no_broadcast, check_tensor
+from moekit._validate import FP8_DTYPE, INDEX_DTYPES, check_bool, check_multiple, check_no_broadcast, check_tensor
 from moekit.ops._common import use_triton
 
 # ``moekit.reference`` re-exports a function named ``grouped_gemm``, which shadows the submodule
@@ -354,6 +354,8 @@ def grouped_gemm(
     """
     # x first: the checks below read x.dtype / x.device (a non-tensor x is a TypeError naming x).
     check_tensor("x", x, ndim=2, dtype=_FLOATS)
+    check_bool("use_fast_accum", use_fast_accum)
+    check_bool("deterministic", deterministic)
     if w_scale is not None:  # before w, whose expected dtype (FP8) depends on w_scale
         check_tensor("w_scale", w_scale, dtype=torch.float32, device=x.device)
     _validate(x, w, m_sizes, _FLOATS, bias, token_weights, _output_tensor, _scatter_add_indices, x.dtype,
@@ -364,10 +366,10 @@ def grouped_gemm(
                 f"w_scale must have {w.shape[0]} elements (one per row of w), got shape {tuple(w_scale.shape)}"
             )
     if _output_tensor is None:
-        return torch.ops.moekit.grouped_gemm(x, w, m_sizes, bias, token_weights, bool(use_fast_accum), w_scale)
+        return torch.ops.moekit.grouped_gemm(x, w, m_sizes, bias, token_weights, use_fast_accum, w_scale)
     torch.ops.moekit.grouped_gemm_scatter_add(
-        x, w, m_sizes, _output_tensor, _scatter_add_indices, bias, token_weights, bool(use_fast_accum),
-        bool(deterministic), w_scale,
+        x, w, m_sizes, _output_tensor, _scatter_add_indices, bias, token_weights, use_fast_accum,
+        deterministic, w_scale,
     )  # fmt: skip
     return _output_tensor
 
@@ -389,16 +391,18 @@ def grouped_gemm_fp8_rowwise(
     """FP8 e4m3fn: ``y[i] = (x[i] @ w_g.T) * x_scale[i] * w_scale[g*N + n] (* token_weights[i])``,
     bf16 ``[M, N]``; ``x_scale [M]`` and ``w_scale [G * N]`` float32 dequant scales. Scatter-add
     and ``deterministic`` as in ``grouped_gemm``."""
+    check_bool("use_fast_accum", use_fast_accum)
+    check_bool("deterministic", deterministic)
     M, K, G, N = _validate(
         x, w, m_sizes, (FP8_DTYPE,), None, token_weights, _output_tensor, _scatter_add_indices, torch.bfloat16
     )
     _validate_scales(x_scale, w_scale, M, G * N, x.device)
     if _output_tensor is None:
         return torch.ops.moekit.grouped_gemm_fp8_rowwise(x, w, m_sizes, x_scale, w_scale, token_weights,
-                                                         bool(use_fast_accum))  # fmt: skip
+                                                         use_fast_accum)  # fmt: skip
     torch.ops.moekit.grouped_gemm_fp8_rowwise_scatter_add(
-        x, w, m_sizes, x_scale, w_scale, _output_tensor, _scatter_add_indices, token_weights, bool(use_fast_accum),
-        bool(deterministic),
+        x, w, m_sizes, x_scale, w_scale, _output_tensor, _scatter_add_indices, token_weights, use_fast_accum,
+        deterministic,
     )  # fmt: skip
     return _output_tensor
 
@@ -564,4 +568,4 @@ def f8f8bf16_rowwise(
     _validate_scales(x_scale, w_scale, M, N, XQ.device, w_name="WQ")
     if bias is not None:
         check_tensor("bias", bias, dtype=_FLOATS, shape=(N,), device=XQ.device)
-    return torch.ops.moekit.f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias, bool(use_fast_accum))
+    return torch.ops.moekit.f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias, check_bool("use_fast_accum", use_fast_accum))

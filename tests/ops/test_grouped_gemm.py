@@ -1163,3 +1163,22 @@ def test_grouped_gemm_none_x_positional():
     w = torch.randn(32, 16)
     with pytest.raises(TypeError, match="^x must be a torch.Tensor, got NoneType$"):
         grouped_gemm(None, w, torch.tensor([2, 2], dtype=torch.int32))
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("flag", ["use_fast_accum", "deterministic"])
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_flags_must_be_bools(flag, value):
+    """``use_fast_accum`` / ``deterministic`` were passed through ``bool()`` (a string or a 0/1
+    silently truthy or not): a TypeError naming the flag."""
+    x, w = torch.zeros(4, 16), torch.zeros(32, 16)
+    ms = torch.tensor([3, 1], dtype=torch.int32)
+    xq, xs = quantize_fp8_row(x)
+    wq, ws = quantize_fp8_row(w)
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        grouped_gemm(x, w, ms, **{flag: value})
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, **{flag: value})
+    if flag == "use_fast_accum":
+        with pytest.raises(TypeError, match="use_fast_accum must be a bool"):
+            f8f8bf16_rowwise(xq, wq[:16], xs, ws[:16], use_fast_accum=value)
