@@ -97,6 +97,31 @@ def _group_mask(c, BT: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr, TOPK_GR
     return tl.where(tl.reshape(keep3, [BT, NG * GP]), c, float("-inf"))
 
 
+@triton.jit
+def _place_rows(packed_ptr, pw_ptr, eidx_ptr, tidx_ptr, rw_ptr, srow_ptr, off, r_begin, r_end, N, n_rows, start,
+                K: tl.constexpr, RB: tl.constexpr):  # fmt: skip
+    """Selections ``[r_begin, min(r_end, N))``: each packed ``rank << 16 | expert`` to sorted row
+    ``off[expert] + rank`` (expert, token, weight; the selection's row in ``srow``), and the ``-1``
+    / 0 tail at the rows ``>= n_rows`` of the range. Loads and stores in this helper alone (the
+    mutation analysis of torch.compile follows stores through helpers; see ``routing``)."""
+    for r0 in range(r_begin, r_end, RB):
+        r = r0 + tl.arange(0, RB)
+        m = (r < N) & (r < r_end)
+        p = tl.load(packed_ptr + r, mask=m, other=-1)
+        wv = tl.load(pw_ptr + r, mask=m, other=0.0)
+        ok = p >= 0
+        e = tl.where(ok, p & 65535, 0)
+        dest = tl.gather(off, e, 0) + (p >> 16)
+        tl.store(eidx_ptr + dest, e - start, mask=ok)
+        tl.store(tidx_ptr + dest, r // K, mask=ok)
+        tl.store(rw_ptr + dest, wv, mask=ok)
+        tl.store(srow_ptr + r, tl.where(ok, dest, -1), mask=m)
+        tail = m & (r >= n_rows)
+        tl.store(eidx_ptr + r, -1, mask=tail)
+        tl.store(tidx_ptr + r, -1, mask=tail)
+        tl.store(rw_ptr + r, 0.0, mask=tail)
+
+
 @triton.jit(do_not_specialize=["T", "start", "end", "zero_numel", "n_route"])
 def _route_fused_kernel(
     logits_ptr,
@@ -203,23 +228,8 @@ def _route_fused_kernel(
             tl.store(counts_ptr + E + 1, n_rows)
             base = tl.cumsum(carry, axis=0) - carry
             tl.debug_barrier()  # every scratch row written before any is read back
-            N = T * K
-            for r0 in range(0, N, RB):
-                r = r0 + tl.arange(0, RB)
-                m = r < N
-                p = tl.load(packed_ptr + r, mask=m, other=-1)
-                wv = tl.load(pw_ptr + r, mask=m, other=0.0)
-                ok = p >= 0
-                e = tl.where(ok, p & 65535, 0)
-                dest = tl.gather(base, e, 0) + (p >> 16)
-                tl.store(eidx_ptr + dest, e - start, mask=ok)
-                tl.store(tidx_ptr + dest, r // K, mask=ok)
-                tl.store(rw_ptr + dest, wv, mask=ok)
-                tl.store(srow_ptr + r, tl.where(ok, dest, -1), mask=m)
-                tail = m & (r >= n_rows)
-                tl.store(eidx_ptr + r, -1, mask=tail)
-                tl.store(tidx_ptr + r, -1, mask=tail)
-                tl.store(rw_ptr + r, 0.0, mask=tail)
+            _place_rows(packed_ptr, pw_ptr, eidx_ptr, tidx_ptr, rw_ptr, srow_ptr, base, 0, T * K, T * K, n_rows,
+                        start, K, RB)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "start", "n_blocks"])
@@ -266,24 +276,9 @@ def _route_place_kernel(
         tl.store(counts_ptr + E, T)
         tl.store(counts_ptr + E + 1, n_rows)
     off = tl.cumsum(tot, axis=0) - tot + pre
-    N = T * K
     r_begin = b * (BT * K)
-    for r0 in range(r_begin, r_begin + BT * K, RB):
-        r = r0 + tl.arange(0, RB)
-        m = (r < N) & (r < r_begin + BT * K)
-        p = tl.load(packed_ptr + r, mask=m, other=-1)
-        wv = tl.load(pw_ptr + r, mask=m, other=0.0)
-        ok = p >= 0
-        e = tl.where(ok, p & 65535, 0)
-        dest = tl.gather(off, e, 0) + (p >> 16)
-        tl.store(eidx_ptr + dest, e - start, mask=ok)
-        tl.store(tidx_ptr + dest, r // K, mask=ok)
-        tl.store(rw_ptr + dest, wv, mask=ok)
-        tl.store(srow_ptr + r, tl.where(ok, dest, -1), mask=m)
-        tail = m & (r >= n_rows)
-        tl.store(eidx_ptr + r, -1, mask=tail)
-        tl.store(tidx_ptr + r, -1, mask=tail)
-        tl.store(rw_ptr + r, 0.0, mask=tail)
+    _place_rows(packed_ptr, pw_ptr, eidx_ptr, tidx_ptr, rw_ptr, srow_ptr, off, r_begin, r_begin + BT * K, T * K,
+                n_rows, start, K, RB)  # fmt: skip
 
 
 def _blocks(T: int, E: int) -> tuple[int, int]:
