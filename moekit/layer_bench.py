@@ -23,15 +23,7 @@ CPU_TOKENS = [1, 16, 64]
 
 
 def routing_config(s: ModelShape) -> RoutingConfig:
-    return RoutingConfig(
-        top_k=s.top_k,
-        score_func=s.score_func,
-        renormalize=s.renormalize,
-        n_group=s.n_group,
-        topk_group=s.topk_group,
-        routed_scaling_factor=s.routed_scaling_factor,
-        apply_router_weight_on_input=s.apply_router_weight_on_input,
-    )
+    return s.routing_config
 
 
 def shared_expert(x: torch.Tensor, w: dict) -> Optional[torch.Tensor]:

@@ -9,15 +9,9 @@ from moekit.testing import MODEL_SHAPES, assert_close, random_expert_weights
 
 
 def _cfg(s):
-    return RoutingConfig(
-        top_k=s.top_k,
-        score_func=s.score_func,
-        renormalize=s.renormalize,
-        n_group=s.n_group,
-        topk_group=s.topk_group,
-        routed_scaling_factor=s.routed_scaling_factor,
-        apply_router_weight_on_input=s.apply_router_weight_on_input,
-    )
+    cfg = s.routing_config
+    assert isinstance(cfg, RoutingConfig)
+    return cfg
 
 
 def _small(name, **kw):
