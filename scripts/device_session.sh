@@ -7,6 +7,7 @@
 #   BENCH_ENV_<name>[_<tag>]="VAR=value ..." (environment of one lane entry)
 #   TESTS="tests/ops ..." (GPU tier; on 2 GPUs the grouped-GEMM file runs on GPU 1, GEMM_K="-k expr")
 #   TEST_GPU=0 (tests on GPU 0 only, TEST_K="-k expr", while the lanes run on the others at once)
+#   TEST_WORKERS=4 (pytest workers per GPU: the full-size model tests run out of memory with 6)
 #   (a name without a bench_<name>.py runs benchmarks/<name>.py: the sweep_*.py tuning aids)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,7 +72,7 @@ if [[ " $PHASES " == *" tests "* ]]; then
   t=$(( $(left) * ${TESTS_SHARE:-55} / 100 ))
   echo "== gpu tests (limit ${t}s) on $NGPU GPU(s)"
   if [ -n "${TEST_GPU:-}" ]; then
-    CUDA_VISIBLE_DEVICES=$TEST_GPU timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n ${TEST_WORKERS:-6} \
+    CUDA_VISIBLE_DEVICES=$TEST_GPU timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n ${TEST_WORKERS:-4} \
       --timeout ${TEST_TIMEOUT:-240} --durations=12 ${TEST_K:+-k "$TEST_K"} $TESTS > "$RES/tests_all.log" 2>&1
   elif [ "$NGPU" -ge 2 ]; then
     # GEMM tests on GPU 1 (when $TESTS names tests/ops or the GEMM file), everything else on GPU 0,
@@ -86,7 +87,7 @@ if [[ " $PHASES " == *" tests "* ]]; then
       $TESTS --ignore=tests/ops/test_grouped_gemm.py > "$RES/tests_other.log" 2>&1
     [ -n "$p1" ] && wait $p1
   else
-    timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n 6 --timeout ${TEST_TIMEOUT:-240} --durations=12 $TESTS > "$RES/tests_all.log" 2>&1
+    timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider -n ${TEST_WORKERS:-4} --timeout ${TEST_TIMEOUT:-240} --durations=12 $TESTS > "$RES/tests_all.log" 2>&1
   fi
   for f in "$RES"/tests_*.log; do echo "-- $f"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$f" | tail -n 25; done
 fi
