@@ -70,9 +70,9 @@ def _combine_rows_kernel(
     tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=tin[:, None] & cm[None, :])
 
 
-def combine_config(T: int, D: int, K: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_D): about 4 KB of each of the K rows per program (8 KB tiles of 16-bit
-    output), whole rows of a few tokens when D is short."""
+def combine_config(T: int, D: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_D): tiles of at most 2048 elements (4 KB of 16-bit rows per row read),
+    slices of up to 1024 columns, whole rows of up to 8 tokens when D is short."""
     block_d = min(1024, max(16, next_pow2(D)))
     block_t = max(1, min(8, 2048 // block_d, next_pow2(max(T, 1))))
     return block_t, block_d
@@ -86,7 +86,7 @@ def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Te
     if T == 0 or D == 0:
         return
     K = selection_rows.shape[0] // T
-    bt, bd = combine_config(T, D, K)
+    bt, bd = combine_config(T, D)
     n_db = cdiv(D, bd)
     launch(_combine_rows_kernel)[(cdiv(T, bt) * n_db,)](
         out, rows, selection_rows, T, M, D, out.stride(0), rows.stride(0), n_db,
