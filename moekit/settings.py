@@ -11,6 +11,7 @@ Environment variables (all optional; README.md lists them too):
 | variable | setting | default | meaning |
 |---|---|---|---|
 | ``MOEKIT_PDL`` | ``pdl`` | 1 | programmatic dependent launch on Hopper+ (0: off) |
+| ``MOEKIT_EAGER_DIRECT`` | ``eager_direct`` | 1 | eager calls on plain tensors run an op's implementation directly, skipping the dispatcher (0: always through ``torch.ops.moekit``) |
 | ``MOEKIT_PDL_SKIP`` | ``pdl_skip`` | the grouped GEMM's tiled and streaming kernels | kernels launched without PDL (comma-separated names) |
 | ``MOEKIT_PDL_MODE`` | ``pdl_mode`` | per kernel | force every PDL kernel's trigger: 1 early, 2 late (experiments) |
 | ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
@@ -50,6 +51,7 @@ _DEFAULT_PDL_SKIP = frozenset({"_gg_tiled_kernel", "_gg_stream_kernel"})
 @dataclass(frozen=True)
 class Settings:
     pdl: bool = True
+    eager_direct: bool = True
     pdl_skip: frozenset = _DEFAULT_PDL_SKIP
     pdl_mode: Optional[int] = None
     moe_path: str = "auto"
@@ -113,6 +115,7 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         skip = frozenset(k for k in env["MOEKIT_PDL_SKIP"].split(",") if k)
     return Settings(
         pdl=_flag(env, "MOEKIT_PDL", True),
+        eager_direct=_flag(env, "MOEKIT_EAGER_DIRECT", True),
         pdl_skip=skip,
         pdl_mode=int(mode) if mode else None,
         moe_path=_choice(env, "MOEKIT_MOE_PATH", "auto", MOE_PATHS),

@@ -115,10 +115,25 @@ class _PdlLauncher:
         return go
 
 
+_DIRECT: dict = {}
+
+
 def launch(kernel: Any) -> Any:
     """``kernel`` wrapped for ``torch.library.triton_op`` tracing (``wrap_triton``); launching it
     outside a trace runs it directly, in the interpreter too. Kernels with a ``USE_PDL``
-    parameter get programmatic dependent launch where ``_pdl_ok``."""
+    parameter get programmatic dependent launch where ``_pdl_ok``.
+
+    Where ``wrap_triton`` is off (an op's eager implementation: the dispatcher's backend call or
+    ``call_op``'s direct one) its wrapper would only forward to ``kernel[grid]``: the kernel itself
+    (or its PDL launcher) is returned, made once per kernel, saving two wrapper objects per launch."""
+    from torch._library.triton import is_wrap_triton_enabled
+
+    if not is_wrap_triton_enabled():
+        d = _DIRECT.get(kernel)
+        if d is None:
+            pdl = "USE_PDL" in getattr(kernel, "arg_names", ())
+            d = _DIRECT[kernel] = _PdlLauncher(kernel, kernel.__name__) if pdl else kernel
+        return d
     from torch.library import wrap_triton
 
     w = wrap_triton(kernel)
@@ -148,3 +163,42 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Eager calls without the dispatcher
+# ----------------------------------------------------------------------------------------------
+#
+# Every op is a ``torch.library.triton_op`` so that torch.compile, export and fake tensors see it.
+# Called eagerly, its Python dispatch layer (custom_op's autograd and backend wrappers, the
+# dynamo-disable frame) costs 25 µs per call on a fast CPU and about twice that on the H200 hosts:
+# more than a small GPU kernel runs, and what an eager caller (transformers' ``generate``) pays
+# per launch. ``call_op`` runs the op's implementation directly where the dispatcher would do
+# nothing else: plain tensors, no grad, no dispatch or function mode, not under tracing.
+
+
+def _plain(a: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (type(a) is torch.Tensor or type(a) is torch.nn.Parameter) and not (
+            a.requires_grad and torch.is_grad_enabled()
+        )
+    if isinstance(a, (list, tuple)):
+        return all(_plain(b) for b in a)
+    return True
+
+
+def direct_ok(args: tuple, kwargs: dict) -> bool:
+    """Whether an eager call with ``args`` / ``kwargs`` may skip the dispatcher."""
+    if not settings.get().eager_direct or torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    return all(_plain(a) for a in args) and all(_plain(a) for a in kwargs.values())
+
+
+def call_op(opdef: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call the registered op ``opdef`` (a ``triton_op`` / ``custom_op`` definition): its
+    implementation directly when ``direct_ok``, else through ``torch.ops.moekit``."""
+    if direct_ok(args, kwargs):
+        return opdef._init_fn(*args, **kwargs)
+    return opdef._opoverload(*args, **kwargs)

@@ -13,7 +13,7 @@ import torch
 from torch.library import triton_op
 
 from moekit._validate import check_optional_scale_ub
-from moekit.ops._common import use_triton
+from moekit.ops._common import call_op, use_triton
 from moekit.reference import activation as _ref
 
 __all__ = ["silu_mul", "silu_mul_quant"]
@@ -57,7 +57,7 @@ def silu_mul(x0: torch.Tensor, x1: torch.Tensor, valid_token_count: Optional[tor
     Raises ``TypeError``/``ValueError`` naming the offending argument.
     """
     _ref._check(x0, x1, valid_token_count)
-    return torch.ops.moekit.silu_mul(x0, x1, valid_token_count)
+    return call_op(_silu_mul_op, x0, x1, valid_token_count)
 
 
 def silu_mul_quant(
@@ -83,4 +83,4 @@ def silu_mul_quant(
     """
     _ref._check(x0, x1, valid_token_count)
     check_optional_scale_ub("scale_ub", scale_ub, x0.device)
-    return torch.ops.moekit.silu_mul_quant(x0, x1, scale_ub, valid_token_count)
+    return call_op(_silu_mul_quant_op, x0, x1, scale_ub, valid_token_count)

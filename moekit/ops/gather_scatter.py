@@ -26,7 +26,7 @@ from moekit._validate import (
     check_optional_scale_ub,
     check_tensor,
 )
-from moekit.ops._common import use_triton
+from moekit.ops._common import call_op, use_triton
 from moekit.reference import gather_scatter as _ref
 
 __all__ = [
@@ -231,7 +231,7 @@ def gather_scale_dense_tokens(
     other rows are left unwritten (uninitialized on CUDA, zeros on the CPU path).
     """
     _check_gather(x, token_indices, expert_indices, scores, valid_token_count)
-    return torch.ops.moekit.gather_scale_dense_tokens(x, token_indices, expert_indices, scores, valid_token_count)
+    return call_op(_gather_scale_dense_tokens_op, x, token_indices, expert_indices, scores, valid_token_count)
 
 
 def gather_scale_quant_dense_tokens(
@@ -251,8 +251,8 @@ def gather_scale_quant_dense_tokens(
     """
     _check_gather(x, token_indices, expert_indices, scores, valid_token_count)
     check_optional_scale_ub("scale_ub", scale_ub, x.device)
-    return torch.ops.moekit.gather_scale_quant_dense_tokens(
-        x, token_indices, expert_indices, scores, scale_ub, valid_token_count
+    return call_op(
+        _gather_scale_quant_dense_tokens_op, x, token_indices, expert_indices, scores, scale_ub, valid_token_count
     )
 
 
@@ -281,9 +281,9 @@ def scatter_add_dense_tokens(
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if deterministic:
-        torch.ops.moekit.scatter_add_dense_tokens_deterministic(out_tokens, in_tokens, token_indices, valid_token_count)
+        call_op(_scatter_add_dense_tokens_deterministic_op, out_tokens, in_tokens, token_indices, valid_token_count)
     else:
-        torch.ops.moekit.scatter_add_dense_tokens(out_tokens, in_tokens, token_indices, valid_token_count)
+        call_op(_scatter_add_dense_tokens_op, out_tokens, in_tokens, token_indices, valid_token_count)
     return out_tokens
 
 
@@ -297,7 +297,7 @@ def scatter_add_dense_tokens_deterministic(
     summed in ascending row order in float32 and added to ``out_tokens`` once (no atomics;
     bitwise identical across runs). Returns ``out_tokens``."""
     _check_scatter(out_tokens, in_tokens, token_indices, valid_token_count)
-    torch.ops.moekit.scatter_add_dense_tokens_deterministic(out_tokens, in_tokens, token_indices, valid_token_count)
+    call_op(_scatter_add_dense_tokens_deterministic_op, out_tokens, in_tokens, token_indices, valid_token_count)
     return out_tokens
 
 
@@ -316,5 +316,5 @@ def scatter_add_padded_tokens(
     ``out_tokens[token_indices[o]]`` (atomics). Returns ``out_tokens``.
     """
     _check_padded(in_tokens, token_counts, token_indices, out_tokens)
-    torch.ops.moekit.scatter_add_padded_tokens(in_tokens, token_counts, token_indices, out_tokens)
+    call_op(_scatter_add_padded_tokens_op, in_tokens, token_counts, token_indices, out_tokens)
     return out_tokens

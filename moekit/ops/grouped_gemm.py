@@ -39,7 +39,7 @@ from torch.library import triton_op
 
 from moekit import settings
 from moekit._validate import FP8_DTYPE, INDEX_DTYPES, check_bool, check_multiple, check_no_broadcast, check_tensor
-from moekit.ops._common import use_triton
+from moekit.ops._common import call_op, use_triton
 
 # ``moekit.reference`` re-exports a function named ``grouped_gemm``, which shadows the submodule
 # attribute: load the module itself.
@@ -366,10 +366,10 @@ def grouped_gemm(
                 f"w_scale must have {w.shape[0]} elements (one per row of w), got shape {tuple(w_scale.shape)}"
             )
     if _output_tensor is None:
-        return torch.ops.moekit.grouped_gemm(x, w, m_sizes, bias, token_weights, use_fast_accum, w_scale)
-    torch.ops.moekit.grouped_gemm_scatter_add(
-        x, w, m_sizes, _output_tensor, _scatter_add_indices, bias, token_weights, use_fast_accum,
-        deterministic, w_scale,
+        return call_op(_grouped_gemm_op, x, w, m_sizes, bias, token_weights, use_fast_accum, w_scale)
+    call_op(
+        _grouped_gemm_scatter_add_op, x, w, m_sizes, _output_tensor, _scatter_add_indices, bias, token_weights,
+        use_fast_accum, deterministic, w_scale,
     )  # fmt: skip
     return _output_tensor
 
@@ -398,11 +398,10 @@ def grouped_gemm_fp8_rowwise(
     )
     _validate_scales(x_scale, w_scale, M, G * N, x.device)
     if _output_tensor is None:
-        return torch.ops.moekit.grouped_gemm_fp8_rowwise(x, w, m_sizes, x_scale, w_scale, token_weights,
-                                                         use_fast_accum)  # fmt: skip
-    torch.ops.moekit.grouped_gemm_fp8_rowwise_scatter_add(
-        x, w, m_sizes, x_scale, w_scale, _output_tensor, _scatter_add_indices, token_weights, use_fast_accum,
-        deterministic,
+        return call_op(_grouped_gemm_fp8_rowwise_op, x, w, m_sizes, x_scale, w_scale, token_weights, use_fast_accum)
+    call_op(
+        _grouped_gemm_fp8_rowwise_scatter_add_op, x, w, m_sizes, x_scale, w_scale, _output_tensor,
+        _scatter_add_indices, token_weights, use_fast_accum, deterministic,
     )  # fmt: skip
     return _output_tensor
 
@@ -470,7 +469,7 @@ def grouped_gemm_swiglu(
     if w_scale is not None:
         if w_scale.numel() != G * 2 * F:
             raise ValueError(f"w_scale must have G * 2F = {G * 2 * F} elements, got shape {tuple(w_scale.shape)}")
-    return torch.ops.moekit.grouped_gemm_swiglu(x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale)
+    return call_op(_grouped_gemm_swiglu_op, x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale)
 
 
 def grouped_gemm_combine(
@@ -517,7 +516,7 @@ def grouped_gemm_combine(
             raise ValueError(f"w_scale must have {w.shape[0]} elements (one per row of w), got {tuple(w_scale.shape)}")
     if M == 0 or T == 0:  # no row to add / no token to add into (the CPU reference indexed empty rows)
         return out
-    torch.ops.moekit.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights, w_scale)
+    call_op(_grouped_gemm_combine_op, z, w, expert_indices, selection_rows, out, row_weights, w_scale)
     return out
 
 
@@ -543,7 +542,7 @@ def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Te
         )
     if not T and selection_rows.shape[0]:
         raise ValueError(f"selection_rows must be empty for an empty out, got {selection_rows.shape[0]} entries")
-    torch.ops.moekit.combine_rows(out, rows, selection_rows)
+    call_op(_combine_rows_op, out, rows, selection_rows)
     return out
 
 
@@ -568,4 +567,4 @@ def f8f8bf16_rowwise(
     _validate_scales(x_scale, w_scale, M, N, XQ.device, w_name="WQ")
     if bias is not None:
         check_tensor("bias", bias, dtype=_FLOATS, shape=(N,), device=XQ.device)
-    return torch.ops.moekit.f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias, check_bool("use_fast_accum", use_fast_accum))
+    return call_op(_f8f8bf16_rowwise_op, XQ, WQ, x_scale, w_scale, bias, check_bool("use_fast_accum", use_fast_accum))

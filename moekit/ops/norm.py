@@ -15,7 +15,7 @@ import torch
 from torch.library import triton_op
 
 from moekit._validate import check_tensor
-from moekit.ops._common import use_triton
+from moekit.ops._common import call_op, use_triton
 from moekit.reference import norm as _ref
 
 __all__ = ["rms_norm"]
@@ -58,4 +58,4 @@ def rms_norm(
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite float >= 0, got {eps}")
-    return torch.ops.moekit.rms_norm(x, gamma, float(eps), residual)
+    return call_op(_rms_norm_op, x, gamma, float(eps), residual)

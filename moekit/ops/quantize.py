@@ -19,7 +19,7 @@ import torch
 from torch.library import triton_op
 
 from moekit._validate import INDEX_DTYPES, check_int, check_optional_scale_ub, check_tensor
-from moekit.ops._common import use_triton as _on_triton
+from moekit.ops._common import call_op, use_triton as _on_triton
 from moekit.reference import quantize as _ref
 from moekit.reference.quantize import DEFAULT_EPS, FUSED_EPS
 
@@ -125,7 +125,7 @@ def quantize_fp8_row(
             output_device = torch.device(output_device)
         except (TypeError, RuntimeError) as e:
             raise ValueError(f"output_device must be a torch.device or device string, got {output_device!r}") from e
-    q, s = torch.ops.moekit.quantize_fp8_row(a, scale_ub, zero_start_index_M, use_triton, float(eps), 1)
+    q, s = call_op(_quantize_fp8_row_op, a, scale_ub, zero_start_index_M, use_triton, float(eps), 1)
     if output_device is not None:
         q, s = q.to(output_device), s.to(output_device)
     return q, s
@@ -146,5 +146,5 @@ def triton_quantize_fp8_row(
     """
     _check_args(a, scale_ub, zero_start_index_M, eps)
     align = 1 if align_rows_to is None else check_int("align_rows_to", align_rows_to, lo=1)
-    return torch.ops.moekit.quantize_fp8_row(a, scale_ub, zero_start_index_M, True, float(eps), align)
+    return call_op(_quantize_fp8_row_op, a, scale_ub, zero_start_index_M, True, float(eps), align)
 

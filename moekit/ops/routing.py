@@ -18,7 +18,7 @@ import torch
 from torch.library import triton_op
 
 from moekit._validate import check_int, check_optional_count, check_tensor, expert_range
-from moekit.ops._common import use_triton
+from moekit.ops._common import call_op, use_triton
 from moekit.reference import routing as _ref
 from moekit.reference.routing import SCORE_FUNCS
 
@@ -196,8 +196,8 @@ def index_shuffling(
     host synchronization; CUDA-graph capturable.
     """
     _check(routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k)
-    return torch.ops.moekit.index_shuffling(
-        routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k
+    return call_op(
+        _index_shuffling_op, routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k
     )
 
 
@@ -313,7 +313,7 @@ def route_and_shuffle(
         check_tensor("zero_buffer", zero_buffer, device=logits_TE.device, contiguous=True)
     if T * top_k >= 2**31:
         raise ValueError(f"logits_TE rows * top_k must be < 2**31, got {T} * {top_k} = {T * top_k}")
-    return torch.ops.moekit.route_and_shuffle(
-        logits_TE, e_score_correction_bias, top_k, score_func, renormalize, n_group, topk_group,
+    return call_op(
+        _route_and_shuffle_op, logits_TE, e_score_correction_bias, top_k, score_func, renormalize, n_group, topk_group,
         float(routed_scaling_factor), start, end, zero_buffer,
     )  # fmt: skip

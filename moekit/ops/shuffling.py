@@ -15,7 +15,7 @@ import torch
 from torch.library import triton_op
 
 from moekit._validate import FP8_DTYPE, INDEX_DTYPES, check_tensor, expert_range
-from moekit.ops._common import use_triton
+from moekit.ops._common import call_op, use_triton
 from moekit.reference import shuffling as _ref
 
 __all__ = ["combine_shuffling", "split_shuffling"]
@@ -122,7 +122,7 @@ def combine_shuffling(
     buffer and the rows moved are unspecified.
     """
     _check(tokens, token_counts, expert_start, expert_end, is_padded)
-    return torch.ops.moekit.combine_shuffling(tokens, token_counts, expert_start, expert_end, is_padded)
+    return call_op(_combine_shuffling_op, tokens, token_counts, expert_start, expert_end, is_padded)
 
 
 def split_shuffling(
@@ -142,6 +142,6 @@ def split_shuffling(
     _check(tokens, token_counts, expert_start, expert_end, is_padded)
     if not isinstance(init_with_zeros, bool):
         raise TypeError(f"init_with_zeros must be a bool, got {type(init_with_zeros).__name__}")
-    return torch.ops.moekit.split_shuffling(
-        tokens, token_counts, expert_start, expert_end, is_padded, init_with_zeros
+    return call_op(
+        _split_shuffling_op, tokens, token_counts, expert_start, expert_end, is_padded, init_with_zeros
     )
