@@ -46,6 +46,9 @@ the call falls back to transformers' ``"grouped_mm"`` experts (Llama 4: the mode
 with a warning, so gradients stay correct; ``generate`` and ``torch.no_grad()`` run moekit.
 Not supported (clear ``TypeError``/``ValueError``): expert parallelism (``_is_expert_parallel``),
 quantized (e.g. FP8) expert weights, ``D`` or ``F`` not multiples of 8.
+
+Eager calls of at most ``GRAPH_MAX_TOKENS`` tokens on CUDA replay CUDA graphs of this forward
+(``moekit.integrations._graphs``; ``enable(model, cuda_graphs=False)``: never).
 """
 
 from __future__ import annotations
@@ -57,7 +60,11 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from moekit.integrations import _graphs
+from moekit.integrations._topk_rows import _routing, _rows
+
 __all__ = [
+    "GRAPH_MAX_TOKENS",
     "IMPLEMENTATION",
     "SUPPORTED_MODELS",
     "disable",
@@ -78,6 +85,9 @@ SUPPORTED_MODELS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _CACHE_ATTR = "_moekit_weight_cache"
 _DET_ATTR = "_moekit_deterministic"
+_GRAPH_ATTR = "_moekit_graph_tokens"
+#: Calls of at most this many tokens replay CUDA graphs (``enable(model, cuda_graphs=False)``: never).
+GRAPH_MAX_TOKENS = 32
 _ORIG_FWD_ATTR = "_moekit_original_forward"
 _DISPATCH_ATTR = "_moekit_dispatch_original"
 _repacks = [0]
@@ -292,40 +302,6 @@ def _plan(module: torch.nn.Module) -> _Plan:
 # ----------------------------------------------------------------------------------------------
 
 
-def _routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: int):
-    """``(counts, expert_ids [T*k], token_ids [T*k], row_weights [T*k] float32)`` of the given top-k
-    choice (``k = min(K, E)``), via ``index_shuffling`` on a ``[T, E]`` tensor whose top-k is
-    exactly that choice (no host sync).
-
-    One cell per (token, expert): a token whose top-k names an expert more than once gets one row
-    for it weighted by the sum of those slots' weights (eager and grouped_mm add one output per
-    slot; the expert's output is the same for each, so the sum is the same result), and its freed
-    slots select zero-score filler experts whose rows weigh 0 (no contribution). The sum is taken
-    per slot over the token's K slots (no atomics: deterministic), so every slot naming the same
-    expert writes the same value into the dense ``[T, E]`` weights."""
-    from moekit.ops import index_shuffling
-
-    T, K = top_k_index.shape
-    dev = top_k_index.device
-    idx = top_k_index.long()
-    rank = torch.arange(K, 0, -1, dtype=torch.float32, device=dev).expand(T, K)
-    sel = torch.zeros((T, E), dtype=torch.float32, device=dev).scatter_(1, idx, rank)
-    counts, expert_ids, token_ids = index_shuffling(sel, top_k=min(K, E))
-    w = top_k_weights.float()
-    same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(torch.float32)  # [T, K, K]
-    w_sum = (same * w.unsqueeze(1)).sum(dim=-1)  # [T, K]: the weight of every slot naming that expert
-    dense_w = torch.zeros((T, E), dtype=torch.float32, device=dev).scatter_(1, idx, w_sum)
-    row_weights = dense_w[token_ids.clamp(min=0).long(), expert_ids.clamp(min=0).long()]
-    return counts, expert_ids, token_ids, row_weights
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """Token rows as the gather op wants them (unit last stride, row stride a multiple of 8)."""
-    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8):
-        return x.contiguous()
-    return x
-
-
 def _needs_autograd(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -352,9 +328,6 @@ def moekit_experts_forward(
 ) -> torch.Tensor:
     """The ``ExpertsInterface`` function: ``[T, D]`` routed-experts output of ``hidden_states``
     ``[T, D]`` for the model's routing ``top_k_index`` / ``top_k_weights`` ``[T, K]``."""
-    from moekit.layers.experts import run_experts
-    from moekit.ops import gather_scale_dense_tokens, grouped_gemm, scatter_add_dense_tokens, silu_mul
-
     if _needs_autograd(self, hidden_states, top_k_weights):
         from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -372,12 +345,26 @@ def moekit_experts_forward(
     K = top_k_index.shape[1]
     if T == 0 or K == 0:
         return torch.zeros_like(hidden_states)
-    dtype = plan.w13.dtype
     deterministic = bool(getattr(self, _DET_ATTR, False))
+    inputs = (hidden_states, top_k_index, top_k_weights)
+    if _graphs.eligible(inputs, T, getattr(self, _GRAPH_ATTR, GRAPH_MAX_TOKENS)):
+        fwd = functools.partial(_experts_forward, self, plan, deterministic)
+        return _graphs.call(self, fwd, inputs, extra=(plan.w13, plan.w2, plan.b13, plan.b2, deterministic))
+    return _experts_forward(self, plan, deterministic, *inputs)
+
+
+def _experts_forward(self: torch.nn.Module, plan: _Plan, deterministic: bool, hidden_states: torch.Tensor,
+                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The moekit experts forward on validated inputs (eager, or captured by ``_graphs``)."""
+    from moekit.layers.experts import run_experts
+    from moekit.ops import gather_scale_dense_tokens, grouped_gemm, scatter_add_dense_tokens, silu_mul
+
+    T = hidden_states.shape[0]
+    dtype = plan.w13.dtype
     x = _rows(hidden_states.to(dtype))
     E, F = plan.E, plan.F
 
-    counts, expert_ids, token_ids, token_weights = _routing(top_k_index, top_k_weights, E)
+    counts, expert_ids, token_ids, token_weights = _routing(top_k_index, top_k_weights, E, deterministic)
     m_sizes = counts[:E]
 
     out = torch.zeros((T, plan.D), dtype=dtype, device=x.device)
@@ -451,13 +438,24 @@ def _llama4_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor
 def _llama4_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     """moekit replacement of ``Llama4TextMoe.forward``: the router's dense sigmoid scores (0 off
     the top-k) both select the experts and scale their inputs, as in the model."""
-    from moekit.ops import gather_scale_dense_tokens, grouped_gemm, index_shuffling, silu_mul
-
     if _needs_autograd(self, hidden_states):
         _warn_autograd_fallback("the model's own Llama 4 MoE forward")
         own = self.__dict__.get(_ORIG_FWD_ATTR)  # an instance forward ``enable`` replaced
         return own(hidden_states) if own is not None else _llama4_own_forward(self)(self, hidden_states)
     w13, w2, E, F = _llama4_weights(self)
+    deterministic = bool(getattr(self, _DET_ATTR, False))
+    rows = hidden_states.numel() // self.hidden_dim if hidden_states.dim() else 0
+    if _graphs.eligible((hidden_states,), rows, getattr(self, _GRAPH_ATTR, GRAPH_MAX_TOKENS)):
+        fwd = functools.partial(_llama4_block, self, w13, w2, E, F, deterministic)
+        return _graphs.call(self, fwd, (hidden_states,), extra=(w13, w2, deterministic))
+    return _llama4_block(self, w13, w2, E, F, deterministic, hidden_states)
+
+
+def _llama4_block(self: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, E: int, F: int, deterministic: bool,
+                  hidden_states: torch.Tensor):  # fmt: skip
+    """The moekit Llama 4 MoE block on validated weights (eager, or captured by ``_graphs``)."""
+    from moekit.ops import gather_scale_dense_tokens, grouped_gemm, index_shuffling, silu_mul
+
     x = hidden_states.reshape(-1, self.hidden_dim)
     router_scores, router_logits = self.router(x)
     out = self.shared_expert(x)
@@ -472,8 +470,7 @@ def _llama4_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     z = silu_mul(h[:, :F], h[:, F:])
     routed = torch.zeros((T, x.shape[1]), dtype=w13.dtype, device=x.device)
     grouped_gemm(
-        z, w2, counts[:E], _output_tensor=routed, _scatter_add_indices=token_ids,
-        deterministic=bool(getattr(self, _DET_ATTR, False)),
+        z, w2, counts[:E], _output_tensor=routed, _scatter_add_indices=token_ids, deterministic=deterministic,
     )  # fmt: skip
     out.add_(routed.to(out.dtype))
     return out, router_logits
@@ -517,19 +514,24 @@ def _foreign_experts(model: torch.nn.Module, found: list[tuple[str, torch.nn.Mod
     ]
 
 
-def enable(model: torch.nn.Module, *, deterministic: bool = False) -> torch.nn.Module:
+def enable(model: torch.nn.Module, *, deterministic: bool = False, cuda_graphs: bool = True) -> torch.nn.Module:
     """Run every MoE experts module of ``model`` with moekit; returns ``model``.
 
     Registers the implementation, validates each experts module (raising ``TypeError`` /
     ``ValueError`` that names what is unsupported), switches ``ExpertsInterface`` experts to
     ``"moekit"`` and patches Llama 4 text MoE blocks. ``deterministic=True`` uses the
-    atomics-free scatter-add (bitwise reproducible). Works on a whole model or a single
+    atomics-free scatter-add (bitwise reproducible). ``cuda_graphs`` (default on): eager calls of
+    at most ``GRAPH_MAX_TOKENS`` tokens on CUDA (decode steps) replay a CUDA graph of the moekit
+    forward, captured the second time an input signature is seen (see ``moekit.integrations._graphs``;
+    never while torch.compile traces or a capture is running). Works on a whole model or a single
     experts / MoE module.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be a bool, got {type(cuda_graphs).__name__}")
     register()
     found = experts_modules(model)
     foreign = _foreign_experts(model, found)
@@ -553,6 +555,8 @@ def enable(model: torch.nn.Module, *, deterministic: bool = False) -> torch.nn.M
             raise type(e)(f"{name or '<root>'}: {e}") from e
     for name, m in found:
         m.__dict__[_DET_ATTR] = deterministic
+        m.__dict__[_GRAPH_ATTR] = GRAPH_MAX_TOKENS if cuda_graphs else 0
+        _graphs.clear(m)  # (options or weights may have changed: capture again)
         if _is_llama4_moe(m) and _ORIG_FWD_ATTR not in m.__dict__:
             m.__dict__[_ORIG_FWD_ATTR] = m.__dict__.get("forward")
             m.forward = types.MethodType(_llama4_moe_forward, m)
@@ -579,11 +583,14 @@ def disable(model: torch.nn.Module, experts_implementation: str = "grouped_mm") 
             if orig is not None:
                 m.forward = orig
         m.__dict__.pop(_DET_ATTR, None)
+        m.__dict__.pop(_GRAPH_ATTR, None)
     release_cache(model)
     return model
 
 
 def release_cache(model: torch.nn.Module) -> None:
-    """Drop the repacked weight copies held by ``model``'s experts modules (rebuilt on demand)."""
+    """Drop the repacked weight copies and the CUDA graphs held by ``model``'s experts modules
+    (rebuilt on demand)."""
     for m in model.modules():
         m.__dict__.pop(_CACHE_ATTR, None)
+        _graphs.clear(m)

@@ -656,6 +656,61 @@ def test_experts_cuda_graph_replay(family):
         assert mt.repack_count() == before
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_decode_calls_replay_internal_cuda_graphs(family, T):
+    """Eager calls of at most GRAPH_MAX_TOKENS tokens: the first runs eagerly, the second captures
+    a graph, later ones replay it; every output matches the eager forward on its own inputs."""
+    from moekit.integrations import _graphs
+
+    model = _model(family, dtype=torch.bfloat16, device="cuda")
+    mt.enable(model)
+    block = _first_experts_block(model)
+    experts = _first_experts(model)
+    D = model.config.hidden_size
+    E = experts.gate_up_proj.shape[0]
+    K = model.config.num_experts_per_tok
+    llama = type(block).__name__ == "Llama4TextMoe"
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+            if llama:
+                out = block(x)[0]
+                block.__dict__[mt._GRAPH_ATTR] = 0  # the same block, eager, as the reference
+                ref = block(x)[0]
+                block.__dict__[mt._GRAPH_ATTR] = mt.GRAPH_MAX_TOKENS
+            else:
+                idx, w = _routing(T, E, K, seed=10 + i, device="cuda", dtype=torch.bfloat16)
+                out = _call(experts, "moekit", x, idx, w)
+                experts.__dict__[mt._GRAPH_ATTR] = 0
+                ref = _call(experts, "moekit", x, idx, w)
+                experts.__dict__[mt._GRAPH_ATTR] = mt.GRAPH_MAX_TOKENS
+            assert torch.equal(out.float(), ref.float()), f"call {i}"
+            assert _graphs.count(block if llama else experts) == (1 if i >= 1 else 0)
+    mt.enable(model, cuda_graphs=False)
+    assert _graphs.count(block if llama else experts) == 0
+    with torch.no_grad():
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            block(x) if llama else _call(experts, "moekit", x, *_routing(T, E, K, 0, "cuda", torch.bfloat16))
+    assert _graphs.count(block if llama else experts) == 0
+
+
+def test_cuda_graphs_option_is_a_bool():
+    model = _model("qwen3_moe")
+    with pytest.raises(TypeError, match="cuda_graphs must be a bool"):
+        mt.enable(model, cuda_graphs="yes")
+
+
+def test_cpu_calls_never_take_graphs():
+    from moekit.integrations import _graphs
+
+    x = torch.randn(2, 8)
+    assert not _graphs.eligible((x,), 2, 32)
+    assert not _graphs.eligible((x,), 2, 0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Interpreter tier: the Triton kernels of the whole pipeline on CPU tensors (float32)
 # ----------------------------------------------------------------------------------------------
