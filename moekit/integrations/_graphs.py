@@ -73,26 +73,22 @@ def call(module: torch.nn.Module, forward: Callable[..., Any], inputs: tuple[tor
     e = cache.get(key)
     if e is None:
         e = cache[key] = _Entry()
-    if e.graph is not None:
-        for dst, src in zip(e.inputs, inputs):
-            dst.copy_(src)
-        e.graph.replay()
-        return _clone(e.outputs)
-    e.seen += 1
-    if e.failed or e.seen < 2:
-        return forward(*inputs)
-    try:
-        _capture(module, e, forward, inputs)
-    except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager, said once
-        e.failed, e.graph = True, None
-        warnings.warn(
-            f"moekit: could not capture {type(module).__name__}'s forward for inputs "
-            f"{[tuple(t.shape) for t in inputs]} into a CUDA graph ({type(exc).__name__}: {exc}); "
-            "it runs eagerly",
-            UserWarning,
-            stacklevel=3,
-        )
-        return forward(*inputs)
+    if e.graph is None:
+        e.seen += 1
+        if e.failed or e.seen < 2:
+            return forward(*inputs)
+        try:
+            _capture(module, e, forward, inputs)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager, said once
+            e.failed, e.graph = True, None
+            warnings.warn(
+                f"moekit: could not capture {type(module).__name__}'s forward for inputs "
+                f"{[tuple(t.shape) for t in inputs]} into a CUDA graph ({type(exc).__name__}: {exc}); "
+                "it runs eagerly",
+                UserWarning,
+                stacklevel=3,
+            )
+            return forward(*inputs)
     for dst, src in zip(e.inputs, inputs):
         dst.copy_(src)
     e.graph.replay()
