@@ -101,6 +101,24 @@ def _route_and_shuffle(device: torch.device) -> float:
     return err
 
 
+@check("shuffle_top_k")
+def _shuffle_top_k(device: torch.device) -> float:
+    from moekit.ops import shuffle_top_k
+
+    # (T, E, top_k); repeated experts in a token and out-of-range ids; T = 300 takes two launches.
+    for T, E, k in [(1, 128, 8), (37, 256, 8), (300, 16, 2)]:
+        g = torch.Generator().manual_seed(T)
+        ids = torch.randint(-1, E + 1, (T, k), generator=g)
+        w = torch.rand(T, k, generator=g)
+        got = shuffle_top_k(ids.to(device), w.to(device), E)
+        want = ref.shuffle_top_k(ids, w, E)
+        names = ("token_counts", "expert_indices", "token_indices", "row_weights", "selection_rows")
+        for gt, wt, n in zip(got, want, names):
+            if not torch.equal(gt.cpu(), wt):
+                raise AssertionError(f"{n} T={T} E={E} k={k}: {(gt.cpu() != wt).sum().item()} elements differ")
+    return 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # Gather / scatter
 # ---------------------------------------------------------------------------------------------

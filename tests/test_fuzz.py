@@ -199,6 +199,21 @@ def b_index_shuffling(draw):
                 valid_token_count=draw_count(draw, T), top_k=draw(st.integers(1, E)))  # fmt: skip
 
 
+def b_shuffle_top_k(draw):
+    T = draw(st.integers(0, 16))
+    K = draw(st.integers(1, 6))
+    E = draw(st.integers(1, 24))
+    ids = counts_tensor((T, K), -2, E + 1, draw(st.sampled_from(INDEX)), seeds(draw))  # repeats and bad ids
+    layout = draw(st.sampled_from(["contig", "colmajor"]))
+    if layout == "colmajor":
+        ids = ids.T.contiguous().T
+    w = make((T, K), draw(st.sampled_from(FLOATS)), draw(st.sampled_from(ANY)), seed=seeds(draw))
+    start, end = draw_range(draw, E)
+    zb = make((3, 8), torch.float32, seed=1) if draw(st.booleans()) else None
+    return dict(top_k_index=ids, top_k_weights=w, num_experts=E, expert_index_start=start, expert_index_end=end,
+                zero_buffer=zb)  # fmt: skip
+
+
 def b_route_and_shuffle(draw):
     T = draw(st.integers(0, 16))
     score_func = draw(st.sampled_from(["sigmoid", "softmax", "topk_softmax"]))
@@ -587,6 +602,32 @@ def c_route_and_shuffle(kw):
                 assert r < V and int(tidx[r]) == t
     assert int((srow >= 0).sum()) == V
     assert not bool(rw[V:].any())
+
+
+def c_shuffle_top_k(kw):
+    zb = kw["zero_buffer"]
+    got = ops.shuffle_top_k(**kw)
+    rk = dict(kw)
+    rk.pop("zero_buffer")
+    want = ref.shuffle_top_k(**rk)
+    for g, w, n in zip(got, want, ("token_counts", "expert_indices", "token_indices", "row_weights", "selection_rows")):
+        assert_same(g, w, n)
+    if zb is not None:
+        assert not bool(zb.any()), "zero_buffer not zeroed"
+    # Naively: every slot whose id is in range is a row, sorted by (expert, token, slot).
+    ids, w = kw["top_k_index"], kw["top_k_weights"].float()
+    T, K = ids.shape
+    E = kw["num_experts"]
+    start = kw["expert_index_start"] or 0
+    end = E if kw["expert_index_end"] is None else kw["expert_index_end"]
+    slots = sorted((int(ids[t, j]), t, j) for t in range(T) for j in range(K) if start <= int(ids[t, j]) < end)
+    counts, eidx, tidx, rw, srow = got
+    V = len(slots)
+    assert int(counts[E + 1]) == V and int(counts[E]) == T
+    assert [(e - start, t) for e, t, _ in slots] == list(zip(eidx[:V].tolist(), tidx[:V].tolist()))
+    assert [float(w[t, j]) for _, t, j in slots] == rw[:V].tolist()
+    assert [srow[t * K + j].item() for _, t, j in slots] == list(range(V))
+    assert int((srow >= 0).sum()) == V and bool((eidx[V:] == -1).all()) and not bool(rw[V:].any())
 
 
 def c_gather_scale_dense_tokens(kw):
@@ -1108,6 +1149,13 @@ BAD_CASES: dict[str, tuple[Callable, list]] = {
         m_set("e_score_correction_bias", lambda kw: torch.zeros(kw["logits_TE"].shape[1] + 1)),
         m_set("zero_buffer", torch.zeros(4, 8)[:, ::2]), m_set("zero_buffer", [0.0]),
         m_set("expert_index_start", lambda kw: kw["logits_TE"].shape[1] + 1),
+    ]),  # fmt: skip
+    "shuffle_top_k": (b_shuffle_top_k, [
+        m_not_tensor("top_k_index"), m_dtype("top_k_index", torch.float32), m_unsqueeze("top_k_index"),
+        m_not_tensor("top_k_weights"), m_dtype("top_k_weights", torch.int32), m_grow("top_k_weights"),
+        m_set("num_experts", 0), m_set("num_experts", 2.0), m_set("num_experts", True),
+        m_set("expert_index_start", -1), m_set("expert_index_end", lambda kw: kw["num_experts"] + 1),
+        m_set("zero_buffer", torch.zeros(4, 8)[:, ::2]), m_set("zero_buffer", [0.0]),
     ]),  # fmt: skip
     "gather_scale_dense_tokens": (b_gather_scale_dense_tokens, _GATHER_BAD),
     "gather_scale_quant_dense_tokens": (b_gather_scale_quant_dense_tokens, _GATHER_BAD + [

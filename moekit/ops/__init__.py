@@ -19,7 +19,7 @@ from moekit.ops.grouped_gemm import (
 )
 from moekit.ops.norm import rms_norm
 from moekit.ops.quantize import quantize_fp8_row, triton_quantize_fp8_row
-from moekit.ops.routing import index_shuffling, route_and_shuffle
+from moekit.ops.routing import index_shuffling, route_and_shuffle, shuffle_top_k
 from moekit.ops.shuffling import combine_shuffling, split_shuffling
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "scatter_add_dense_tokens",
     "scatter_add_dense_tokens_deterministic",
     "scatter_add_padded_tokens",
+    "shuffle_top_k",
     "silu_mul",
     "silu_mul_quant",
     "split_shuffling",

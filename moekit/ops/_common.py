@@ -50,7 +50,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 # Programmatic dependent launch (Hopper and newer): kernels that declare a ``USE_PDL`` constexpr
-# are launched with ``launch_pdl`` so that their grid is scheduled while the previous kernel on
+# are launched, inside CUDA-graph captures (``_pdl_ok``), with ``launch_pdl`` so that their grid is scheduled while the previous kernel on
 # the stream drains; they wait (``griddepcontrol.wait``) before touching memory, then let the next
 # kernel be scheduled in turn (``moekit.ops._triton._pdl``). ``settings.pdl`` ($MOEKIT_PDL=0) turns
 # it off; ``settings.pdl_skip`` ($MOEKIT_PDL_SKIP) names the kernels left out, by default the
@@ -76,14 +76,22 @@ def _capability_major(index: int) -> int:
 
 
 def _pdl_ok(args: tuple) -> bool:
-    """PDL for this launch: enabled, on a real CUDA tensor of an sm_90+ device, and never under
-    tracing (torch.compile): the ``griddepcontrol`` inline asm is not pure, and inductor's mutation
-    analysis would then count every argument as written."""
+    """PDL for this launch: enabled, on a real CUDA tensor of an sm_90+ device, inside a CUDA-graph
+    capture, and never under tracing (torch.compile): the ``griddepcontrol`` inline asm is not
+    pure, and inductor's mutation analysis would then count every argument as written.
+
+    Captures only: a launch with ``launch_pdl`` costs the host far more than a plain one (H200
+    host, one eager transformers experts call: Mixtral-8x7B T=1 671 -> 390 µs queued without PDL,
+    Qwen3-30B 445 -> 357; RESULTS.md session 10), and what PDL saves, the next grid scheduled
+    while the previous drains, shows only when the host runs ahead of the GPU: in graph replays
+    (where every benchmark times, and where moekit's eager integrations replay decode steps)."""
     if not settings.get().pdl or interpreting():
         return False
     t = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if t is None or not t.is_cuda or torch.version.hip is not None or torch.compiler.is_compiling():
         return False  # (ROCm: griddepcontrol is NVIDIA PTX)
+    if not torch.cuda.is_current_stream_capturing():
+        return False
     from torch._subclasses.fake_tensor import is_fake
 
     if is_fake(t):

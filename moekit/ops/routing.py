@@ -1,6 +1,6 @@
-"""Routing ops: ``index_shuffling`` (MSLK ``torch.ops.mslk.index_shuffling`` API) and
+"""Routing ops: ``index_shuffling`` (MSLK ``torch.ops.mslk.index_shuffling`` API),
 ``route_and_shuffle`` (router logits -> score function -> top-k -> weights and the sorted row
-layout, fused).
+layout, fused) and ``shuffle_top_k`` (the sorted row layout of a top-k choice made elsewhere).
 
 Each public function validates its arguments, then calls its registered op
 (``torch.ops.moekit.index_shuffling``, ``torch.ops.moekit.route_and_shuffle``), which runs the
@@ -17,12 +17,15 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
+from moekit._validate import INDEX_DTYPES as _INDEX_DTYPES
 from moekit._validate import check_int, check_optional_count, check_tensor, expert_range
 from moekit.ops._common import call_op, use_triton
 from moekit.reference import routing as _ref
 from moekit.reference.routing import SCORE_FUNCS
 
-__all__ = ["index_shuffling", "route_and_shuffle", "dense_route", "check_routing_options", "SCORE_DTYPES"]
+__all__ = [
+    "index_shuffling", "route_and_shuffle", "shuffle_top_k", "dense_route", "check_routing_options", "SCORE_DTYPES",
+]
 
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -317,3 +320,80 @@ def route_and_shuffle(
         _route_and_shuffle_op, logits_TE, e_score_correction_bias, top_k, score_func, renormalize, n_group, topk_group,
         float(routed_scaling_factor), start, end, zero_buffer,
     )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# shuffle_top_k
+# ----------------------------------------------------------------------------------------------
+
+
+@triton_op("moekit::shuffle_top_k", mutates_args=("zero_buffer",))
+def _shuffle_top_k_op(
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    expert_index_start: int,
+    expert_index_end: int,
+    zero_buffer: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, K = top_k_index.shape
+    if use_triton(top_k_index):
+        from moekit.ops._triton import route as _route
+
+        if _route.topk_rows_supported(T, num_experts, K):
+            return _route.shuffle_top_k(top_k_index, top_k_weights, num_experts, expert_index_start,
+                                        expert_index_end, zero_buffer)  # fmt: skip
+        if T * K:
+            from moekit.ops._common import warn_once
+
+            warn_once("shuffle_top_k-reference", f"moekit.shuffle_top_k: {T} x {K} choices of {num_experts} experts "
+                      f"are past its kernels (E <= {_route.ROUTE_MAX_E}, top-k <= {_route.ROUTE_MAX_K}, about 4M "
+                      "rows); its PyTorch reference serves them on CUDA (slower; no host sync either)")  # fmt: skip
+    out = _ref.shuffle_top_k(top_k_index, top_k_weights, num_experts, expert_index_start, expert_index_end)
+    if zero_buffer is not None:
+        zero_buffer.zero_()
+    return out
+
+
+def shuffle_top_k(
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    *,
+    expert_index_start: Optional[int] = None,
+    expert_index_end: Optional[int] = None,
+    zero_buffer: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sorted row layout of a routing choice made elsewhere (a model's own router, e.g.
+    transformers' ``top_k_index`` / ``top_k_weights``), in one launch up to 64 tokens (E <= 128)
+    and two beyond (blocks of tokens side by side, then the placement).
+
+    ``top_k_index [T, K]`` int32 / int64 expert ids, ``top_k_weights [T, K]`` bf16 / fp16 / fp32
+    (any strides). Every slot ``(t, j)`` whose id lies in ``[expert_index_start,
+    expert_index_end)`` (default ``[0, num_experts)``) becomes one row; a token naming an expert
+    twice gets two rows (each with its own weight: summed, that is what an eager loop over the
+    slots computes); any other id (outside the range, negative, ``>= num_experts``) produces no
+    row. Rows are sorted by (expert, token, slot), deterministic (no atomics).
+
+    Returns ``route_and_shuffle``'s five outputs: ``token_counts [E + 2]`` int32 (rows per expert,
+    0 outside the range, then ``T``, then the row count ``V``), ``expert_indices`` /
+    ``token_indices [T * K]`` int32 (expert minus ``expert_index_start``, token; -1 from row
+    ``V`` on), ``row_weights [T * K]`` float32 (0 in the tail) and ``selection_rows [T * K]``
+    int32 (slot ``t * K + j``'s row, -1 when it made none). ``zero_buffer`` (optional, contiguous)
+    is zeroed by the same launch. The kernels take ``E <= 512`` and ``K <= 16``; past them CUDA
+    tensors are served by the PyTorch reference (``moekit.reference.shuffle_top_k``, sync-free),
+    with a ``UserWarning`` once per process. No host synchronization; CUDA-graph capturable.
+    """
+    check_tensor("top_k_index", top_k_index, dtype=_INDEX_DTYPES, ndim=2)
+    T, K = top_k_index.shape
+    check_tensor("top_k_weights", top_k_weights, dtype=SCORE_DTYPES, shape=(T, K), device=top_k_index.device)
+    check_int("num_experts", num_experts, lo=1)
+    start, end = expert_range(
+        num_experts, expert_index_start, expert_index_end, start_name="expert_index_start",
+        end_name="expert_index_end",
+    )  # fmt: skip
+    if zero_buffer is not None:
+        check_tensor("zero_buffer", zero_buffer, device=top_k_index.device, contiguous=True)
+    if T * K >= 2**31:
+        raise ValueError(f"top_k_index rows * top_k must be < 2**31, got {T} * {K} = {T * K}")
+    return call_op(_shuffle_top_k_op, top_k_index, top_k_weights, int(num_experts), start, end, zero_buffer)

@@ -30,7 +30,14 @@ from moekit.reference.norm import (
     topk_finalize,
 )
 from moekit.reference.quantize import DEFAULT_EPS, FUSED_EPS, dequantize_fp8_row, quantize_fp8_row
-from moekit.reference.routing import dense_scores, index_shuffling, route_and_shuffle, routing_weights, topk
+from moekit.reference.routing import (
+    dense_scores,
+    index_shuffling,
+    route_and_shuffle,
+    routing_weights,
+    shuffle_top_k,
+    topk,
+)
 from moekit.reference.shuffling import combine_shuffling, split_shuffling
 
 __all__ = [
@@ -60,6 +67,7 @@ __all__ = [
     "scatter_add_dense_tokens",
     "scatter_add_dense_tokens_deterministic",
     "scatter_add_padded_tokens",
+    "shuffle_top_k",
     "silu_mul",
     "silu_mul_quant",
     "split_shuffling",

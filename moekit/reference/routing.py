@@ -193,7 +193,7 @@ def _shuffle_ids(
     row_valid = torch.arange(N, device=device) < nvalid
 
     counts = torch.zeros(E + 2, dtype=torch.int64, device=device)
-    counts[:E].scatter_add_(0, ids.reshape(-1), valid.reshape(-1).long())
+    counts[:E].scatter_add_(0, ids.reshape(-1).clamp(0, E - 1), valid.reshape(-1).long())
     counts[E] = T
     counts[E + 1] = nvalid
     expert_indices = torch.where(row_valid, ids.reshape(-1)[order] - start, -1)
@@ -234,8 +234,13 @@ def route_and_shuffle(
     start, end = expert_range(
         E, expert_index_start, expert_index_end, start_name="expert_index_start", end_name="expert_index_end"
     )
+    return _rows_of_choice(ids, weights, E, start, end)
+
+
+def _rows_of_choice(ids: torch.Tensor, weights: torch.Tensor, E: int, start: int, end: int):
+    """``route_and_shuffle``'s five outputs for a given choice ``ids`` / ``weights [T, K]``."""
     counts, expert_indices, token_indices, sel = _shuffle_ids(ids, E, start, end, None)
-    row_weights = torch.where(sel >= 0, weights.reshape(-1)[sel.clamp(min=0)], 0.0)
+    row_weights = torch.where(sel >= 0, weights.reshape(-1).float()[sel.clamp(min=0)], 0.0)
     N = sel.shape[0]
     rows = torch.arange(N, device=sel.device)
     # scatter each valid row to its selection (the tail's rows to a spare last slot): no
@@ -243,3 +248,32 @@ def route_and_shuffle(
     selection_rows = torch.full((N + 1,), -1, dtype=torch.int64, device=sel.device)
     selection_rows.scatter_(0, torch.where(sel >= 0, sel, N), torch.where(sel >= 0, rows, -1))
     return counts, expert_indices, token_indices, row_weights.float(), selection_rows[:N].int()
+
+
+def shuffle_top_k(
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    expert_index_start: Optional[int] = None,
+    expert_index_end: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sorted row layout of a routing choice made elsewhere (e.g. a model's own router):
+    ``top_k_index [T, K]`` (any integer dtype) and ``top_k_weights [T, K]``.
+
+    Every slot ``(t, j)`` whose expert lies in ``[expert_index_start, expert_index_end)`` (default
+    ``[0, num_experts)``) is one row, so a token naming an expert twice gets two rows (each with
+    its own weight: the sum over slots that an eager loop computes); any other id (outside the
+    range, negative, ``>= num_experts``) produces no row. Rows are sorted by (expert, token,
+    slot). Returns ``route_and_shuffle``'s five outputs: ``token_counts [E + 2]`` (rows per
+    expert, then ``T``, then the row count), ``expert_indices`` / ``token_indices [T * K]`` int32
+    (-1 in the tail), ``row_weights [T * K]`` float32 (0 in the tail) and ``selection_rows [T * K]``
+    int32 (slot ``t * K + j``'s row, -1 when it made none)."""
+    check_tensor("top_k_index", top_k_index, dtype=INDEX_DTYPES, ndim=2)
+    check_tensor("top_k_weights", top_k_weights, shape=tuple(top_k_index.shape), device=top_k_index.device)
+    check_int("num_experts", num_experts, lo=1)
+    start, end = expert_range(
+        num_experts, expert_index_start, expert_index_end, start_name="expert_index_start",
+        end_name="expert_index_end",
+    )  # fmt: skip
+    ids = top_k_index.long()
+    return _rows_of_choice(ids, top_k_weights, num_experts, start, end)

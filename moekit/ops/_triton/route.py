@@ -281,6 +281,99 @@ def _route_place_kernel(
                 n_rows, start, K, RB)  # fmt: skip
 
 
+@triton.jit(do_not_specialize=["T", "start", "end", "zero_numel", "n_route", "tokens_per_block"])
+def _topk_rows_kernel(
+    ids_ptr,
+    w_ptr,
+    counts_ptr,
+    eidx_ptr,
+    tidx_ptr,
+    rw_ptr,
+    srow_ptr,
+    packed_ptr,
+    pw_ptr,
+    bcounts_ptr,
+    zero_ptr,
+    T,
+    E,
+    start,
+    end,
+    stride_it,
+    stride_ik,
+    stride_wt,
+    stride_wk,
+    zero_numel,
+    n_route,
+    tokens_per_block,
+    K: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RB: tl.constexpr,
+    ZB: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    """``shuffle_top_k``'s first launch: a given choice (ids and weights ``[T, K]``) instead of
+    scores. As ``_route_fused_kernel`` otherwise: ``SPLIT`` False, program 0 takes every token
+    and places the rows; True, program ``b < n_route`` takes ``tokens_per_block`` tokens and
+    stores its expert counts as row ``b`` of ``bcounts`` (``_route_place_kernel`` places them).
+    A slot is a row when its id lies in ``[start, end)``; a token naming an expert twice gets
+    two rows, the later slot ranked after the earlier one. Programs from ``n_route`` on zero
+    ``zero_ptr``."""
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    if HAS_ZERO and pid >= n_route:
+        offs = (pid - n_route).to(tl.int64) * ZB + tl.arange(0, ZB)
+        tl.store(zero_ptr + offs, tl.zeros([ZB], dtype=zero_ptr.dtype.element_ty), mask=offs < zero_numel)
+    if pid < n_route:
+        cols = tl.arange(0, BLOCK_E)
+        col_ok = cols < E
+        slots = tl.arange(0, K_PAD)
+        slot_ok = slots < K
+        carry = tl.zeros([BLOCK_E], dtype=tl.int32)
+        if SPLIT:
+            t_begin = pid * tokens_per_block
+            t_end = tl.minimum(t_begin + tokens_per_block, T)
+        else:
+            t_begin = 0
+            t_end = T
+        for t0 in range(t_begin, t_end, BT):
+            rows = t0 + tl.arange(0, BT)
+            r64 = rows.to(tl.int64)
+            ok = (rows < t_end)[:, None] & slot_ok[None, :]
+            raw = tl.load(ids_ptr + r64[:, None] * stride_it + slots[None, :] * stride_ik, mask=ok, other=-1)
+            valid = ok & (raw >= start) & (raw < end)
+            ids = tl.where(valid, raw, -1).to(tl.int32)  # -1 matches no expert column
+            w = tl.load(w_ptr + r64[:, None] * stride_wt + slots[None, :] * stride_wk, mask=ok, other=0.0)
+            # Rows per (token, expert) in this sub-tile (2 where a token names an expert twice).
+            cnt = tl.zeros([BT, BLOCK_E], dtype=tl.int32)
+            for j in tl.static_range(K):
+                idj = tl.sum(tl.where(slots[None, :] == j, ids, 0), axis=1)
+                cnt += (idj[:, None] == cols[None, :]).to(tl.int32)
+            # The token's earlier slots naming the same expert rank before this one.
+            same = (ids[:, :, None] == ids[:, None, :]) & (slots[None, None, :] < slots[None, :, None])
+            dup = tl.sum(same.to(tl.int32), axis=2)
+            before = tl.cumsum(cnt, axis=0) - cnt + carry[None, :]
+            rank = tl.gather(before, tl.where(valid, ids, 0), 1) + dup
+            r = r64[:, None] * K + slots[None, :]
+            tl.store(packed_ptr + r, tl.where(valid, (rank << 16) | ids, -1), mask=ok)
+            tl.store(pw_ptr + r, w.to(tl.float32), mask=ok)
+            carry += tl.sum(cnt, axis=0)
+        if SPLIT:
+            tl.store(bcounts_ptr + pid.to(tl.int64) * E + cols, carry, mask=col_ok)
+        else:
+            n_rows = tl.sum(carry, axis=0)
+            tl.store(counts_ptr + cols, carry, mask=col_ok)
+            tl.store(counts_ptr + E, T)
+            tl.store(counts_ptr + E + 1, n_rows)
+            base = tl.cumsum(carry, axis=0) - carry
+            tl.debug_barrier()  # every scratch row written before any is read back
+            _place_rows(packed_ptr, pw_ptr, eidx_ptr, tidx_ptr, rw_ptr, srow_ptr, base, 0, T * K, T * K, n_rows,
+                        start, K, RB)  # fmt: skip
+
+
 def _blocks(T: int, E: int) -> tuple[int, int]:
     """(tokens per program, programs) of the split path: blocks of a power of two tokens, as
     small as keeps the programs at most ``SPLIT_TARGET`` (the per-program work is a few rounds of
@@ -351,6 +444,74 @@ def route_and_shuffle(
         launch(_route_place_kernel)[(n_route,)](
             bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_route,
             K=top_k, BT=bt, BLOCK_E=block_e, CB=max(1, min(next_pow2(n_route), 4096 // block_e)),
+            RB=min(1024, max(16, next_pow2(rows))), num_warps=4,
+        )  # fmt: skip
+    return counts, eidx, tidx, rw, srow
+
+
+# shuffle_top_k: sub-tiles that one program takes in one launch (beyond: blocks of tokens side by
+# side, then the placing launch); ranks within a block must fit the packed 15 bits.
+TOPK_ROWS_FUSED_TILES = 4
+_PACKED_RANK_LIMIT = 1 << 15
+
+
+def _topk_rows_plan(T: int, E: int, top_k: int) -> tuple[int, bool, int, int]:
+    """(sub-tile tokens, split, tokens per block, blocks) of ``shuffle_top_k`` for ``[T, top_k]``
+    ids over ``E`` experts. Sub-tiles hold about ``ROUTE_TILE`` (token, expert) counts and at most
+    4096 (token, slot, slot) comparisons."""
+    block_e = max(16, next_pow2(E))
+    k_pad = next_pow2(top_k)
+    bt = max(1, min(next_pow2(max(T, 1)), ROUTE_TILE // block_e, 4096 // (k_pad * k_pad)))
+    if T <= TOPK_ROWS_FUSED_TILES * bt:
+        return bt, False, max(T, 1), 1
+    tpb = max(bt, next_pow2(cdiv(T, SPLIT_TARGET)))
+    return bt, True, tpb, cdiv(T, tpb)
+
+
+def topk_rows_supported(T: int, E: int, top_k: int) -> bool:
+    """Shapes ``shuffle_top_k``'s kernels take: ``E <= ROUTE_MAX_E``, ``top_k <= ROUTE_MAX_K``, and
+    every block's rows countable in the packed rank (about 4M rows)."""
+    if E > ROUTE_MAX_E or top_k > ROUTE_MAX_K or T * top_k == 0:
+        return False
+    _, split, tpb, n = _topk_rows_plan(T, E, top_k)
+    return (tpb * top_k < _PACKED_RANK_LIMIT) and n <= SPLIT_MAX_BLOCKS
+
+
+def shuffle_top_k(
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    E: int,
+    start: int,
+    end: int,
+    zero_buffer: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher of ``shuffle_top_k`` (validated arguments, shapes ``topk_rows_supported``)."""
+    T, top_k = (int(d) for d in ids.shape)
+    dev = ids.device
+    N = T * top_k
+    counts = torch.empty(E + 2, dtype=torch.int32, device=dev)
+    eidx = torch.empty(N, dtype=torch.int32, device=dev)
+    tidx = torch.empty(N, dtype=torch.int32, device=dev)
+    rw = torch.empty(N, dtype=torch.float32, device=dev)
+    srow = torch.empty(N, dtype=torch.int32, device=dev)
+    packed = torch.empty(N, dtype=torch.int32, device=dev)
+    pw = torch.empty(N, dtype=torch.float32, device=dev)
+    block_e = max(16, next_pow2(E))
+    bt, split, tpb, n_route = _topk_rows_plan(T, E, top_k)
+    bcounts = torch.empty((n_route, E) if split else (1,), dtype=torch.int32, device=dev)
+    zero_numel = 0 if zero_buffer is None else zero_buffer.numel()
+    launch(_topk_rows_kernel)[(n_route + cdiv(zero_numel, ZERO_BLOCK),)](
+        ids, weights, counts, eidx, tidx, rw, srow, packed, pw, bcounts, zero_buffer,
+        T, E, start, end, ids.stride(0), ids.stride(1), weights.stride(0), weights.stride(1), zero_numel, n_route,
+        tpb, K=top_k, HAS_ZERO=zero_buffer is not None, SPLIT=split, BT=bt, BLOCK_E=block_e,
+        K_PAD=next_pow2(top_k), RB=min(1024, max(16, next_pow2(N))), ZB=ZERO_BLOCK,
+        num_warps=max(1, min(8, bt * block_e // 256)),
+    )  # fmt: skip
+    if split:
+        rows = tpb * top_k
+        launch(_route_place_kernel)[(n_route,)](
+            bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_route,
+            K=top_k, BT=tpb, BLOCK_E=block_e, CB=max(1, min(next_pow2(n_route), 4096 // block_e)),
             RB=min(1024, max(16, next_pow2(rows))), num_warps=4,
         )  # fmt: skip
     return counts, eidx, tidx, rw, srow
