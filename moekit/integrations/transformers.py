@@ -18,11 +18,10 @@ keep their own forward; elsewhere they are refused with their names.
 The moekit forward (host-sync free, static shapes, CUDA-graph capturable) runs the MetaShuffling
 pipeline on the routing the model already computed:
 
-1. a ``[T, E]`` selection tensor holding ``K - k`` at ``(t, top_k_index[t, k])`` and 0 elsewhere,
-   whose top-k is exactly the model's choice, goes through ``index_shuffling`` (fused count +
-   sort, no host sync). A token whose top-k names an expert twice (or more) gets one row for it,
-   weighted by the sum of those slots' weights (what eager / grouped_mm add up, as the expert's
-   output is linear in its weight), and a filler row of weight 0 per repeat;
+1. ``shuffle_top_k`` turns the model's choice into moekit's sorted rows, their router weights,
+   the token-major inverse map and a zeroed output, in one launch (two past 64 tokens; no host
+   sync). A token whose top-k names an expert twice gets a row per slot, each with its slot's
+   weight, as eager / grouped_mm add one output per slot;
 2. ``gather_scale_dense_tokens`` (unit scale: these models weight the expert *outputs*);
 3. ``grouped_gemm`` on the fused gate|up weights (+ the model's bias, if any);
 4. ``silu_mul`` when the model's gate is the standard concatenated SwiGLU, otherwise the model's
@@ -61,7 +60,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from moekit.integrations import _graphs
-from moekit.integrations._topk_rows import _routing, _rows
+from moekit.integrations._topk_rows import _rows
 
 __all__ = [
     "GRAPH_MAX_TOKENS",
@@ -194,6 +193,7 @@ class _Plan(NamedTuple):
     D: int
     F: int
     fast_swiglu: bool
+    post_norm: bool
 
 
 def _where(module: torch.nn.Module) -> str:
@@ -251,7 +251,41 @@ def _is_silu(act: Any) -> bool:
     return type(act).__name__ == "SiLUActivation" and type(act).__module__.startswith("transformers")
 
 
+_PLAN_ATTR = "_moekit_plan"
+_PLAN_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+_PLAN_FLAGS = ("has_gate", "is_transposed", "has_bias", "_is_expert_parallel", "has_post_expert_norm", "is_concatenated")
+
+
+def _plan_key(module: torch.nn.Module) -> tuple:
+    """What ``_plan`` depends on: the weights (object, storage, in-place version), the flags and the
+    activation; cheaper to build than the plan (every call on the eager path checks it)."""
+    d = module.__dict__
+    params = d.get("_parameters", {})
+    key: list = []
+    for name in _PLAN_TENSORS:
+        t = params.get(name, d.get(name))
+        key.append(None if t is None else (id(t), t.data_ptr(), t._version))
+    key.extend(getattr(module, f, None) for f in _PLAN_FLAGS)
+    key.append(id(getattr(module, "act_fn", None)))
+    key.append(getattr(type(module), "_apply_gate", None))
+    return tuple(key)
+
+
 def _plan(module: torch.nn.Module) -> _Plan:
+    """``_make_plan``, cached on the module while ``_plan_key`` holds (not under tracing: dynamo
+    cannot trace the key; there the plan is made)."""
+    if torch.compiler.is_compiling():
+        return _make_plan(module)
+    key = _plan_key(module)
+    hit = module.__dict__.get(_PLAN_ATTR)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    plan = _make_plan(module)
+    module.__dict__[_PLAN_ATTR] = (key, plan)
+    return plan
+
+
+def _make_plan(module: torch.nn.Module) -> _Plan:
     """Validate an ``ExpertsInterface`` experts module and return its weights in moekit layout."""
     if getattr(module, "_is_expert_parallel", False):
         raise ValueError(
@@ -284,9 +318,8 @@ def _plan(module: torch.nn.Module) -> _Plan:
     if getattr(module, "has_bias", False):
         b13 = _bias(module, f"{up_name}_bias", E, N1)
         b2 = _bias(module, "down_proj_bias", E, D)
-    if getattr(module, "has_post_expert_norm", False) and not isinstance(
-        getattr(module, "post_expert_norm", None), torch.nn.Module
-    ):
+    post_norm = bool(getattr(module, "has_post_expert_norm", False))
+    if post_norm and not isinstance(getattr(module, "post_expert_norm", None), torch.nn.Module):
         raise TypeError(f"{_where(module)} has has_post_expert_norm=True but no post_expert_norm module")
     fast = False
     if gated and getattr(module, "is_concatenated", True) and _is_silu(getattr(module, "act_fn", None)):
@@ -294,7 +327,7 @@ def _plan(module: torch.nn.Module) -> _Plan:
 
         default_gate = getattr(_hf_moe, "_default_apply_gate", None)
         fast = default_gate is not None and getattr(type(module), "_apply_gate", None) is default_gate
-    return _Plan(w13, b13, w2, b2, E, D, F, fast)
+    return _Plan(w13, b13, w2, b2, E, D, F, fast, post_norm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,24 +390,26 @@ def _experts_forward(self: torch.nn.Module, plan: _Plan, deterministic: bool, hi
                      top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The moekit experts forward on validated inputs (eager, or captured by ``_graphs``)."""
     from moekit.layers.experts import run_experts
-    from moekit.ops import gather_scale_dense_tokens, grouped_gemm, scatter_add_dense_tokens, silu_mul
+    from moekit.ops import gather_scale_dense_tokens, grouped_gemm, scatter_add_dense_tokens, shuffle_top_k, silu_mul
 
     T = hidden_states.shape[0]
     dtype = plan.w13.dtype
     x = _rows(hidden_states.to(dtype))
     E, F = plan.E, plan.F
 
-    counts, expert_ids, token_ids, token_weights = _routing(top_k_index, top_k_weights, E, deterministic)
+    out = torch.empty((T, plan.D), dtype=dtype, device=x.device)  # zeroed by shuffle_top_k's launch
+    counts, expert_ids, token_ids, token_weights, sel_rows = shuffle_top_k(
+        top_k_index, top_k_weights, E, zero_buffer=out
+    )
     m_sizes = counts[:E]
-
-    out = torch.zeros((T, plan.D), dtype=dtype, device=x.device)
-    post_norm = getattr(self, "has_post_expert_norm", False)
+    post_norm = plan.post_norm
     if plan.fast_swiglu and plan.b13 is None and plan.b2 is None and not post_norm:
         # The standard SwiGLU experts: moekit's one experts pipeline (the fused decode kernels at
         # small batches).
         run_experts(
             x, plan.w13.view(E, 2 * F, plan.D), plan.w2.view(E, plan.D, F), m_sizes, token_ids=token_ids,
-            expert_ids=expert_ids, row_weights=token_weights, out=out, deterministic=deterministic,
+            expert_ids=expert_ids, row_weights=token_weights, selection_rows=sel_rows, out=out,
+            deterministic=deterministic,
         )  # fmt: skip
         return out.to(hidden_states.dtype)
     unit = torch.ones((1, 1), dtype=torch.float32, device=x.device).expand(T, E)
@@ -554,9 +589,11 @@ def enable(model: torch.nn.Module, *, deterministic: bool = False, cuda_graphs: 
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name or '<root>'}: {e}") from e
     for name, m in found:
+        graph_tokens = GRAPH_MAX_TOKENS if cuda_graphs else 0
+        if (m.__dict__.get(_DET_ATTR), m.__dict__.get(_GRAPH_ATTR)) != (deterministic, graph_tokens):
+            _graphs.clear(m)  # new options: the old graphs would only hold memory
         m.__dict__[_DET_ATTR] = deterministic
-        m.__dict__[_GRAPH_ATTR] = GRAPH_MAX_TOKENS if cuda_graphs else 0
-        _graphs.clear(m)  # (options or weights may have changed: capture again)
+        m.__dict__[_GRAPH_ATTR] = graph_tokens
         if _is_llama4_moe(m) and _ORIG_FWD_ATTR not in m.__dict__:
             m.__dict__[_ORIG_FWD_ATTR] = m.__dict__.get("forward")
             m.forward = types.MethodType(_llama4_moe_forward, m)
@@ -566,11 +603,13 @@ def enable(model: torch.nn.Module, *, deterministic: bool = False, cuda_graphs: 
     return model
 
 
-def disable(model: torch.nn.Module, experts_implementation: str = "grouped_mm") -> torch.nn.Module:
+def disable(model: torch.nn.Module, experts_implementation: str = "grouped_mm", *, release: bool = True
+            ) -> torch.nn.Module:  # fmt: skip
     """Undo ``enable`` (or ``experts_implementation="moekit"`` at load): switch the experts to
     ``experts_implementation`` (transformers' default ``"grouped_mm"``, or ``"eager"``...; Llama 4
     blocks run their own forward for any value but ``"moekit"``), restore Llama 4 forwards and
-    free the repacked copies."""
+    (``release``, default) free the repacked copies and CUDA graphs; ``release=False`` keeps them
+    for a later ``enable`` with the same options (e.g. a benchmark switching back and forth)."""
     found = experts_modules(model)
     iface = [m for _, m in found if _uses_interface(m)]
     if iface:
@@ -582,9 +621,11 @@ def disable(model: torch.nn.Module, experts_implementation: str = "grouped_mm") 
             del m.forward
             if orig is not None:
                 m.forward = orig
-        m.__dict__.pop(_DET_ATTR, None)
-        m.__dict__.pop(_GRAPH_ATTR, None)
-    release_cache(model)
+        if release:
+            m.__dict__.pop(_DET_ATTR, None)
+            m.__dict__.pop(_GRAPH_ATTR, None)
+    if release:
+        release_cache(model)
     return model
 
 
@@ -593,4 +634,5 @@ def release_cache(model: torch.nn.Module) -> None:
     (rebuilt on demand)."""
     for m in model.modules():
         m.__dict__.pop(_CACHE_ATTR, None)
+        m.__dict__.pop(_PLAN_ATTR, None)
         _graphs.clear(m)

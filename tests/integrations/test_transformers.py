@@ -149,12 +149,14 @@ def test_from_pretrained_with_moekit(tmp_path):
 
 
 def _count_routings(monkeypatch) -> list:
-    """Calls of moekit's index_shuffling (one per MoE layer forward that ran moekit)."""
+    """Calls of moekit's routing ops (``shuffle_top_k``; Llama 4's blocks: ``index_shuffling``):
+    one per MoE layer forward that ran moekit."""
     import moekit.ops
 
     calls = []
-    real = moekit.ops.index_shuffling
-    monkeypatch.setattr(moekit.ops, "index_shuffling", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("index_shuffling", "shuffle_top_k"):
+        real = getattr(moekit.ops, name)
+        monkeypatch.setattr(moekit.ops, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     return calls
 
 
@@ -261,11 +263,7 @@ def test_duplicate_expert_ids_deterministic():
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("shape", [(2, 7, 3), (1, 1, 0)], ids=["batch_padded", "T1"])
 def test_model_matches_eager_fp32(family, shape, monkeypatch):
-    import moekit.ops
-
-    calls = []
-    real = moekit.ops.index_shuffling
-    monkeypatch.setattr(moekit.ops, "index_shuffling", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_routings(monkeypatch)
     model = _model(family)
     ids, mask = _inputs(*shape)
     ref = _logits(model, ids, mask, "eager")
