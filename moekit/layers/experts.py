@@ -63,7 +63,9 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
     # 2048 rows (H200, RESULTS.md session 8, after the router's split: Qwen3-30B T=16 187 vs 190
     # µs, T=64 290 vs 296, T=256 306 vs 318; DeepSeek-V3 TP8 T=16 294 vs 296, T=256 692 vs 700,
     # T=64 552 vs 548) and lost for top-1 / top-4 (gpt-oss-120b T=16 601 vs 591, T=64 1317 vs
-    # 1283; Scout T=16 593 vs 581), where it keeps to the GEMV kernels.
+    # 1283; Scout T=16 593 vs 581), where it keeps to the GEMV kernels. At 4096 rows (Qwen3-30B
+    # T=512, one eager transformers experts call, session 10) its kernels ran 337.6 µs against
+    # 346.3 and it launches two kernels fewer: ``decode_max_rows`` 4096.
     if rows <= s.decode_max_rows and rows / hits < DECODE_ROWS_PER_EXPERT:
         if top_k >= COMBINE_MIN_TOP_K or use_gemv(rows, hits):
             return "decode"
