@@ -37,12 +37,32 @@ def _time(fn, n: int, sync: bool) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def _generate_ms(model, ids, n: int) -> list:
+    """ms of each decode step of one greedy ``generate`` (a streamer notes the time of each token)."""
+    times = []
+
+    class _S:
+        def put(self, value):
+            torch.cuda.synchronize()
+            times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                       streamer=_S())  # fmt: skip
+    return [round((b - a) * 1e3, 2) for a, b in zip(times[1:], times[2:])]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="qwen3-moe")
     ap.add_argument("--tokens", default="1,512")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kernels", action="store_true", help="also the GPU kernels of 10 experts calls (profiler)")
+    ap.add_argument("--no-model", action="store_true", help="skip the whole-model profile")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_hf: needs a CUDA GPU")
@@ -69,6 +89,14 @@ def main() -> int:
                 gpu = _time(fn, 20, sync=True)
                 cpu = _time(fn, 20, sync=False)
                 print(f"T={T} {impl:>10}: {gpu:8.1f} us per call with a sync, {cpu:8.1f} us per call queued")
+                if args.kernels:
+                    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                    with torch.profiler.profile(activities=acts) as prof:
+                        for _ in range(10):
+                            fn()
+                        torch.cuda.synchronize()
+                    print(f"-- T={T} {impl}: kernels of 10 calls")
+                    print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70))
                 if impl == "moekit" and T > 32:
                     pr = cProfile.Profile()
                     pr.enable()
@@ -79,6 +107,8 @@ def main() -> int:
                     s = io.StringIO()
                     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
                     print("\n".join(s.getvalue().splitlines()[:45]))
+    if args.no_model:
+        return 0
     # The whole model: a prefill and one decode step under the profiler.
     ids = torch.randint(1, 32000, (1, 512), device=dev)
     for impl in (base, "moekit"):
@@ -96,6 +126,14 @@ def main() -> int:
                 model(input_ids=nxt, past_key_values=cache, use_cache=True)
                 torch.cuda.synchronize()
             print(f"== whole model, {impl}: one decode step (synced) {(time.perf_counter() - t0) / 10 * 1e3:.3f} ms")
+            from moekit.integrations import _graphs
+
+            for n, m in mt.experts_modules(model):
+                ents = [(k[0], v.seen, v.failed, v.graph is not None)
+                        for k, v in m.__dict__.get(_graphs._ATTR, {}).items() if k != "pool"]  # fmt: skip
+                print(f"   graphs of {n}: {ents}")
+            ms = _generate_ms(model, ids, 16)
+            print(f"== whole model, {impl}: generate 16 new tokens, ms per decode step: {ms}")
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
                 for _ in range(3):

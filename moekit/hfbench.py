@@ -293,12 +293,14 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 
 def _set_impl(model, impl: str, baseline: str) -> None:
+    """Switch ``model``'s experts to ``impl`` (moekit's repacked weights and CUDA graphs kept
+    across switches: the timed runs alternate between the two)."""
     from moekit.integrations import transformers as mt
 
     if impl == "moekit":
         mt.enable(model)
     else:
-        mt.disable(model, baseline)
+        mt.disable(model, baseline, release=False)
 
 
 def _default_impl(model) -> str:
@@ -398,14 +400,20 @@ def run_arch(arch: str, *, size: str, layers: int, vocab: int, batch: int, promp
             _, r["forced_steps"], _, _ = _generate(model, ids, mask, new_tokens, device, logits=True,
                                                    force=res["baseline"]["tokens"])  # fmt: skip
         prog.step(f"{arch}: {impl} warm-up + check", 1)
-        pre, dec = [], []
-        for i in range(reps):
-            _, _, p, d = _generate(model, ids, mask, new_tokens, device)
-            pre.append(p)
-            dec.append(d)
-            prog.step(f"{arch}: {impl} timed run {i + 1}/{reps}", 1)
-        r["prefill_s"], r["decode_s"] = statistics.median(pre), statistics.median(dec)
         res["moekit" if impl == "moekit" else "baseline"] = r
+    # Timed runs alternate (baseline, moekit, baseline, ...): a shared host's speed drifts between
+    # runs, and both sides see the same drift.
+    times: dict[str, tuple[list, list]] = {"baseline": ([], []), "moekit": ([], [])}
+    for i in range(reps):
+        for impl in (base_impl, "moekit"):
+            _set_impl(model, impl, base_impl)
+            _, _, p, d = _generate(model, ids, mask, new_tokens, device)
+            side = "moekit" if impl == "moekit" else "baseline"
+            times[side][0].append(p)
+            times[side][1].append(d)
+            prog.step(f"{arch}: {impl} timed run {i + 1}/{reps}", 1)
+    for side, (pre, dec) in times.items():
+        res[side]["prefill_s"], res[side]["decode_s"] = statistics.median(pre), statistics.median(dec)
     dims = expert_dims(model)
     mt.disable(model, base_impl)
     del model
@@ -493,7 +501,7 @@ def options(args: argparse.Namespace) -> dict:
         device=device, dtype=dtype, size=size, layers=get("layers", 2), batch=get("batch", 1),
         vocab=get("vocab", 32000 if full else 512), prompt_len=get("prompt_len", 512 if full else 64),
         new_tokens=get("new_tokens", (16 if quick else 32) if full else 16),
-        reps=get("reps", 1 if quick else (3 if device.type == "cuda" else 5)),
+        reps=get("reps", 1 if quick else 5),
         baseline=get("baseline", "default"), seed=get("seed", 0),
     )  # fmt: skip
     for k in ("layers", "batch", "prompt_len", "new_tokens", "reps"):

@@ -15,7 +15,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_PDL_SKIP`` | ``pdl_skip`` | the grouped GEMM's tiled and streaming kernels | kernels launched without PDL (comma-separated names) |
 | ``MOEKIT_PDL_MODE`` | ``pdl_mode`` | per kernel | force every PDL kernel's trigger: 1 early, 2 late (experiments) |
 | ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
-| ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 4096 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k; see ``moekit.layers.experts.choose_path``) |
+| ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 2048 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k; see ``moekit.layers.experts.choose_path``) |
 | ``MOEKIT_ROUTE_FUSED_MAX_T`` | ``route_fused_max_t`` | 8 | ``route_and_shuffle`` routes up to this many tokens in one program (one launch); more take a program per block of tokens and a placing launch |
 | ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True``) |
 | ``MOEKIT_GG_TUNED`` | ``gg_tuned`` | none | JSON table of grouped-GEMM configurations (``benchmarks/tune_gemm.py`` writes it) |
@@ -55,7 +55,7 @@ class Settings:
     pdl_skip: frozenset = _DEFAULT_PDL_SKIP
     pdl_mode: Optional[int] = None
     moe_path: str = "auto"
-    decode_max_rows: int = 4096
+    decode_max_rows: int = 2048
     route_fused_max_t: int = 8
     down_sum: str = "auto"
     gg_tuned: Optional[str] = None
@@ -119,7 +119,7 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         pdl_skip=skip,
         pdl_mode=int(mode) if mode else None,
         moe_path=_choice(env, "MOEKIT_MOE_PATH", "auto", MOE_PATHS),
-        decode_max_rows=_int(env, "MOEKIT_DECODE_MAX_ROWS", 4096),
+        decode_max_rows=_int(env, "MOEKIT_DECODE_MAX_ROWS", 2048),
         route_fused_max_t=_int(env, "MOEKIT_ROUTE_FUSED_MAX_T", 8),
         down_sum=_choice(env, "MOEKIT_DOWN_SUM", "auto", DOWN_SUMS),
         gg_tuned=env.get("MOEKIT_GG_TUNED") or None,

@@ -42,9 +42,11 @@ DECODE_ROWS_PER_EXPERT = 48
 COMBINE_MIN_TOP_K = 6
 
 
-def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool = False, top_k: int = 1) -> str:
+def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool = False, top_k: int = 1,
+                max_rows: Optional[int] = None) -> str:  # fmt: skip
     """``"decode"`` or ``"sorted"`` for ``rows`` routed rows over ``experts`` local experts
-    (``fp8``: FP8 expert weights; ``top_k``: rows per token)."""
+    (``fp8``: FP8 expert weights; ``top_k``: rows per token; ``max_rows``: the bf16 decode
+    pipeline's row bound, default ``settings.decode_max_rows``)."""
     from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
 
     s = settings.get()
@@ -64,9 +66,12 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
     # µs, T=64 290 vs 296, T=256 306 vs 318; DeepSeek-V3 TP8 T=16 294 vs 296, T=256 692 vs 700,
     # T=64 552 vs 548) and lost for top-1 / top-4 (gpt-oss-120b T=16 601 vs 591, T=64 1317 vs
     # 1283; Scout T=16 593 vs 581), where it keeps to the GEMV kernels. At 4096 rows (Qwen3-30B
-    # T=512, one eager transformers experts call, session 10) its kernels ran 337.6 µs against
-    # 346.3 and it launches two kernels fewer: ``decode_max_rows`` 4096.
-    if rows <= s.decode_max_rows and rows / hits < DECODE_ROWS_PER_EXPERT:
+    # T=512, session 10) it ran 337.6 µs against 346.3 on uniform random routing but 1581 against
+    # 1493 per 2-layer model forward on a model's own (uneven) routing: the GPU bound stays 2048.
+    # Eager callers, whose host sets the pace, pass a larger ``max_rows`` (two launches fewer:
+    # that forward's host time 8495 against 9362 µs).
+    bound = s.decode_max_rows if max_rows is None else max_rows
+    if rows <= bound and rows / hits < DECODE_ROWS_PER_EXPERT:
         if top_k >= COMBINE_MIN_TOP_K or use_gemv(rows, hits):
             return "decode"
     return "sorted"

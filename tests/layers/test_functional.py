@@ -284,14 +284,14 @@ def test_gpu_decode_compiles_fullgraph():
 
 @pytest.mark.reference
 def test_choose_path_size_rules():
-    """The measured bounds (RESULTS.md session 8): bf16 top-8 decode up to 4096 rows spread thin,
+    """The measured bounds (RESULTS.md session 8): bf16 top-8 decode up to 2048 rows spread thin,
     top-1 / top-4 and FP8 only at GEMV sizes; a pinned path wins."""
     from moekit import settings
     from moekit.layers.experts import choose_path
 
     assert choose_path(2048, 128, top_k=8) == "decode"  # Qwen3-30B T=256
-    assert choose_path(4096, 128, top_k=8) == "decode"  # Qwen3-30B T=512
-    assert choose_path(8192, 256, top_k=8) == "sorted"  # past decode_max_rows
+    assert choose_path(4096, 128, top_k=8) == "sorted"  # past decode_max_rows
+    assert choose_path(4096, 128, top_k=8, max_rows=4096) == "decode"  # an eager caller's bound
     assert choose_path(2048, 16, top_k=8) == "sorted"  # 128 rows per expert
     assert choose_path(64, 128, top_k=4) == "sorted" and choose_path(4, 128, top_k=4) == "decode"
     assert choose_path(2048, 128, fp8=True, top_k=8) == "sorted" and choose_path(8, 128, fp8=True, top_k=8) == "decode"
