@@ -24,10 +24,12 @@ setup: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/moekit bench
 
-# Lint (ruff, configured in pyproject.toml), then the reference and interpreter tiers on the CPU
-# (the GPU tier is skipped without CUDA).
+# Lint and format check (ruff, configured in pyproject.toml; `ruff format moekit tests benchmarks`
+# fixes the format), then the reference and interpreter tiers on the CPU (the GPU tier is skipped
+# without CUDA).
 test: $(STAMP)
 	$(BIN)/ruff check moekit tests benchmarks
+	$(BIN)/ruff format --check moekit tests benchmarks
 	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
 
 # On a CUDA machine with torch and triton already installed (no network): GPU tier + benchmarks.

@@ -120,10 +120,13 @@ def bench_silu(T, F, mslk, rows):
     _check(torch.allclose(s, rs, rtol=1e-5) and (q.float() - rq.float()).abs().max().item() <= 32.0, "silu_mul_quant")
 
     def mk(fn):
-        return lambda h: (lambda: fn(*halves(h)))
+        return lambda h: lambda: fn(*halves(h))
 
-    _plans(f"T={T} F={F}", silu=tri_act.tile_config(T, F, 2, x0.device),
-           quant=tri_act.silu_mul_quant_config(T, F, 2, x0.device))
+    _plans(
+        f"T={T} F={F}",
+        silu=tri_act.tile_config(T, F, 2, x0.device),
+        quant=tri_act.silu_mul_quant_config(T, F, 2, x0.device),
+    )
     nbytes = in_bytes + T * F * 2
     ours = _time(mk(silu_mul), sets)
     peer = _time(mk(mslk["silu_mul"]), sets) if "silu_mul" in mslk else None
@@ -144,7 +147,7 @@ def bench_quant(T, K, mslk, rows):
     _check(torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "quantize_fp8_row")
 
     def mk(fn):
-        return lambda a: (lambda: fn(a))
+        return lambda a: lambda: fn(a)
 
     _plans(f"T={T} K={K}", quantize=tri_q.quantize_config(T, K, 2, sets[0].device))
     ours = _time(mk(quantize_fp8_row), sets)
@@ -164,10 +167,13 @@ def bench_norm(T, H, rows):
     ]
     g = torch.randn(H, device="cuda", dtype=torch.bfloat16)
     x, r = sets[0]
-    _check(torch.allclose(rms_norm(x, g, 1e-6, r).float(), torch_rms_norm(x, g, 1e-6, r).float(), rtol=2e-2, atol=2e-2), "rms_norm")
+    _check(
+        torch.allclose(rms_norm(x, g, 1e-6, r).float(), torch_rms_norm(x, g, 1e-6, r).float(), rtol=2e-2, atol=2e-2),
+        "rms_norm",
+    )
 
     def mk(fn):
-        return lambda s: (lambda: fn(s[0], g, 1e-6, s[1]))
+        return lambda s: lambda: fn(s[0], g, 1e-6, s[1])
 
     ours = _time(mk(rms_norm), sets)
     rows.append(_row("rms_norm (+residual)", T, H, per_set + 2 * H, ours, None, _time(mk(torch_rms_norm), sets)))

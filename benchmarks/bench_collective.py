@@ -131,8 +131,18 @@ def run(rank: int, world: int, quick: bool) -> None:
     max_m = max(ms)
     t_start = time.time()
     p2p = _p2p_write_gbps(group)
-    ck = comm.CollectiveKernel(group=group, rank=rank, tp_size=R, latent_dim=L, hidden_dim=H, max_m=max_m,
-                               max_token_ctas=max_m, rms_eps=EPS, fp32_internal=False, backend="symm_mem")
+    ck = comm.CollectiveKernel(
+        group=group,
+        rank=rank,
+        tp_size=R,
+        latent_dim=L,
+        hidden_dim=H,
+        max_m=max_m,
+        max_token_ctas=max_m,
+        rms_eps=EPS,
+        fp32_internal=False,
+        backend="symm_mem",
+    )
     arn = comm.AllReduceRMSNorm(group, max_m, H, eps=EPS, fp32_internal=False, backend="symm_mem")
     gamma_l = (torch.rand(L, device=dev) + 0.5).to(torch.bfloat16)
     gamma_h = (torch.rand(H, device=dev) + 0.5).to(torch.bfloat16)
@@ -157,8 +167,10 @@ def run(rank: int, world: int, quick: bool) -> None:
     for M in ms:
         per_set = M * (L + H) * 2
         n = rotations(per_set)
-        sets = [(torch.randn(M, L, device=dev).to(torch.bfloat16), torch.randn(M, H, device=dev).to(torch.bfloat16))
-                for _ in range(n)]
+        sets = [
+            (torch.randn(M, L, device=dev).to(torch.bfloat16), torch.randn(M, H, device=dev).to(torch.bfloat16))
+            for _ in range(n)
+        ]
         sh_out = torch.empty(M, S, device=dev, dtype=torch.bfloat16)
         # correctness spot check of the fused call against the NCCL pipeline (rank-local view)
         lo, so = ck(sets[0][0], sets[0][1], gamma_l)
@@ -166,8 +178,10 @@ def run(rank: int, world: int, quick: bool) -> None:
         dist.all_reduce(ref_lat)
         ref_sh = sets[0][1].view(M, R, S).transpose(0, 1).contiguous()
         rs(sh_out, ref_sh.view(R * M, S))
-        if not (torch.allclose(lo.float(), torch_norm(ref_lat, gamma_l).float(), rtol=3e-2, atol=3e-2)
-                and torch.allclose(so.float(), sh_out.float(), rtol=2e-2, atol=2e-2)):
+        if not (
+            torch.allclose(lo.float(), torch_norm(ref_lat, gamma_l).float(), rtol=3e-2, atol=3e-2)
+            and torch.allclose(so.float(), sh_out.float(), rtol=2e-2, atol=2e-2)
+        ):
             print(f"  WARNING: fused output disagrees with the NCCL pipeline at M={M}", flush=True)
 
         fused = _time([lambda s=s: ck(s[0], s[1], gamma_l) for s in sets], "fused")
@@ -182,8 +196,9 @@ def run(rank: int, world: int, quick: bool) -> None:
         one = "error"
         if one_shot_in is not None:
             view = one_shot_in[:M]
-            one = _time([lambda: torch.ops.symm_mem.one_shot_all_reduce(view, "sum", group.group_name)],
-                        "torch one-shot")
+            one = _time(
+                [lambda: torch.ops.symm_mem.one_shot_all_reduce(view, "sum", group.group_name)], "torch one-shot"
+            )
         xs = [torch.randn(M, H, device=dev).to(torch.bfloat16) for _ in range(rotations(M * H * 2))]
         ours_arn = _time([lambda x=x: arn(x, gamma_h) for x in xs], "all_reduce_rms_norm")
 
@@ -211,8 +226,11 @@ def run(rank: int, world: int, quick: bool) -> None:
                 row["% floor"] = 100.0 * (egress / (p2p * 1e9) * 1e6) / fused
         rows.append(row)
         if rank == 0:
-            print(f"M={M}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in row.items() if k != "M"), flush=True)
+            print(
+                f"M={M}: "
+                + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "M"),
+                flush=True,
+            )
     ck.check()
     arn.check()
     if rank == 0:
@@ -220,8 +238,10 @@ def run(rank: int, world: int, quick: bool) -> None:
         print()
         bw = f"; P2P write {p2p:.0f} GB/s per rank" if p2p else ""
         print(f"## MoE-tail collective, {R} GPUs ({env.get('gpu')}), L={L}, H={H}, bf16, CUDA graphs{bw}")
-        print(f"torch {env['torch']}, triton {env['triton']}, {env['date']}, "
-              f"command: python benchmarks/bench_collective.py{' --quick' if quick else ''}")
+        print(
+            f"torch {env['torch']}, triton {env['triton']}, {env['date']}, "
+            f"command: python benchmarks/bench_collective.py{' --quick' if quick else ''}"
+        )
         print()
         print(markdown_table(rows))
         print()
@@ -231,10 +251,13 @@ def run(rank: int, world: int, quick: bool) -> None:
             if M <= 16 and "fused/NCCL" in r:
                 checks.append((f"M={M}: fused <= 0.25x NCCL tail", r["fused/NCCL"] <= 0.25, r["fused/NCCL"]))
             if M <= 128 and "fused/1-shot" in r:
-                checks.append((f"M={M}: fused <= torch one-shot AR of the latent", r["fused/1-shot"] <= 1.0,
-                               r["fused/1-shot"]))
+                checks.append(
+                    (f"M={M}: fused <= torch one-shot AR of the latent", r["fused/1-shot"] <= 1.0, r["fused/1-shot"])
+                )
             if M <= 128 and "ARN/NCCL" in r:
-                checks.append((f"M={M}: all_reduce_rms_norm <= 0.5x NCCL AR + norm", r["ARN/NCCL"] <= 0.5, r["ARN/NCCL"]))
+                checks.append(
+                    (f"M={M}: all_reduce_rms_norm <= 0.5x NCCL AR + norm", r["ARN/NCCL"] <= 0.5, r["ARN/NCCL"])
+                )
         for what, ok, ratio in checks:
             print(f"target {'PASS' if ok else 'MISS'}: {what} (ratio {ratio:.2f})")
         passed = sum(ok for _, ok, _ in checks)
@@ -253,8 +276,9 @@ def _worker(rank: int, world: int, port: int, quick: bool) -> None:
     os.environ.update(NO_MULTICAST_ENV)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(seconds=180),
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl", rank=rank, world_size=world, timeout=timedelta(seconds=180), device_id=torch.device("cuda", rank)
+    )
     try:
         run(rank, world, quick)
     finally:

@@ -119,20 +119,24 @@ def bench_case(T: int, E: int, K: int, mslk: dict, rows: list, scatter_only: boo
         _warn(torch.equal(got, want), "gather_scale_dense_tokens")
         q, sc = ops.gather_scale_quant_dense_tokens(s0["x"], s0["tidx"], s0["eidx"], s0["scores"])
         rq, rs = reference.gather_scale_quant_dense_tokens(s0["x"], s0["tidx"], s0["eidx"], s0["scores"])
-        _warn(torch.allclose(sc, rs, rtol=1e-6, atol=0) and (q.float() - rq.float()).abs().max().item() <= 32.0,
-              "gather_scale_quant_dense_tokens")
+        _warn(
+            torch.allclose(sc, rs, rtol=1e-6, atol=0) and (q.float() - rq.float()).abs().max().item() <= 32.0,
+            "gather_scale_quant_dense_tokens",
+        )
 
         def mk_g(fn):
-            return lambda s: (lambda: fn(s["x"], s["tidx"], s["eidx"], s["scores"]))
+            return lambda s: lambda: fn(s["x"], s["tidx"], s["eidx"], s["scores"])
 
         ours = _time(mk_g(ops.gather_scale_dense_tokens), sets)
         peer = _time(mk_g(mslk["gather_scale_dense_tokens"]), sets) if "gather_scale_dense_tokens" in mslk else None
-        rows.append(_row("gather_scale", T, E, K, g_bytes, ours, peer, _time(lambda s: (lambda: torch_gather_scale(s)), sets)))
+        rows.append(
+            _row("gather_scale", T, E, K, g_bytes, ours, peer, _time(lambda s: lambda: torch_gather_scale(s), sets))
+        )
 
         ours = _time(mk_g(ops.gather_scale_quant_dense_tokens), sets)
         name = "gather_scale_quant_dense_tokens"
         peer = _time(mk_g(mslk[name]), sets) if name in mslk else None
-        tq = _time(lambda s: (lambda: torch_gather_scale_quant(s)), sets)
+        tq = _time(lambda s: lambda: torch_gather_scale_quant(s), sets)
         rows.append(_row("gather_scale_quant", T, E, K, q_bytes, ours, peer, tq))
 
     # scatter-add: check on copies, then time in place (the outputs just keep accumulating).
@@ -141,13 +145,15 @@ def bench_case(T: int, E: int, K: int, mslk: dict, rows: list, scatter_only: boo
     ops.scatter_add_dense_tokens(o2, s0["rows"], s0["tidx"], deterministic=True)
     reference.scatter_add_dense_tokens(o3, s0["rows"], s0["tidx"])
     _warn((o1.float() - o3.float()).norm().item() <= 1e-2 * o3.float().norm().item(), "scatter_add_dense_tokens")
-    _warn((o2.float() - o3.float()).norm().item() <= 1e-2 * o3.float().norm().item(),
-          "scatter_add_dense_tokens(deterministic=True)")
+    _warn(
+        (o2.float() - o3.float()).norm().item() <= 1e-2 * o3.float().norm().item(),
+        "scatter_add_dense_tokens(deterministic=True)",
+    )
 
     def mk_s(fn, **kw):
-        return lambda s: (lambda: fn(s["out"], s["rows"], s["tidx"], **kw))
+        return lambda s: lambda: fn(s["out"], s["rows"], s["tidx"], **kw)
 
-    tsc = _time(lambda s: (lambda: torch_scatter_add(s)), sets)
+    tsc = _time(lambda s: lambda: torch_scatter_add(s), sets)
     peer = _time(mk_s(mslk["scatter_add_dense_tokens"]), sets) if "scatter_add_dense_tokens" in mslk else None
     ours = _time(mk_s(ops.scatter_add_dense_tokens), sets)
     rows.append(_row("scatter_add (default)", T, E, K, s_bytes, ours, peer, tsc))

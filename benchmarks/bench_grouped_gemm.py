@@ -248,7 +248,9 @@ def _moekit_fns(case: Case, config=None):
     out = []
     for s in case.sets:
         if config is not None:
-            out.append(lambda s=s: tri.grouped_gemm(s["x"], s["w"], s["ms"], x_scale=s["xs"], w_scale=s["ws"], config=config))
+            out.append(
+                lambda s=s: tri.grouped_gemm(s["x"], s["w"], s["ms"], x_scale=s["xs"], w_scale=s["ws"], config=config)
+            )
         elif case.fp8:
             out.append(lambda s=s: grouped_gemm_fp8_rowwise(s["x"], s["w"], s["ms"], s["xs"], s["ws"]))
         else:
@@ -291,7 +293,11 @@ def _check(case: Case) -> None:
     s = case.sets[0]
     if case.M == 0:
         return
-    y = grouped_gemm_fp8_rowwise(s["x"], s["w"], s["ms"], s["xs"], s["ws"]) if case.fp8 else grouped_gemm(s["x"], s["w"], s["ms"])
+    y = (
+        grouped_gemm_fp8_rowwise(s["x"], s["w"], s["ms"], s["xs"], s["ws"])
+        if case.fp8
+        else grouped_gemm(s["x"], s["w"], s["ms"])
+    )
     sizes = s["ms"].tolist()
     start, num, den = 0, 0.0, 0.0
     N = case.N
@@ -404,7 +410,11 @@ def bench_dense(rows, quick):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one shape per model family at M = 1, 16, 128, 16384 (about 2 min with compilation)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="one shape per model family at M = 1, 16, 128, 16384 (about 2 min with compilation)",
+    )
     ap.add_argument("--dense", action="store_true", help="also the dense FP8 GEMM (Triton vs torch._scaled_mm)")
     ap.add_argument("--variants", action="store_true", help="also time moekit's alternative kernel variants")
     ap.add_argument("--tune", metavar="PATH", help="tune configs on the benchmark shapes, write the JSON table")

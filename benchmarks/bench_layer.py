@@ -23,8 +23,11 @@ from moekit.benchmarking import markdown_table, save_rows
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--models", default=None, help="default: qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout "
-                   "(--quick: the first two)")
+    p.add_argument(
+        "--models",
+        default=None,
+        help="default: qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout (--quick: the first two)",
+    )
     p.add_argument("--dtype", default="bf16,fp8")
     p.add_argument("--tokens", default=None)
     a = p.parse_args()
@@ -34,7 +37,11 @@ def main() -> int:
     models = (a.models or "qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout").split(",")
     if a.quick and not a.models:
         models = models[:2]
-    tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else (layer_bench.GPU_TOKENS_QUICK if a.quick else layer_bench.GPU_TOKENS)
+    tokens = (
+        [int(t) for t in a.tokens.split(",")]
+        if a.tokens
+        else (layer_bench.GPU_TOKENS_QUICK if a.quick else layer_bench.GPU_TOKENS)
+    )
     rows, wrong = [], []
     for dt in a.dtype.split(","):  # every model in bf16 first: a run cut short loses FP8 rows first
         for m in models:

@@ -85,7 +85,7 @@ def bench_cell(T, E, K, has_mslk, rows, path_rows):
     if not ok:
         print(f"  WARNING: moekit disagrees with the reference at T={T} E={E} K={K}")
 
-    ours = _time(lambda s: (lambda: index_shuffling(s, top_k=K)), sets)
+    ours = _time(lambda s: lambda: index_shuffling(s, top_k=K), sets)
     if not has_mslk:
         peer = None
     elif E not in MSLK_E or K not in MSLK_K:
@@ -98,8 +98,8 @@ def bench_cell(T, E, K, has_mslk, rows, path_rows):
                 print(f"  note: MSLK counts differ from the reference at T={T} E={E} K={K}")
         except Exception as e:  # noqa: BLE001
             print(f"  MSLK check call failed: {type(e).__name__}: {str(e)[:160]}")
-        peer = _time(lambda s: (lambda: torch.ops.mslk.index_shuffling(s, top_k=K)), sets)
-    t_torch = _time(lambda s: (lambda: torch_index_shuffling(s, K)), sets)
+        peer = _time(lambda s: lambda: torch.ops.mslk.index_shuffling(s, top_k=K), sets)
+    t_torch = _time(lambda s: lambda: torch_index_shuffling(s, K), sets)
 
     p = tri.plan(T, E, K, torch.bfloat16, torch.cuda.get_device_properties(0).multi_processor_count)
     fl = floor_us(nbytes)
@@ -124,7 +124,7 @@ def bench_cell(T, E, K, has_mslk, rows, path_rows):
             if kw.get("force") == "single" and T * E > 32768:
                 prow[label] = "—"
                 continue
-            prow[label] = _time(lambda s, kw=kw: (lambda: tri.index_shuffling(s, top_k=K, **kw)), sets)
+            prow[label] = _time(lambda s, kw=kw: lambda: tri.index_shuffling(s, top_k=K, **kw), sets)
         path_rows.append(prow)
 
 

@@ -94,8 +94,15 @@ def make_set(layout: str, EP: int, T: int, seed: int) -> dict:
     _, _, co = shuffle_row_map(counts, n_rows, start, end, layout == "padded")
     moved = int(co[-1])
     combined = torch.randn(n_rows, D, device="cuda", dtype=torch.bfloat16)
-    return {"tokens": tokens, "counts": counts, "start": start, "end": end, "padded": layout == "padded",
-            "moved": moved, "combined": combined}
+    return {
+        "tokens": tokens,
+        "counts": counts,
+        "start": start,
+        "end": end,
+        "padded": layout == "padded",
+        "moved": moved,
+        "combined": combined,
+    }
 
 
 def torch_combine(s):
@@ -133,17 +140,17 @@ def bench_case(layout: str, EP: int, T: int, mslk: dict, rows: list) -> None:
         print("  WARNING: moekit split_shuffling disagrees with moekit.reference")
 
     def mk_c(fn):
-        return lambda s: (lambda: fn(s["tokens"], s["counts"], s["start"], s["end"], s["padded"]))
+        return lambda s: lambda: fn(s["tokens"], s["counts"], s["start"], s["end"], s["padded"])
 
     def mk_s(fn):
-        return lambda s: (lambda: fn(s["combined"], s["counts"], s["start"], s["end"], s["padded"], False))
+        return lambda s: lambda: fn(s["combined"], s["counts"], s["start"], s["end"], s["padded"], False)
 
     ours = _time(mk_c(combine_shuffling), sets)
     peer = _time(mk_c(mslk["combine_shuffling"]), sets) if "combine_shuffling" in mslk else None
-    rows.append(_row("combine", layout, EP, T, moved, ours, peer, _time(lambda s: (lambda: torch_combine(s)), sets)))
+    rows.append(_row("combine", layout, EP, T, moved, ours, peer, _time(lambda s: lambda: torch_combine(s), sets)))
     ours = _time(mk_s(split_shuffling), sets)
     peer = _time(mk_s(mslk["split_shuffling"]), sets) if "split_shuffling" in mslk else None
-    rows.append(_row("split", layout, EP, T, moved, ours, peer, _time(lambda s: (lambda: torch_split(s)), sets)))
+    rows.append(_row("split", layout, EP, T, moved, ours, peer, _time(lambda s: lambda: torch_split(s), sets)))
 
 
 def main() -> int:

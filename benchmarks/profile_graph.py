@@ -150,9 +150,12 @@ def _profile(arch: str, tokens: list, dev: torch.device) -> None:
         variants = [("baseline " + base, base, {}, True)]
         if T <= mt.GRAPH_MAX_TOKENS:
             variants += [("moekit graph", "moekit", {}, True), ("moekit graph, no PDL", "moekit", {"pdl": False}, True)]
-        variants += [("moekit eager", "moekit", {}, False), ("moekit eager, no PDL", "moekit", {"pdl": False}, False),
-                     ("moekit eager, decode path", "moekit", {"moe_path": "decode"}, False),
-                     ("moekit eager, sorted path", "moekit", {"moe_path": "sorted"}, False)]
+        variants += [
+            ("moekit eager", "moekit", {}, False),
+            ("moekit eager, no PDL", "moekit", {"pdl": False}, False),
+            ("moekit eager, decode path", "moekit", {"moe_path": "decode"}, False),
+            ("moekit eager, sorted path", "moekit", {"moe_path": "sorted"}, False),
+        ]
         for label, impl, over, graphs in variants:
             hfbench._set_impl(model, impl, base)
             if impl == "moekit":
@@ -171,26 +174,34 @@ def _profile(arch: str, tokens: list, dev: torch.device) -> None:
                     torch.cuda.synchronize()
                 busy = sum(ev.time_range.elapsed_us() for ev in kp.events()
                            if ev.device_type == torch.autograd.DeviceType.CUDA) / 5  # fmt: skip
-                print(f"T={T} {label:>26}: queued {q:7.1f} us, with a sync {s:7.1f} us, GPU span {g:7.1f} us, "
-                      f"kernels {busy:7.1f} us")
+                print(
+                    f"T={T} {label:>26}: queued {q:7.1f} us, with a sync {s:7.1f} us, GPU span {g:7.1f} us, "
+                    f"kernels {busy:7.1f} us"
+                )
                 if label == "moekit graph":
                     e = next(v for k, v in mod.__dict__[_graphs._ATTR].items() if k != "pool" and v.graph is not None)
                     rq = _host(e.graph.replay, 30, sync=False)
                     rs = _host(e.graph.replay, 30, sync=True)
                     rg = _span(e.graph.replay, 15)
-                    print(f"T={T} {'bare replay':>26}: queued {rq:7.1f} us, with a sync {rs:7.1f} us, GPU span {rg:7.1f} us")
+                    print(
+                        f"T={T} {'bare replay':>26}: queued {rq:7.1f} us, with a sync {rs:7.1f} us, GPU span {rg:7.1f} us"
+                    )
                     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                     torch.cuda.synchronize()
                     with torch.profiler.profile(activities=acts) as prof:
                         for _ in range(2):
                             fn()
                             torch.cuda.synchronize()
-                    evs = sorted((ev for ev in prof.events() if ev.time_range.end > 0), key=lambda ev: ev.time_range.start)
+                    evs = sorted(
+                        (ev for ev in prof.events() if ev.time_range.end > 0), key=lambda ev: ev.time_range.start
+                    )
                     t0 = evs[0].time_range.start
                     print("   timeline of two synced calls (us from the first event; device rows marked *):")
                     for ev in evs[-60:]:
                         dev_row = "*" if ev.device_type == torch.autograd.DeviceType.CUDA else " "
-                        print(f"   {dev_row} {ev.time_range.start - t0:9.1f} {ev.time_range.end - t0:9.1f}  {ev.name[:70]}")
+                        print(
+                            f"   {dev_row} {ev.time_range.start - t0:9.1f} {ev.time_range.end - t0:9.1f}  {ev.name[:70]}"
+                        )
 
 
 if __name__ == "__main__":

@@ -96,7 +96,9 @@ def main() -> int:
                             fn()
                         torch.cuda.synchronize()
                     print(f"-- T={T} {impl}: kernels of 10 calls")
-                    print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70))
+                    print(
+                        prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70)
+                    )
                 if impl == "moekit" and T > 32:
                     pr = cProfile.Profile()
                     pr.enable()

@@ -105,7 +105,10 @@ def main() -> int:
             ("a bare 3-argument Triton kernel", lambda: tiny[(1,)](buf, 64, BLOCK=64)),
             ("torch.topk + softmax (two torch ops)", lambda: torch.topk(torch.softmax(scores, -1), k, -1)),
             ("index_shuffling: public", lambda: ops.index_shuffling(scores, top_k=k)),
-            ("index_shuffling: torch.ops.moekit", lambda: torch.ops.moekit.index_shuffling(scores, None, None, None, k)),
+            (
+                "index_shuffling: torch.ops.moekit",
+                lambda: torch.ops.moekit.index_shuffling(scores, None, None, None, k),
+            ),
             ("index_shuffling: Triton launcher", bare(lambda: troute.index_shuffling(scores, None, None, None, k))),
             ("silu_mul: public", lambda: ops.silu_mul(h[:, :F], h[:, F:])),
             ("silu_mul: torch.ops.moekit", lambda: torch.ops.moekit.silu_mul(h[:, :F], h[:, F:], None)),
@@ -113,15 +116,20 @@ def main() -> int:
             ("grouped_gemm w13: public", lambda: ops.grouped_gemm(xg, w13f, m)),
             ("grouped_gemm w13: torch.ops.moekit", lambda: torch.ops.moekit.grouped_gemm(xg, w13f, m)),
             ("grouped_gemm w13: Triton launcher", bare(lambda: tgg.grouped_gemm(xg, w13f, m))),
-            ("run_experts (the whole pipeline)", lambda: run_experts(x, w13, w2, m, token_ids=tidx, expert_ids=eidx,
-                                                                     row_weights=rw, out=out)),  # fmt: skip
+            (
+                "run_experts (the whole pipeline)",
+                lambda: run_experts(x, w13, w2, m, token_ids=tidx, expert_ids=eidx, row_weights=rw, out=out),
+            ),  # fmt: skip
         ]
         for name, fn in cases:
             us = per_call(fn)
             rows.append((T, name, us))
             print(f"{T:>5} {name:<58} {us:>22.1f}")
         profile(f"T={T} Triton launcher of grouped_gemm w13", bare(lambda: tgg.grouped_gemm(xg, w13f, m)))
-        profile(f"T={T} Triton launcher of index_shuffling", bare(lambda: troute.index_shuffling(scores, None, None, None, k)))
+        profile(
+            f"T={T} Triton launcher of index_shuffling",
+            bare(lambda: troute.index_shuffling(scores, None, None, None, k)),
+        )
         profile(f"T={T} run_experts", lambda: run_experts(x, w13, w2, m, token_ids=tidx, expert_ids=eidx,
                                                           row_weights=rw, out=out))  # fmt: skip
     return 0

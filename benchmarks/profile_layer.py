@@ -42,10 +42,26 @@ def profile_one(model: str, T: int, fp8: bool, top: int) -> dict:
 
     def step() -> torch.Tensor:  # the routed experts from router logits (what bench_layer times)
         if q is None:
-            return moe_forward(x, None, w["w13_e2FD"], w["w2_eDF"], cfg, logits_TE=logits,
-                               e_score_correction_bias=w.get("e_score_correction_bias"))
-        return moe_forward(x, None, q["w13"], q["w2"], cfg, logits_TE=logits, w13_scale_e2F=q["w13_scale"],
-                           w2_scale_eD=q["w2_scale"], e_score_correction_bias=w.get("e_score_correction_bias"))
+            return moe_forward(
+                x,
+                None,
+                w["w13_e2FD"],
+                w["w2_eDF"],
+                cfg,
+                logits_TE=logits,
+                e_score_correction_bias=w.get("e_score_correction_bias"),
+            )
+        return moe_forward(
+            x,
+            None,
+            q["w13"],
+            q["w2"],
+            cfg,
+            logits_TE=logits,
+            w13_scale_e2F=q["w13_scale"],
+            w2_scale_eD=q["w2_scale"],
+            e_score_correction_bias=w.get("e_score_correction_bias"),
+        )
 
     for _ in range(3):  # compile every Triton kernel first
         step()
@@ -60,12 +76,22 @@ def profile_one(model: str, T: int, fp8: bool, top: int) -> dict:
     kernels = [(e.name, e.time_range.elapsed_us()) for e in gpu]
     wall = bench_us(step, replays=20)
     total = sum(t for _, t in kernels)
-    print(f"== {model} T={T} {'fp8' if fp8 else 'bf16'}: {len(kernels)} kernels, {total:.1f} µs of kernel time, "
-          f"{wall:.1f} µs per forward in a CUDA graph", flush=True)
+    print(
+        f"== {model} T={T} {'fp8' if fp8 else 'bf16'}: {len(kernels)} kernels, {total:.1f} µs of kernel time, "
+        f"{wall:.1f} µs per forward in a CUDA graph",
+        flush=True,
+    )
     for name, t in kernels[:top]:
         print(f"   {t:8.2f} µs  {name[:110]}")
-    return {"model": model, "T": T, "dtype": "fp8" if fp8 else "bf16", "kernels": len(kernels),
-            "kernel_us": total, "graph_us": wall, "gap_us": wall - total}
+    return {
+        "model": model,
+        "T": T,
+        "dtype": "fp8" if fp8 else "bf16",
+        "kernels": len(kernels),
+        "kernel_us": total,
+        "graph_us": wall,
+        "gap_us": wall - total,
+    }
 
 
 def main() -> int:

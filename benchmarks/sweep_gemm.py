@@ -38,9 +38,11 @@ from moekit.ops._triton.gg_config import (  # noqa: E402
 )
 from moekit.ops._triton.grouped_gemm import grouped_gemm  # noqa: E402
 
-DEFAULT = ("deepseek-w2:16384:bf16,deepseek-w2:16384:fp8,qwen3-w2:16384:fp8,maverick-tp8-w2:16384:fp8,"
-           "qwen3-w2:16:fp8,maverick-tp8-w2:16:fp8,qwen3-w2:128:fp8,maverick-tp8-w2:1:fp8,qwen3-w2:1:fp8,"
-           "scout-tp8-w13:1:bf16,scout-tp8-w13:1:fp8")
+DEFAULT = (
+    "deepseek-w2:16384:bf16,deepseek-w2:16384:fp8,qwen3-w2:16384:fp8,maverick-tp8-w2:16384:fp8,"
+    "qwen3-w2:16:fp8,maverick-tp8-w2:16:fp8,qwen3-w2:128:fp8,maverick-tp8-w2:1:fp8,qwen3-w2:1:fp8,"
+    "scout-tp8-w13:1:bf16,scout-tp8-w13:1:fp8"
+)
 
 
 def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> list[GemmConfig]:
@@ -53,8 +55,9 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
             for bk in sorted({max(16, h.block_k // 2), h.block_k, min(kpow, h.block_k * 2)}):
                 stages = 1 + max(2, min(6, (32 * 1024) // (bn * bk * elem)))
                 out.append(GemmConfig("gemv", 1, bn, bk, stages, 4, use_tma=False))
-        h = replace(h, kind="stream", block_m=16, block_n=64, block_k=max(16, min(kpow, 256 // elem)), stages=5,
-                    use_tma=True)
+        h = replace(
+            h, kind="stream", block_m=16, block_n=64, block_k=max(16, min(kpow, 256 // elem)), stages=5, use_tma=True
+        )
         out.append(h)
     if h.kind == "stream":
         for bn in sorted({max(16, h.block_n // 2), h.block_n, min(128, h.block_n * 2)}):
@@ -67,8 +70,14 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
                     out.append(GemmConfig("stream", h.block_m, bn, bk, stages, warps, use_tma=tma))
                 out.append(GemmConfig("stream", h.block_m, bn, bk, stages, warps, use_tma=True, x_tma=True))
     bk = 128 if elem == 1 else (64 if elem == 2 else 32)
-    for bm, bn, k, stages in ((128, 128, bk, 4), (128, 128, 2 * bk, 3), (128, 256, bk, 3), (64, 256, bk, 3),
-                              (64, 256, bk, 4), (64, 128, bk, 4)):
+    for bm, bn, k, stages in (
+        (128, 128, bk, 4),
+        (128, 128, 2 * bk, 3),
+        (128, 256, bk, 3),
+        (64, 256, bk, 3),
+        (64, 256, bk, 4),
+        (64, 128, bk, 4),
+    ):
         for flatten in (True, False):
             if flatten and elem == 1 and bm * bn >= 128 * 256:
                 continue  # spills

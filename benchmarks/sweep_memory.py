@@ -73,8 +73,13 @@ def sweep_silu_mul(shapes) -> None:
     for T, F in shapes:
         nbytes = 3 * T * F * 2
         n = rotations(nbytes)
-        sets = [(torch.randn(T, F, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(T, F, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
+        sets = [
+            (
+                torch.randn(T, F, device="cuda", dtype=torch.bfloat16),
+                torch.randn(T, F, device="cuda", dtype=torch.bfloat16),
+            )
+            for _ in range(n)
+        ]
         cands = []
         for tile in (1024, 2048, 4096, 8192):
             bf = min(tile, F)
@@ -87,8 +92,7 @@ def sweep_silu_mul(shapes) -> None:
                 if w == 4:
                     for st, pps in ((3, 8), (4, 4)):
                         cands.append(act.TileConfig(bt, bf, w, st, min(n_tiles, pps * sms)))
-        sweep(f"silu_mul T={T} F={F}", nbytes, act, "tile_config", cands,
-              lambda s: (lambda: silu_mul(s[0], s[1])), sets)
+        sweep(f"silu_mul T={T} F={F}", nbytes, act, "tile_config", cands, lambda s: lambda: silu_mul(s[0], s[1]), sets)
 
 
 def _pipe_cands(q, T, C, c1, c2, sms, block_ts=(1, 2, 4), warps=(2, 4, 8)):
@@ -112,11 +116,23 @@ def sweep_silu_mul_quant(shapes) -> None:
     for T, F in shapes:
         nbytes = 2 * T * F * 2 + T * F + 4 * T
         n = rotations(nbytes)
-        sets = [(torch.randn(T, F, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(T, F, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
+        sets = [
+            (
+                torch.randn(T, F, device="cuda", dtype=torch.bfloat16),
+                torch.randn(T, F, device="cuda", dtype=torch.bfloat16),
+            )
+            for _ in range(n)
+        ]
         cands = _pipe_cands(q, T, F, triton.next_power_of_2(F), 0, sms)
-        sweep(f"silu_mul_quant T={T} F={F}", nbytes, act, "silu_mul_quant_config", cands,
-              lambda s: (lambda: silu_mul_quant(s[0], s[1])), sets)
+        sweep(
+            f"silu_mul_quant T={T} F={F}",
+            nbytes,
+            act,
+            "silu_mul_quant_config",
+            cands,
+            lambda s: lambda: silu_mul_quant(s[0], s[1]),
+            sets,
+        )
 
 
 def sweep_quantize(shapes) -> None:
@@ -129,10 +145,18 @@ def sweep_quantize(shapes) -> None:
         n = rotations(nbytes)
         sets = [torch.randn(T, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
         c1, c2 = q.row_tiles(K, 8, True)
-        cands = _pipe_cands(q, T, K, c1, c2, sms) + _pipe_cands(q, T, K, triton.next_power_of_2(K), 0, sms,
-                                                                block_ts=(1, 2), warps=(4, 8))
-        sweep(f"quantize_fp8_row T={T} K={K}", nbytes, q, "quantize_config", cands,
-              lambda s: (lambda: quantize_fp8_row(s)), sets)
+        cands = _pipe_cands(q, T, K, c1, c2, sms) + _pipe_cands(
+            q, T, K, triton.next_power_of_2(K), 0, sms, block_ts=(1, 2), warps=(4, 8)
+        )
+        sweep(
+            f"quantize_fp8_row T={T} K={K}",
+            nbytes,
+            q,
+            "quantize_config",
+            cands,
+            lambda s: lambda: quantize_fp8_row(s),
+            sets,
+        )
 
 
 # --------------------------------------------------------------------------- gather / scatter
@@ -162,23 +186,59 @@ def sweep_gather_scatter(cases) -> None:
         if K == 1 and T > 1:
             # Column-block tiles (BLOCK_R, BLOCK_D, 0, n_db, warps) and whole rows (head + tail).
             gt = [(br, bd, 0, nd, w, 0) for br, bd, nd, w in tiles]
-            gt += [(br, 4096, 1024, 1, w, pps) for br in (1, 2, 4) for w in (1, 2, 4, 8) for pps in (4, 8, 16)
-                   if br * 5120 >= 32 * w * 8]
-            sweep(f"gather_scale T={T} E={E}", g_bytes, k, "_gather_tiles", gt,
-                  lambda s: (lambda: ops.gather_scale_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"])), sets)
+            gt += [
+                (br, 4096, 1024, 1, w, pps)
+                for br in (1, 2, 4)
+                for w in (1, 2, 4, 8)
+                for pps in (4, 8, 16)
+                if br * 5120 >= 32 * w * 8
+            ]
+            sweep(
+                f"gather_scale T={T} E={E}",
+                g_bytes,
+                k,
+                "_gather_tiles",
+                gt,
+                lambda s: lambda: ops.gather_scale_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"]),
+                sets,
+            )
             qt = [(br, 1024, 5, True, w) for br in (1, 2, 4) for w in (1, 2, 4, 8) if br * 5120 >= 32 * w * 8]
-            sweep(f"gather_scale_quant T={T} E={E}", q_bytes, k, "_quant_tiles", qt,
-                  lambda s: (lambda: ops.gather_scale_quant_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"])),
-                  sets)
-        sweep(f"scatter_add atomic T={T} E={E} K={K}", s_bytes, k, "_tiles", tiles,
-              lambda s: (lambda: ops.scatter_add_dense_tokens(s["out"], s["rows"], s["tidx"])), sets)
+            sweep(
+                f"gather_scale_quant T={T} E={E}",
+                q_bytes,
+                k,
+                "_quant_tiles",
+                qt,
+                lambda s: lambda: ops.gather_scale_quant_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"]),
+                sets,
+            )
+        sweep(
+            f"scatter_add atomic T={T} E={E} K={K}",
+            s_bytes,
+            k,
+            "_tiles",
+            tiles,
+            lambda s: lambda: ops.scatter_add_dense_tokens(s["out"], s["rows"], s["tidx"]),
+            sets,
+        )
         # Deterministic (bucketed inverse map): (BLOCK_T, BLOCK_D, n_db, warps, BLOCK_A) of the sum.
         if a > k._SCAN_MAX_ROWS:
-            bt = [(tb, bd, triton.cdiv(D, bd), w, 256) for tb in (1, 2, 4) for bd in (512, 1024, 2048)
-                  for w in (1, 2, 4, 8) if 16 * 32 * w <= tb * bd <= 64 * 32 * w]
-            sweep(f"scatter_add deterministic T={T} E={E} K={K}", s_bytes, k, "_bucket_tiles", bt,
-                  lambda s: (lambda: ops.scatter_add_dense_tokens(s["out"], s["rows"], s["tidx"], deterministic=True)),
-                  sets)
+            bt = [
+                (tb, bd, triton.cdiv(D, bd), w, 256)
+                for tb in (1, 2, 4)
+                for bd in (512, 1024, 2048)
+                for w in (1, 2, 4, 8)
+                if 16 * 32 * w <= tb * bd <= 64 * 32 * w
+            ]
+            sweep(
+                f"scatter_add deterministic T={T} E={E} K={K}",
+                s_bytes,
+                k,
+                "_bucket_tiles",
+                bt,
+                lambda s: lambda: ops.scatter_add_dense_tokens(s["out"], s["rows"], s["tidx"], deterministic=True),
+                sets,
+            )
 
 
 def sweep_shuffling(cases) -> None:
@@ -201,12 +261,24 @@ def sweep_shuffling(cases) -> None:
                 units = triton.cdiv(T, br)
                 for pps, w in ((8, 4), (16, 4), (16, 8), (32, 4), (8, 2), (16, 2), (8, 8)):
                     cands.append((br, wm, wt, max(1, min(units, pps * sms)), w))
-        sweep(f"combine {layout} EP={EP} T={T}", nbytes, k, "_config", cands,
-              lambda s: (lambda: combine_shuffling(s["tokens"], s["counts"], s["start"], s["end"], s["padded"])),
-              sets)
-        sweep(f"split {layout} EP={EP} T={T}", nbytes, k, "_config", cands,
-              lambda s: (lambda: split_shuffling(s["combined"], s["counts"], s["start"], s["end"], s["padded"],
-                                                 False)), sets)
+        sweep(
+            f"combine {layout} EP={EP} T={T}",
+            nbytes,
+            k,
+            "_config",
+            cands,
+            lambda s: lambda: combine_shuffling(s["tokens"], s["counts"], s["start"], s["end"], s["padded"]),
+            sets,
+        )
+        sweep(
+            f"split {layout} EP={EP} T={T}",
+            nbytes,
+            k,
+            "_config",
+            cands,
+            lambda s: lambda: split_shuffling(s["combined"], s["counts"], s["start"], s["end"], s["padded"], False),
+            sets,
+        )
 
 
 def sweep_gather_stream(shapes) -> None:
@@ -228,7 +300,7 @@ def sweep_gather_stream(shapes) -> None:
         sets = [bgs.make_set(T, E, 1, seed) for seed in range(n)]
         s0 = sets[0]
         want = reference.gather_scale_dense_tokens(s0["x"], s0["tidx"], s0["eidx"], s0["scores"])
-        make = lambda s: (lambda: ops.gather_scale_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"]))
+        make = lambda s: lambda: ops.gather_scale_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"])
         res = []
         for cand in [None] + [(pps, br, w) for pps in (4, 8, 16) for br in (1, 2) for w in (2, 4)]:
             with contextlib.ExitStack() as st:
@@ -240,8 +312,10 @@ def sweep_gather_stream(shapes) -> None:
                 good = bool(torch.equal(got, want.to(got.dtype)))
             res.append((t, cand, good))
         d = res[0][0]
-        print(f"== gather_scale T={T} E={E}: floor {fl:.2f} us, default {d if isinstance(d, str) else f'{d:.2f}'} us",
-              flush=True)
+        print(
+            f"== gather_scale T={T} E={E}: floor {fl:.2f} us, default {d if isinstance(d, str) else f'{d:.2f}'} us",
+            flush=True,
+        )
         for t, c, g in sorted([r for r in res if isinstance(r[0], float)], key=lambda r: r[0])[:8]:
             name = "default" if c is None else f"stream {c[0]}pps/{c[1]}r/{c[2]}w"
             print(f"   {t:8.2f} us  {100 * fl / t:5.1f}%  {name}" + ("" if g else "  WRONG"), flush=True)
@@ -258,10 +332,22 @@ def sweep_quant_tiles(shapes) -> None:
     for T, E in shapes:
         q_bytes = T * D * 2 + T * D + T * 4 + T * 10
         sets = [bgs.make_set(T, E, 1, seed) for seed in range(rotations(q_bytes))]
-        qt = [(br, bd, D // bd, True, w) for bd in (512, 1024) for br in (1, 2) for w in (1, 2, 4, 8)
-              if br * D >= 32 * w * 8]
-        sweep(f"gather_scale_quant T={T} E={E}", q_bytes, k, "_quant_tiles", qt,
-              lambda s: (lambda: ops.gather_scale_quant_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"])), sets)
+        qt = [
+            (br, bd, D // bd, True, w)
+            for bd in (512, 1024)
+            for br in (1, 2)
+            for w in (1, 2, 4, 8)
+            if br * D >= 32 * w * 8
+        ]
+        sweep(
+            f"gather_scale_quant T={T} E={E}",
+            q_bytes,
+            k,
+            "_quant_tiles",
+            qt,
+            lambda s: lambda: ops.gather_scale_quant_dense_tokens(s["x"], s["tidx"], s["eidx"], s["scores"]),
+            sets,
+        )
 
 
 WALKS = {
@@ -291,9 +377,19 @@ def sweep_shuffle_walks(cases) -> None:
         nbytes = 2 * probe["moved"] * D * 2
         fl = floor_us(nbytes)
         rows = probe["tokens"].shape[0]
-        cands = [None] + [(br, 2048, wt, max(1, min(triton.cdiv(rows, br), pps * sms)), w)
-                          for br, pps, w in ((1, 16, 4), (1, 8, 4), (1, 16, 2), (1, 24, 2), (2, 8, 8), (2, 4, 4),
-                                             (2, 6, 4), (2, 12, 4))]
+        cands = [None] + [
+            (br, 2048, wt, max(1, min(triton.cdiv(rows, br), pps * sms)), w)
+            for br, pps, w in (
+                (1, 16, 4),
+                (1, 8, 4),
+                (1, 16, 2),
+                (1, 24, 2),
+                (2, 8, 8),
+                (2, 4, 4),
+                (2, 6, 4),
+                (2, 12, 4),
+            )
+        ]
         s0 = probe
         ro, rc = reference.combine_shuffling(s0["tokens"], s0["counts"], s0["start"], s0["end"], s0["padded"])
         src, valid, _ = shuffle_row_map(s0["counts"], rows, s0["start"], s0["end"], s0["padded"])
@@ -302,10 +398,11 @@ def sweep_shuffle_walks(cases) -> None:
         for op in ("combine", "split"):
             print(f"== {op} {layout} EP={EP} T={T}: floor {fl:.2f} us", flush=True)
             if op == "combine":
-                make = lambda s: (lambda: combine_shuffling(s["tokens"], s["counts"], s["start"], s["end"], s["padded"]))
+                make = lambda s: lambda: combine_shuffling(s["tokens"], s["counts"], s["start"], s["end"], s["padded"])
             else:
-                make = lambda s: (lambda: split_shuffling(s["combined"], s["counts"], s["start"], s["end"],
-                                                          s["padded"], False))
+                make = lambda s: (
+                    lambda: split_shuffling(s["combined"], s["counts"], s["start"], s["end"], s["padded"], False)
+                )
             for walk, switches in WALKS.items():
                 with contextlib.ExitStack() as st:
                     for name, value in switches.items():
@@ -319,22 +416,27 @@ def sweep_shuffle_walks(cases) -> None:
                             good = "-"
                             if isinstance(t, float):
                                 if op == "combine":
-                                    o, c = combine_shuffling(s0["tokens"], s0["counts"], s0["start"], s0["end"],
-                                                             s0["padded"])
+                                    o, c = combine_shuffling(
+                                        s0["tokens"], s0["counts"], s0["start"], s0["end"], s0["padded"]
+                                    )
                                     good = bool(torch.equal(c, rc) and torch.equal(o[:moved], ro[:moved]))
                                 else:
-                                    back = split_shuffling(ro, s0["counts"], s0["start"], s0["end"], s0["padded"],
-                                                           False)
+                                    back = split_shuffling(
+                                        ro, s0["counts"], s0["start"], s0["end"], s0["padded"], False
+                                    )
                                     good = bool(torch.equal(back[covered], s0["tokens"][covered]))
                         res.append((t, cand, good))
                 ok = sorted([r for r in res if isinstance(r[0], float)], key=lambda r: r[0])
                 d = res[0][0]
                 dtxt = f"{d:.2f} us {100 * fl / d:.1f}%" if isinstance(d, float) else str(d)
-                best = ", ".join(f"{t:.2f} ({100 * fl / t:.1f}%) {c[0]}r/{c[3] // sms}pps/{c[4]}w" if c else
-                                 f"{t:.2f} default" for t, c, _ in ok[:3])
+                best = ", ".join(
+                    f"{t:.2f} ({100 * fl / t:.1f}%) {c[0]}r/{c[3] // sms}pps/{c[4]}w" if c else f"{t:.2f} default"
+                    for t, c, _ in ok[:3]
+                )
                 wrong = [c for t, c, g in res if g is False]
-                print(f"   {walk:24s} default {dtxt} | best {best}" + (f" | WRONG {wrong}" if wrong else ""),
-                      flush=True)
+                print(
+                    f"   {walk:24s} default {dtxt} | best {best}" + (f" | WRONG {wrong}" if wrong else ""), flush=True
+                )
 
 
 ALL = {
@@ -345,8 +447,9 @@ ALL = {
     "shuffling": lambda: sweep_shuffling([("padded", 8, 4096), ("dense", 8, 4096)]),
     "quant_tiles": lambda: sweep_quant_tiles([(2048, 16), (2048, 128), (4096, 16)]),
     "gather_stream": lambda: sweep_gather_stream([(2048, 16), (4096, 16), (4096, 128), (16384, 16)]),
-    "shuffle_walks": lambda: sweep_shuffle_walks([(lay, ep, t) for t in (4096, 16384) for lay in ("dense", "padded")
-                                                  for ep in (2, 8)]),
+    "shuffle_walks": lambda: sweep_shuffle_walks(
+        [(lay, ep, t) for t in (4096, 16384) for lay in ("dense", "padded") for ep in (2, 8)]
+    ),
 }
 
 

@@ -145,37 +145,60 @@ def build_parser() -> argparse.ArgumentParser:
         "(full-size config, random weights, a few layers) with transformers' default experts vs moekit.",
     )  # fmt: skip
     lay = b.add_argument_group("layer benchmark")
-    lay.add_argument("--model", default=None,
-                     help="model shape(s), comma-separated (default: llama4-scout on CUDA, tiny on CPU)")
+    lay.add_argument(
+        "--model", default=None, help="model shape(s), comma-separated (default: llama4-scout on CUDA, tiny on CPU)"
+    )
     lay.add_argument("--tokens", default=None, help="comma-separated token counts (default depends on device)")
     lay.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"], help="routed expert precision")
     b.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     b.add_argument("--json", default=None, help="also write the rows to this JSON file")
     hf = b.add_argument_group("whole transformers model (--hf)")
-    hf.add_argument("--hf", default=None, metavar="ARCH",
-                    help="architecture(s), comma-separated, or 'all': qwen3-moe, mixtral, deepseek-v3, gpt-oss, llama4")
+    hf.add_argument(
+        "--hf",
+        default=None,
+        metavar="ARCH",
+        help="architecture(s), comma-separated, or 'all': qwen3-moe, mixtral, deepseek-v3, gpt-oss, llama4",
+    )
     hf.add_argument("--layers", type=int, default=None, help="decoder layers (default 2; every one an MoE layer)")
     hf.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default 512; 64 tiny)")
     hf.add_argument("--batch", type=int, default=None, help="sequences (default 1)")
     hf.add_argument("--new-tokens", type=int, default=None, help="greedy tokens to generate (default 32; 16 tiny)")
-    hf.add_argument("--reps", type=int, default=None,
-                    help="timed runs per implementation, median (3 on CUDA, 5 on a CPU)")
-    hf.add_argument("--size", default=None, choices=["auto", "full", "tiny"],
-                    help="full-size dims or a tiny scaled-down config (auto: full on CUDA, tiny on CPU)")
+    hf.add_argument(
+        "--reps", type=int, default=None, help="timed runs per implementation, median (3 on CUDA, 5 on a CPU)"
+    )
+    hf.add_argument(
+        "--size",
+        default=None,
+        choices=["auto", "full", "tiny"],
+        help="full-size dims or a tiny scaled-down config (auto: full on CUDA, tiny on CPU)",
+    )
     hf.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 32000; 512 tiny)")
-    hf.add_argument("--baseline", default=None, choices=["default", "eager", "grouped_mm", "batched_mm"],
-                    help="transformers experts implementation to compare with (default: transformers' default; "
-                    "eager for the CPU default job)")
+    hf.add_argument(
+        "--baseline",
+        default=None,
+        choices=["default", "eager", "grouped_mm", "batched_mm"],
+        help="transformers experts implementation to compare with (default: transformers' default; "
+        "eager for the CPU default job)",
+    )
     hf.add_argument("--seed", type=int, default=None, help="weights and prompt seed (default 0)")
     hf.add_argument("--strict", action="store_true", help="fail on any token difference, rounding near-ties too")
     hf.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     pl = b.add_argument_group("plot")
-    pl.add_argument("--plot", default=None, metavar="OUT.png",
-                    help="draw the layer benchmark's measured times vs the roofline floor per T, one panel per model "
-                    "(needs matplotlib: pip install 'moekit[plot]')")
-    pl.add_argument("--from", dest="from_", nargs="+", default=None, metavar="ROWS.json",
-                    help="plot these earlier JSON rows (moekit bench --json, benchmarks/bench_layer.py) "
-                    "instead of running")
+    pl.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT.png",
+        help="draw the layer benchmark's measured times vs the roofline floor per T, one panel per model "
+        "(needs matplotlib: pip install 'moekit[plot]')",
+    )
+    pl.add_argument(
+        "--from",
+        dest="from_",
+        nargs="+",
+        default=None,
+        metavar="ROWS.json",
+        help="plot these earlier JSON rows (moekit bench --json, benchmarks/bench_layer.py) instead of running",
+    )
     b.set_defaults(func=_cmd_bench)
 
     c = sub.add_parser("check", help="compare every public op with its float32 reference on this machine")

@@ -42,19 +42,32 @@ def torch_pipeline(x: torch.Tensor, w: dict, cfg: RoutingConfig) -> torch.Tensor
     return routed if shared is None else routed.add_(shared)
 
 
-def moekit_pipeline(x: torch.Tensor, w: dict, cfg: RoutingConfig, fp8: Optional[dict] = None,
-                    deterministic: bool = False) -> torch.Tensor:
+def moekit_pipeline(
+    x: torch.Tensor, w: dict, cfg: RoutingConfig, fp8: Optional[dict] = None, deterministic: bool = False
+) -> torch.Tensor:
     shared = shared_expert(x, w)
     if fp8 is None:
         return moe_forward(
-            x, w["router_DE"], w["w13_e2FD"], w["w2_eDF"], cfg,
-            e_score_correction_bias=w.get("e_score_correction_bias"), shared_out_TD=shared,
+            x,
+            w["router_DE"],
+            w["w13_e2FD"],
+            w["w2_eDF"],
+            cfg,
+            e_score_correction_bias=w.get("e_score_correction_bias"),
+            shared_out_TD=shared,
             deterministic=deterministic,
         )
     return moe_forward(
-        x, w["router_DE"], fp8["w13"], fp8["w2"], cfg,
-        e_score_correction_bias=w.get("e_score_correction_bias"), shared_out_TD=shared,
-        w13_scale_e2F=fp8["w13_scale"], w2_scale_eD=fp8["w2_scale"], deterministic=deterministic,
+        x,
+        w["router_DE"],
+        fp8["w13"],
+        fp8["w2"],
+        cfg,
+        e_score_correction_bias=w.get("e_score_correction_bias"),
+        shared_out_TD=shared,
+        w13_scale_e2F=fp8["w13_scale"],
+        w2_scale_eD=fp8["w2_scale"],
+        deterministic=deterministic,
     )
 
 

@@ -11,7 +11,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # results_table.py renders RESULTS.md from JSON rows: no GPU involved (tested below).
-SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f != "results_table.py")
+SCRIPTS = sorted(
+    f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f != "results_table.py"
+)
 
 
 @pytest.mark.reference
@@ -34,7 +36,9 @@ def test_results_md_tables_match_their_json_rows():
         sys.path.pop(0)
     md = os.path.join(ROOT, "benchmarks", "RESULTS.md")
     assert "<!-- table: " in open(md).read()
-    assert results_table.update(md, check=True), "RESULTS.md is stale: python benchmarks/results_table.py --update benchmarks/RESULTS.md"
+    assert results_table.update(md, check=True), (
+        "RESULTS.md is stale: python benchmarks/results_table.py --update benchmarks/RESULTS.md"
+    )
 
 
 @pytest.mark.reference

@@ -101,10 +101,16 @@ def test_bench_torch_baseline_matches_reference():
     x = torch.randn(11, s.D)
     got = torch_pipeline(x.bfloat16(), {k: v.bfloat16() for k, v in w.items()}, routing_config(s))
     want = ref.moe_forward(
-        x.bfloat16().float(), w["router_DE"].bfloat16().float(), w["w13_e2FD"].bfloat16().float(),
-        w["w2_eDF"].bfloat16().float(), top_k=s.top_k, score_func=s.score_func, renormalize=s.renormalize,
+        x.bfloat16().float(),
+        w["router_DE"].bfloat16().float(),
+        w["w13_e2FD"].bfloat16().float(),
+        w["w2_eDF"].bfloat16().float(),
+        top_k=s.top_k,
+        score_func=s.score_func,
+        renormalize=s.renormalize,
         apply_router_weight_on_input=s.apply_router_weight_on_input,
-        shared_w13_2FD=w["shared_w13_2FD"].bfloat16().float(), shared_w2_DF=w["shared_w2_DF"].bfloat16().float(),
+        shared_w13_2FD=w["shared_w13_2FD"].bfloat16().float(),
+        shared_w2_DF=w["shared_w2_DF"].bfloat16().float(),
     )
     assert_close(got.float(), want, tol=3e-2)
 

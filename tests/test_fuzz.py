@@ -241,8 +241,11 @@ def b_route_and_shuffle(draw):
 
 
 def _gather_kwargs(draw):
-    T, D, E, a = draw(st.integers(0, 10)), draw(st.sampled_from([0, 8, 16, 40])), draw(st.integers(1, 6)), draw(
-        st.integers(0, 24)
+    T, D, E, a = (
+        draw(st.integers(0, 10)),
+        draw(st.sampled_from([0, 8, 16, 40])),
+        draw(st.integers(1, 6)),
+        draw(st.integers(0, 24)),
     )
     x = make((T, D), draw(st.sampled_from(FLOATS)), draw(st.sampled_from(ROWS8)), seed=seeds(draw))
     scores = make((T, E), draw(st.sampled_from(FLOATS)), draw(st.sampled_from(ANY)), seed=seeds(draw))
@@ -336,8 +339,11 @@ def _m_sizes(draw, G: int, M: int):
 
 
 def b_grouped_gemm(draw):
-    G, N, K, M = draw(st.integers(1, 4)), draw(st.sampled_from([8, 16])), draw(st.sampled_from([8, 24])), draw(
-        st.integers(0, 20)
+    G, N, K, M = (
+        draw(st.integers(1, 4)),
+        draw(st.sampled_from([8, 16])),
+        draw(st.sampled_from([8, 24])),
+        draw(st.integers(0, 20)),
     )
     dtype = draw(st.sampled_from(FLOATS))
     kw = dict(x=make((M, K), dtype, draw(st.sampled_from(ANY)), seed=seeds(draw)),
@@ -363,8 +369,11 @@ def _fp8_rows(draw, shape, layout=("contig",)):
 
 
 def b_grouped_gemm_fp8_rowwise(draw):
-    G, N, K, M = draw(st.integers(1, 3)), draw(st.sampled_from([8, 16])), draw(st.sampled_from([8, 32])), draw(
-        st.integers(0, 16)
+    G, N, K, M = (
+        draw(st.integers(1, 3)),
+        draw(st.sampled_from([8, 16])),
+        draw(st.sampled_from([8, 32])),
+        draw(st.integers(0, 16)),
     )
     g = torch.Generator().manual_seed(seeds(draw))
     kw = dict(x=_fp8_rows(draw, (M, K), draw(st.sampled_from(LASTDIM))), w=_fp8_rows(draw, (G * N, K)),
@@ -391,8 +400,11 @@ def b_f8f8bf16_rowwise(draw):
 
 
 def b_grouped_gemm_swiglu(draw):
-    G, F, K, R = draw(st.integers(1, 3)), draw(st.sampled_from([8, 16])), draw(st.sampled_from([8, 24])), draw(
-        st.integers(0, 10)
+    G, F, K, R = (
+        draw(st.integers(1, 3)),
+        draw(st.sampled_from([8, 16])),
+        draw(st.sampled_from([8, 24])),
+        draw(st.integers(0, 10)),
     )
     variant = draw(st.sampled_from(["16bit", "fp8", "weight_only_fp8"]))
     dtype = draw(st.sampled_from(FLOATS)) if variant == "16bit" else torch.bfloat16
@@ -447,7 +459,9 @@ def _quant_input(draw):
     K = draw(st.integers(1, 40))
     shape = tuple(lead) + (K,)
     layout = draw(st.sampled_from(LASTDIM if len(shape) >= 2 else [("contig",), ("pad", 3), ("offset",)]))
-    a = make(shape, draw(st.sampled_from(FLOATS)), layout, seed=seeds(draw), scale=draw(st.sampled_from([1e-4, 1.0, 300.0])))
+    a = make(
+        shape, draw(st.sampled_from(FLOATS)), layout, seed=seeds(draw), scale=draw(st.sampled_from([1e-4, 1.0, 300.0]))
+    )
     kw = dict(a=a, scale_ub=torch.tensor([draw(st.sampled_from([0.01, 2.0]))]) if draw(st.booleans()) else None,
               zero_start_index_M=None, eps=draw(st.sampled_from([1 / 512, 1e-12, 0.5])))  # fmt: skip
     if len(shape) >= 2 and draw(st.booleans()):
@@ -642,7 +656,9 @@ def c_gather_scale_quant_dense_tokens(kw):
     rq, rs = ref.gather_scale_quant_dense_tokens(**clone_args(kw))
     assert_same(q, rq, "q")
     assert_same(s, rs, "scale")
-    rows, written = naive_gather(kw["x"], kw["token_indices"], kw["expert_indices"], kw["scores"], kw["valid_token_count"])
+    rows, written = naive_gather(
+        kw["x"], kw["token_indices"], kw["expert_indices"], kw["scores"], kw["valid_token_count"]
+    )
     want_scale = torch.where(written, naive_quant(rows, 1e-12, kw["scale_ub"]), 0.0)
     torch.testing.assert_close(s, want_scale, rtol=1e-6, atol=0)
     if kw["scale_ub"] is None:
@@ -719,7 +735,9 @@ def _naive_segments(kw):
 
 def c_combine_shuffling(kw):
     out, cnt = ops.combine_shuffling(**kw)
-    want, wcnt = ref.combine_shuffling(**clone_args(kw)) if kw["tokens"].dtype != FP8 else _ref_fp8(ref.combine_shuffling, kw)
+    want, wcnt = (
+        ref.combine_shuffling(**clone_args(kw)) if kw["tokens"].dtype != FP8 else _ref_fp8(ref.combine_shuffling, kw)
+    )
     assert_same(cnt, wcnt, "counts_out")
     src, totals = _naive_segments(kw)
     n = len(src)
@@ -1129,128 +1147,308 @@ _GEMM_BAD = [
 
 
 BAD_CASES: dict[str, tuple[Callable, list]] = {
-    "index_shuffling": (b_index_shuffling, [
-        m_not_tensor("routing_scores"), m_dtype("routing_scores", torch.int32), m_unsqueeze("routing_scores"),
-        m_set("routing_scores", lambda kw: kw["routing_scores"].reshape(-1)),
-        m_set("routing_scores", lambda kw: torch.zeros(kw["routing_scores"].shape[0], 0)),
-        m_set("top_k", 0), m_set("top_k", lambda kw: kw["routing_scores"].shape[1] + 1), m_set("top_k", 1.0),
-        m_set("top_k", True),
-        m_set("expert_index_start", -1), m_set("expert_index_end", lambda kw: kw["routing_scores"].shape[1] + 1),
-        m_set("expert_index_start", 1.5),
-        m_set("valid_token_count", torch.tensor([1.0])), m_set("valid_token_count", torch.tensor([1, 2])),
-        m_set("valid_token_count", 4),
-    ]),  # fmt: skip
-    "route_and_shuffle": (b_route_and_shuffle, [
-        m_not_tensor("logits_TE"), m_dtype("logits_TE", torch.int64), m_unsqueeze("logits_TE"),
-        m_set("top_k", 0), m_set("top_k", lambda kw: kw["logits_TE"].shape[1] + 1), m_set("top_k", 2.0),
-        m_set("score_func", "relu"), m_set("renormalize", 1),
-        m_set("routed_scaling_factor", float("nan")), m_set("routed_scaling_factor", "1"),
-        m_set("n_group", lambda kw: kw["logits_TE"].shape[1] + 1),  # alone, or not dividing E
-        m_set("e_score_correction_bias", lambda kw: torch.zeros(kw["logits_TE"].shape[1] + 1)),
-        m_set("zero_buffer", torch.zeros(4, 8)[:, ::2]), m_set("zero_buffer", [0.0]),
-        m_set("expert_index_start", lambda kw: kw["logits_TE"].shape[1] + 1),
-    ]),  # fmt: skip
-    "shuffle_top_k": (b_shuffle_top_k, [
-        m_not_tensor("top_k_index"), m_dtype("top_k_index", torch.float32), m_unsqueeze("top_k_index"),
-        m_not_tensor("top_k_weights"), m_dtype("top_k_weights", torch.int32), m_grow("top_k_weights"),
-        m_set("num_experts", 0), m_set("num_experts", 2.0), m_set("num_experts", True),
-        m_set("expert_index_start", -1), m_set("expert_index_end", lambda kw: kw["num_experts"] + 1),
-        m_set("zero_buffer", torch.zeros(4, 8)[:, ::2]), m_set("zero_buffer", [0.0]),
-    ]),  # fmt: skip
+    "index_shuffling": (
+        b_index_shuffling,
+        [
+            m_not_tensor("routing_scores"),
+            m_dtype("routing_scores", torch.int32),
+            m_unsqueeze("routing_scores"),
+            m_set("routing_scores", lambda kw: kw["routing_scores"].reshape(-1)),
+            m_set("routing_scores", lambda kw: torch.zeros(kw["routing_scores"].shape[0], 0)),
+            m_set("top_k", 0),
+            m_set("top_k", lambda kw: kw["routing_scores"].shape[1] + 1),
+            m_set("top_k", 1.0),
+            m_set("top_k", True),
+            m_set("expert_index_start", -1),
+            m_set("expert_index_end", lambda kw: kw["routing_scores"].shape[1] + 1),
+            m_set("expert_index_start", 1.5),
+            m_set("valid_token_count", torch.tensor([1.0])),
+            m_set("valid_token_count", torch.tensor([1, 2])),
+            m_set("valid_token_count", 4),
+        ],
+    ),  # fmt: skip
+    "route_and_shuffle": (
+        b_route_and_shuffle,
+        [
+            m_not_tensor("logits_TE"),
+            m_dtype("logits_TE", torch.int64),
+            m_unsqueeze("logits_TE"),
+            m_set("top_k", 0),
+            m_set("top_k", lambda kw: kw["logits_TE"].shape[1] + 1),
+            m_set("top_k", 2.0),
+            m_set("score_func", "relu"),
+            m_set("renormalize", 1),
+            m_set("routed_scaling_factor", float("nan")),
+            m_set("routed_scaling_factor", "1"),
+            m_set("n_group", lambda kw: kw["logits_TE"].shape[1] + 1),  # alone, or not dividing E
+            m_set("e_score_correction_bias", lambda kw: torch.zeros(kw["logits_TE"].shape[1] + 1)),
+            m_set("zero_buffer", torch.zeros(4, 8)[:, ::2]),
+            m_set("zero_buffer", [0.0]),
+            m_set("expert_index_start", lambda kw: kw["logits_TE"].shape[1] + 1),
+        ],
+    ),  # fmt: skip
+    "shuffle_top_k": (
+        b_shuffle_top_k,
+        [
+            m_not_tensor("top_k_index"),
+            m_dtype("top_k_index", torch.float32),
+            m_unsqueeze("top_k_index"),
+            m_not_tensor("top_k_weights"),
+            m_dtype("top_k_weights", torch.int32),
+            m_grow("top_k_weights"),
+            m_set("num_experts", 0),
+            m_set("num_experts", 2.0),
+            m_set("num_experts", True),
+            m_set("expert_index_start", -1),
+            m_set("expert_index_end", lambda kw: kw["num_experts"] + 1),
+            m_set("zero_buffer", torch.zeros(4, 8)[:, ::2]),
+            m_set("zero_buffer", [0.0]),
+        ],
+    ),  # fmt: skip
     "gather_scale_dense_tokens": (b_gather_scale_dense_tokens, _GATHER_BAD),
-    "gather_scale_quant_dense_tokens": (b_gather_scale_quant_dense_tokens, _GATHER_BAD + [
-        m_set("scale_ub", torch.tensor([1.0], dtype=torch.float64)), m_set("scale_ub", torch.tensor([1.0, 2.0])),
-        m_set("scale_ub", 1.0),
-    ]),  # fmt: skip
+    "gather_scale_quant_dense_tokens": (
+        b_gather_scale_quant_dense_tokens,
+        _GATHER_BAD
+        + [
+            m_set("scale_ub", torch.tensor([1.0], dtype=torch.float64)),
+            m_set("scale_ub", torch.tensor([1.0, 2.0])),
+            m_set("scale_ub", 1.0),
+        ],
+    ),  # fmt: skip
     "scatter_add_dense_tokens": (b_scatter_add_dense_tokens, _SCATTER_BAD + [m_set("deterministic", 1)]),
     "scatter_add_dense_tokens_deterministic": (b_scatter_add_dense_tokens_deterministic, _SCATTER_BAD),
-    "scatter_add_padded_tokens": (b_scatter_add_padded_tokens, [
-        m_not_tensor("in_tokens"), m_dtype("in_tokens", torch.int32), m_set("in_tokens", lambda kw: kw["in_tokens"][0]),
-        m_set("in_tokens", lambda kw: kw["in_tokens"][:0]), m_cols("in_tokens", 12), m_odd_rows("in_tokens"),
-        m_not_tensor("token_counts"), m_dtype("token_counts", torch.float32), m_unsqueeze("token_counts"),
-        m_set("token_counts", lambda kw: torch.zeros(kw["in_tokens"].shape[0] * 2 + 1, dtype=torch.int32)
-              if kw["in_tokens"].shape[0] > 1 else torch.zeros(0, 2, dtype=torch.int32)),
-        m_dtype("token_indices", torch.float32), m_grow("token_indices"),
-        m_set("out_tokens", lambda kw: kw["out_tokens"].to(
-            torch.float32 if kw["out_tokens"].dtype != torch.float32 else torch.bfloat16)),
-        m_cols("out_tokens", 32), m_unsqueeze("out_tokens"), m_bcast("out_tokens"),
-    ]),  # fmt: skip
+    "scatter_add_padded_tokens": (
+        b_scatter_add_padded_tokens,
+        [
+            m_not_tensor("in_tokens"),
+            m_dtype("in_tokens", torch.int32),
+            m_set("in_tokens", lambda kw: kw["in_tokens"][0]),
+            m_set("in_tokens", lambda kw: kw["in_tokens"][:0]),
+            m_cols("in_tokens", 12),
+            m_odd_rows("in_tokens"),
+            m_not_tensor("token_counts"),
+            m_dtype("token_counts", torch.float32),
+            m_unsqueeze("token_counts"),
+            m_set(
+                "token_counts",
+                lambda kw: (
+                    torch.zeros(kw["in_tokens"].shape[0] * 2 + 1, dtype=torch.int32)
+                    if kw["in_tokens"].shape[0] > 1
+                    else torch.zeros(0, 2, dtype=torch.int32)
+                ),
+            ),
+            m_dtype("token_indices", torch.float32),
+            m_grow("token_indices"),
+            m_set(
+                "out_tokens",
+                lambda kw: kw["out_tokens"].to(
+                    torch.float32 if kw["out_tokens"].dtype != torch.float32 else torch.bfloat16
+                ),
+            ),
+            m_cols("out_tokens", 32),
+            m_unsqueeze("out_tokens"),
+            m_bcast("out_tokens"),
+        ],
+    ),  # fmt: skip
     "combine_shuffling": (b_combine_shuffling, _SHUFFLE_BAD),
     "split_shuffling": (b_split_shuffling, _SHUFFLE_BAD + [m_set("init_with_zeros", 0)]),
-    "grouped_gemm": (lambda draw: _plain_gemm(draw), _GEMM_BAD + [
-        m_dtype("w", torch.float64),
-        m_set("_output_tensor", lambda kw: torch.zeros(2, kw["w"].shape[0] // kw["m_sizes"].shape[0] + 8)),
-        m_set("_scatter_add_indices", lambda kw: torch.zeros(kw["x"].shape[0])),
-        m_set("w_scale", lambda kw: torch.ones(kw["w"].shape[0]), name="w"), m_bcast("_output_tensor"),
-    ]),  # fmt: skip
-    "grouped_gemm_fp8_rowwise": (b_grouped_gemm_fp8_rowwise, [
-        m_not_tensor("x"), m_dtype("x", torch.bfloat16), m_cols("x", 12), m_dtype("w", torch.bfloat16),
-        m_dtype("m_sizes", torch.float32), m_set("m_sizes", torch.zeros(0, dtype=torch.int64)),
-        m_grow("x_scale"), m_dtype("x_scale", torch.bfloat16), m_not_tensor("x_scale"),
-        m_grow("w_scale"), m_dtype("w_scale", torch.float64),
-        m_set("token_weights", lambda kw: torch.zeros(kw["x"].shape[0] + 2)),
-    ]),  # fmt: skip
-    "f8f8bf16_rowwise": (b_f8f8bf16_rowwise, [
-        m_not_tensor("XQ"), m_dtype("XQ", torch.bfloat16), m_unsqueeze("XQ"), m_cols("XQ", 12),
-        m_dtype("WQ", torch.float32), m_cols("WQ", 16), m_set("WQ", lambda kw: torch.zeros(12, kw["XQ"].shape[1]).to(FP8)),
-        m_grow("x_scale"), m_dtype("x_scale", torch.bfloat16), m_grow("w_scale"), m_not_tensor("w_scale"),
-        m_set("bias", lambda kw: torch.zeros(kw["WQ"].shape[0] + 1)), m_set("bias", lambda kw: torch.zeros(kw["WQ"].shape[0]).int()),
-    ]),  # fmt: skip
-    "grouped_gemm_swiglu": (b_grouped_gemm_swiglu, [
-        m_not_tensor("x"), m_dtype("x", torch.int32), m_unsqueeze("x"),
-        m_set("w13", lambda kw: kw["w13"][:-1]), m_not_tensor("w13"),
-        m_dtype("m_sizes", torch.float32), m_set("m_sizes", torch.zeros(0, dtype=torch.int32)),
-        m_set("gather_indices", lambda kw: torch.zeros(3)), m_set("gather_indices", lambda kw: torch.zeros(2, 2, dtype=torch.int32)),
-        m_set("row_scales", lambda kw: torch.zeros(
-            (kw["gather_indices"].shape[0] if kw.get("gather_indices") is not None else kw["x"].shape[0]) + 1)),
-        m_set("w_scale", lambda kw: torch.ones(3, dtype=torch.float64)),
-    ]),  # fmt: skip
-    "grouped_gemm_combine": (b_grouped_gemm_combine, [
-        m_not_tensor("z"), m_dtype("z", torch.int32), m_strided_last("z"), m_unsqueeze("z"),
-        m_not_tensor("out"), m_dtype("out", torch.int32), m_strided_last("out"), m_bcast("out"),
-        m_set("w", lambda kw: kw["w"][:, :-1].contiguous()), m_not_tensor("w"),
-        m_dtype("expert_indices", torch.float32), m_grow("expert_indices"),
-        m_dtype("selection_rows", torch.float32), m_unsqueeze("selection_rows"),
-        m_set("row_weights", lambda kw: torch.zeros(kw["z"].shape[0] + 1)),
-    ]),  # fmt: skip
-    "combine_rows": (b_combine_rows, [
-        m_not_tensor("out"), m_dtype("out", torch.int32), m_strided_last("out"), m_unsqueeze("out"),
-        m_not_tensor("rows"), m_set("rows", lambda kw: kw["rows"].to(
-            torch.float32 if kw["rows"].dtype != torch.float32 else torch.float16), name="out"),
-        m_cols("rows", 25), m_strided_last("rows"),
-        m_dtype("selection_rows", torch.float32), m_unsqueeze("selection_rows"),
-        m_set("selection_rows", lambda kw: torch.zeros(2 * kw["selection_rows"].shape[0] + 1, dtype=torch.int32)[::2]),
-        ("selection_rows", needs_size("out", -2, lambda kw: {  # not T * K entries (T >= 2)
-            **kw, "selection_rows": torch.zeros(kw["out"].shape[0] * 3 + 1, dtype=torch.int32)})),
-    ]),  # fmt: skip
-    "quantize_fp8_row": (b_quantize_fp8_row, [
-        m_not_tensor("a"), m_dtype("a", torch.int32), m_dtype("a", torch.float64), m_set("a", torch.tensor(1.0)),
-        m_strided_last("a"),
-        m_set("scale_ub", torch.tensor([1.0, 2.0])), m_set("scale_ub", torch.tensor([1.0], dtype=torch.bfloat16)),
-        m_set("zero_start_index_M", torch.zeros(0, 1, dtype=torch.float32)), m_set("eps", 0.0), m_set("eps", -1.0),
-        m_set("eps", "0.1"), m_set("eps", float("inf")), m_set("use_triton", 1), m_set("output_device", "nodevice"),
-    ]),  # fmt: skip
-    "triton_quantize_fp8_row": (b_triton_quantize_fp8_row, [
-        m_not_tensor("a"), m_dtype("a", torch.int32), m_strided_last("a"), m_set("a", torch.tensor(1.0)),
-        m_set("align_rows_to", 0), m_set("align_rows_to", 2.0), m_set("eps", 0.0),
-        m_set("scale_ub", torch.tensor([[1.0, 2.0]])),
-    ]),  # fmt: skip
-    "silu_mul": (b_silu_mul, [
-        m_not_tensor("x0"), m_dtype("x0", torch.int32), m_strided_last("x0"), m_unsqueeze("x0"),
-        m_not_tensor("x1"), m_dtype("x1", torch.float64), m_strided_last("x1"), m_grow("x1", 0), m_grow("x1", 1),
-        m_set("valid_token_count", torch.tensor([0.5])),
-    ]),  # fmt: skip
-    "silu_mul_quant": (b_silu_mul_quant, [
-        m_dtype("x0", torch.int32), m_strided_last("x0"), m_grow("x1", 1), m_set("valid_token_count", torch.tensor([1, 1])),
-        m_set("scale_ub", torch.tensor([1.0], dtype=torch.float16)), m_set("scale_ub", 2.0),
-    ]),  # fmt: skip
-    "rms_norm": (b_rms_norm, [
-        m_not_tensor("x"), m_dtype("x", torch.int32), m_strided_last("x"), m_set("x", torch.tensor(1.0)),
-        m_not_tensor("gamma"), m_grow("gamma"), m_dtype("gamma", torch.float64), m_unsqueeze("gamma"),
-        m_set("residual", lambda kw: torch.zeros(kw["x"].shape[:-1] + (kw["x"].shape[-1] + 1,))),
-        m_set("residual", lambda kw: torch.zeros(kw["x"].shape, dtype=torch.int32)),
-        m_set("eps", -1e-6), m_set("eps", float("nan")), m_set("eps", True), m_set("eps", "1e-6"),
-    ]),  # fmt: skip
+    "grouped_gemm": (
+        lambda draw: _plain_gemm(draw),
+        _GEMM_BAD
+        + [
+            m_dtype("w", torch.float64),
+            m_set("_output_tensor", lambda kw: torch.zeros(2, kw["w"].shape[0] // kw["m_sizes"].shape[0] + 8)),
+            m_set("_scatter_add_indices", lambda kw: torch.zeros(kw["x"].shape[0])),
+            m_set("w_scale", lambda kw: torch.ones(kw["w"].shape[0]), name="w"),
+            m_bcast("_output_tensor"),
+        ],
+    ),  # fmt: skip
+    "grouped_gemm_fp8_rowwise": (
+        b_grouped_gemm_fp8_rowwise,
+        [
+            m_not_tensor("x"),
+            m_dtype("x", torch.bfloat16),
+            m_cols("x", 12),
+            m_dtype("w", torch.bfloat16),
+            m_dtype("m_sizes", torch.float32),
+            m_set("m_sizes", torch.zeros(0, dtype=torch.int64)),
+            m_grow("x_scale"),
+            m_dtype("x_scale", torch.bfloat16),
+            m_not_tensor("x_scale"),
+            m_grow("w_scale"),
+            m_dtype("w_scale", torch.float64),
+            m_set("token_weights", lambda kw: torch.zeros(kw["x"].shape[0] + 2)),
+        ],
+    ),  # fmt: skip
+    "f8f8bf16_rowwise": (
+        b_f8f8bf16_rowwise,
+        [
+            m_not_tensor("XQ"),
+            m_dtype("XQ", torch.bfloat16),
+            m_unsqueeze("XQ"),
+            m_cols("XQ", 12),
+            m_dtype("WQ", torch.float32),
+            m_cols("WQ", 16),
+            m_set("WQ", lambda kw: torch.zeros(12, kw["XQ"].shape[1]).to(FP8)),
+            m_grow("x_scale"),
+            m_dtype("x_scale", torch.bfloat16),
+            m_grow("w_scale"),
+            m_not_tensor("w_scale"),
+            m_set("bias", lambda kw: torch.zeros(kw["WQ"].shape[0] + 1)),
+            m_set("bias", lambda kw: torch.zeros(kw["WQ"].shape[0]).int()),
+        ],
+    ),  # fmt: skip
+    "grouped_gemm_swiglu": (
+        b_grouped_gemm_swiglu,
+        [
+            m_not_tensor("x"),
+            m_dtype("x", torch.int32),
+            m_unsqueeze("x"),
+            m_set("w13", lambda kw: kw["w13"][:-1]),
+            m_not_tensor("w13"),
+            m_dtype("m_sizes", torch.float32),
+            m_set("m_sizes", torch.zeros(0, dtype=torch.int32)),
+            m_set("gather_indices", lambda kw: torch.zeros(3)),
+            m_set("gather_indices", lambda kw: torch.zeros(2, 2, dtype=torch.int32)),
+            m_set(
+                "row_scales",
+                lambda kw: torch.zeros(
+                    (kw["gather_indices"].shape[0] if kw.get("gather_indices") is not None else kw["x"].shape[0]) + 1
+                ),
+            ),
+            m_set("w_scale", lambda kw: torch.ones(3, dtype=torch.float64)),
+        ],
+    ),  # fmt: skip
+    "grouped_gemm_combine": (
+        b_grouped_gemm_combine,
+        [
+            m_not_tensor("z"),
+            m_dtype("z", torch.int32),
+            m_strided_last("z"),
+            m_unsqueeze("z"),
+            m_not_tensor("out"),
+            m_dtype("out", torch.int32),
+            m_strided_last("out"),
+            m_bcast("out"),
+            m_set("w", lambda kw: kw["w"][:, :-1].contiguous()),
+            m_not_tensor("w"),
+            m_dtype("expert_indices", torch.float32),
+            m_grow("expert_indices"),
+            m_dtype("selection_rows", torch.float32),
+            m_unsqueeze("selection_rows"),
+            m_set("row_weights", lambda kw: torch.zeros(kw["z"].shape[0] + 1)),
+        ],
+    ),  # fmt: skip
+    "combine_rows": (
+        b_combine_rows,
+        [
+            m_not_tensor("out"),
+            m_dtype("out", torch.int32),
+            m_strided_last("out"),
+            m_unsqueeze("out"),
+            m_not_tensor("rows"),
+            m_set(
+                "rows",
+                lambda kw: kw["rows"].to(torch.float32 if kw["rows"].dtype != torch.float32 else torch.float16),
+                name="out",
+            ),
+            m_cols("rows", 25),
+            m_strided_last("rows"),
+            m_dtype("selection_rows", torch.float32),
+            m_unsqueeze("selection_rows"),
+            m_set(
+                "selection_rows", lambda kw: torch.zeros(2 * kw["selection_rows"].shape[0] + 1, dtype=torch.int32)[::2]
+            ),
+            (
+                "selection_rows",
+                needs_size(
+                    "out",
+                    -2,
+                    lambda kw: {  # not T * K entries (T >= 2)
+                        **kw,
+                        "selection_rows": torch.zeros(kw["out"].shape[0] * 3 + 1, dtype=torch.int32),
+                    },
+                ),
+            ),
+        ],
+    ),  # fmt: skip
+    "quantize_fp8_row": (
+        b_quantize_fp8_row,
+        [
+            m_not_tensor("a"),
+            m_dtype("a", torch.int32),
+            m_dtype("a", torch.float64),
+            m_set("a", torch.tensor(1.0)),
+            m_strided_last("a"),
+            m_set("scale_ub", torch.tensor([1.0, 2.0])),
+            m_set("scale_ub", torch.tensor([1.0], dtype=torch.bfloat16)),
+            m_set("zero_start_index_M", torch.zeros(0, 1, dtype=torch.float32)),
+            m_set("eps", 0.0),
+            m_set("eps", -1.0),
+            m_set("eps", "0.1"),
+            m_set("eps", float("inf")),
+            m_set("use_triton", 1),
+            m_set("output_device", "nodevice"),
+        ],
+    ),  # fmt: skip
+    "triton_quantize_fp8_row": (
+        b_triton_quantize_fp8_row,
+        [
+            m_not_tensor("a"),
+            m_dtype("a", torch.int32),
+            m_strided_last("a"),
+            m_set("a", torch.tensor(1.0)),
+            m_set("align_rows_to", 0),
+            m_set("align_rows_to", 2.0),
+            m_set("eps", 0.0),
+            m_set("scale_ub", torch.tensor([[1.0, 2.0]])),
+        ],
+    ),  # fmt: skip
+    "silu_mul": (
+        b_silu_mul,
+        [
+            m_not_tensor("x0"),
+            m_dtype("x0", torch.int32),
+            m_strided_last("x0"),
+            m_unsqueeze("x0"),
+            m_not_tensor("x1"),
+            m_dtype("x1", torch.float64),
+            m_strided_last("x1"),
+            m_grow("x1", 0),
+            m_grow("x1", 1),
+            m_set("valid_token_count", torch.tensor([0.5])),
+        ],
+    ),  # fmt: skip
+    "silu_mul_quant": (
+        b_silu_mul_quant,
+        [
+            m_dtype("x0", torch.int32),
+            m_strided_last("x0"),
+            m_grow("x1", 1),
+            m_set("valid_token_count", torch.tensor([1, 1])),
+            m_set("scale_ub", torch.tensor([1.0], dtype=torch.float16)),
+            m_set("scale_ub", 2.0),
+        ],
+    ),  # fmt: skip
+    "rms_norm": (
+        b_rms_norm,
+        [
+            m_not_tensor("x"),
+            m_dtype("x", torch.int32),
+            m_strided_last("x"),
+            m_set("x", torch.tensor(1.0)),
+            m_not_tensor("gamma"),
+            m_grow("gamma"),
+            m_dtype("gamma", torch.float64),
+            m_unsqueeze("gamma"),
+            m_set("residual", lambda kw: torch.zeros(kw["x"].shape[:-1] + (kw["x"].shape[-1] + 1,))),
+            m_set("residual", lambda kw: torch.zeros(kw["x"].shape, dtype=torch.int32)),
+            m_set("eps", -1e-6),
+            m_set("eps", float("nan")),
+            m_set("eps", True),
+            m_set("eps", "1e-6"),
+        ],
+    ),  # fmt: skip
 }
 
 
@@ -1261,7 +1459,6 @@ def _plain_gemm(draw):
         kw.pop("w_scale")
         kw["w"] = kw["w"].float().to(kw["x"].dtype)
     return kw
-
 
 
 _BAD_PARAMS = [(op, i) for op in sorted(BAD_CASES) for i in range(len(BAD_CASES[op][1]))]

@@ -15,9 +15,7 @@ import triton.language as tl
 
 @triton.jit
 def _globaltimer():
-    return tl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-    )
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -88,8 +86,7 @@ def _pending(count, deadline, spins, max_spins, USE_TIMER: tl.constexpr):
 
 
 @triton.jit
-def _wait16(ptrs, mask, src, deadline, max_spins, err_ptr, herr_ptr,
-            USE_TIMER: tl.constexpr, HOST_ERR: tl.constexpr):
+def _wait16(ptrs, mask, src, deadline, max_spins, err_ptr, herr_ptr, USE_TIMER: tl.constexpr, HOST_ERR: tl.constexpr):
     """Spin on volatile loads of ``ptrs`` until no element is the sentinel (or the deadline).
     ``src`` is the source rank of each element (for the timeout report)."""
     v = tl.load(ptrs, mask=mask, other=0, volatile=True)
@@ -111,8 +108,7 @@ def _wait16(ptrs, mask, src, deadline, max_spins, err_ptr, herr_ptr,
 
 
 @triton.jit
-def _wait32(ptrs, mask, src, deadline, max_spins, err_ptr, herr_ptr,
-            USE_TIMER: tl.constexpr, HOST_ERR: tl.constexpr):
+def _wait32(ptrs, mask, src, deadline, max_spins, err_ptr, herr_ptr, USE_TIMER: tl.constexpr, HOST_ERR: tl.constexpr):
     """``_wait16`` for float32 words (sentinel 0x80008000)."""
     v = tl.load(ptrs, mask=mask, other=0, volatile=True)
     pend = tl.sum((v == -2147450880).to(tl.int32), axis=0)
@@ -146,8 +142,20 @@ def _load_sum(base, STRIDE: tl.constexpr, cols, mask, R: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
-def _sum_sources(base, STRIDE: tl.constexpr, cols, mask, deadline, max_spins, err_ptr, herr_ptr,
-                 R: tl.constexpr, BLOCK: tl.constexpr, USE_TIMER: tl.constexpr, HOST_ERR: tl.constexpr):
+def _sum_sources(
+    base,
+    STRIDE: tl.constexpr,
+    cols,
+    mask,
+    deadline,
+    max_spins,
+    err_ptr,
+    herr_ptr,
+    R: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+    HOST_ERR: tl.constexpr,
+):
     """Wait until every source slot is complete and return the float32 rank-order sum. Each spin
     reloads all R slots and takes one reduction, so a wait costs one round trip, not R. On
     timeout, the still-missing sources are recorded and their elements count as 0."""
@@ -172,8 +180,19 @@ def _sum_sources(base, STRIDE: tl.constexpr, cols, mask, deadline, max_spins, er
 
 
 @triton.jit
-def _local_values(lat_ptr, wts_ptr, idx_ptr, t64, cols, mask, gemm_rows,
-                  L: tl.constexpr, TOP_K: tl.constexpr, KG: tl.constexpr, BLOCK: tl.constexpr):
+def _local_values(
+    lat_ptr,
+    wts_ptr,
+    idx_ptr,
+    t64,
+    cols,
+    mask,
+    gemm_rows,
+    L: tl.constexpr,
+    TOP_K: tl.constexpr,
+    KG: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """This rank's routed contribution to row ``t`` at ``cols`` in float32: the latent source
     row, or the top-k finalize ``sum_k w[t,k] * gemm2[idx[t,k]]`` (slots ascending, idx < 0 or
     past the last row skipped)."""
@@ -195,34 +214,64 @@ def _local_values(lat_ptr, wts_ptr, idx_ptr, t64, cols, mask, gemm_rows,
 
 
 @triton.jit
-def _routed_row(ws16_ptr, ws32_ptr, cur, t64, cols, mask, deadline, max_spins, err_ptr, herr_ptr,
-                R: tl.constexpr, L: tl.constexpr, FOOT: tl.constexpr, BUF: tl.constexpr,
-                RT0: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
-                TWO_SHOT: tl.constexpr, GATHER_F32: tl.constexpr,
-                USE_TIMER: tl.constexpr, HOST_ERR: tl.constexpr):
+def _routed_row(
+    ws16_ptr,
+    ws32_ptr,
+    cur,
+    t64,
+    cols,
+    mask,
+    deadline,
+    max_spins,
+    err_ptr,
+    herr_ptr,
+    R: tl.constexpr,
+    L: tl.constexpr,
+    FOOT: tl.constexpr,
+    BUF: tl.constexpr,
+    RT0: tl.constexpr,
+    CH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TWO_SHOT: tl.constexpr,
+    GATHER_F32: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+    HOST_ERR: tl.constexpr,
+):
     """The float32 rank sum of row ``t`` at ``cols`` (waiting for every contribution)."""
     if TWO_SHOT:
         owner = cols // CH
         if GATHER_F32:
             base32 = cur.to(tl.int64) * (BUF // 2) + t64 * (FOOT // 2) + (RT0 + L) // 2
-            w = _wait32(ws32_ptr + base32 + cols, mask, owner, deadline, max_spins, err_ptr,
-                        herr_ptr, USE_TIMER, HOST_ERR)
+            w = _wait32(
+                ws32_ptr + base32 + cols, mask, owner, deadline, max_spins, err_ptr, herr_ptr, USE_TIMER, HOST_ERR
+            )
             acc = w.to(tl.float32, bitcast=True)
         else:
             base16 = cur.to(tl.int64) * BUF + t64 * FOOT + RT0 + L
-            v = _wait16(ws16_ptr + base16 + cols, mask, owner, deadline, max_spins, err_ptr,
-                        herr_ptr, USE_TIMER, HOST_ERR)
+            v = _wait16(
+                ws16_ptr + base16 + cols, mask, owner, deadline, max_spins, err_ptr, herr_ptr, USE_TIMER, HOST_ERR
+            )
             acc = _bits_f32(v)
     else:
         base16 = cur.to(tl.int64) * BUF + t64 * FOOT + RT0
-        acc = _sum_sources(ws16_ptr + base16, L, cols, mask, deadline, max_spins, err_ptr, herr_ptr,
-                           R, BLOCK, USE_TIMER, HOST_ERR)
+        acc = _sum_sources(
+            ws16_ptr + base16, L, cols, mask, deadline, max_spins, err_ptr, herr_ptr, R, BLOCK, USE_TIMER, HOST_ERR
+        )
     return acc
 
 
 @triton.jit
-def _norm_input(x, res_ptr, t64, cols, mask, L: tl.constexpr, HAS_RES: tl.constexpr,
-                FP32_INTERNAL: tl.constexpr, EMULATE: tl.constexpr):
+def _norm_input(
+    x,
+    res_ptr,
+    t64,
+    cols,
+    mask,
+    L: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    FP32_INTERNAL: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     """(value entering the norm, its square as summed) for the rank sum ``x``."""
     if HAS_RES:
         x += tl.load(res_ptr + t64 * L + cols, mask=mask, other=0.0).to(tl.float32)

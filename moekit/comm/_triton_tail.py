@@ -78,19 +78,53 @@ EMULATE_BF16 = interpreting()  # see _to_bf16
 
 @triton.jit(do_not_specialize=["m", "rank", "gemm_rows", "timeout_ns", "max_spins"])
 def _tail_kernel(
-    lat_ptr, wts_ptr, idx_ptr, res_ptr, gamma_ptr, lat_out_ptr,
-    sh_ptr, sh_out_ptr,
-    ws16_ptr, ws32_ptr, peers_ptr, flags_ptr, err_ptr,
-    m, rank, gemm_rows, eps, timeout_ns, max_spins,
-    R: tl.constexpr, L: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
-    FOOT: tl.constexpr, BUF: tl.constexpr, RT0: tl.constexpr, USED: tl.constexpr,
-    CH: tl.constexpr, NPR: tl.constexpr, NCH: tl.constexpr, NJ: tl.constexpr,
+    lat_ptr,
+    wts_ptr,
+    idx_ptr,
+    res_ptr,
+    gamma_ptr,
+    lat_out_ptr,
+    sh_ptr,
+    sh_out_ptr,
+    ws16_ptr,
+    ws32_ptr,
+    peers_ptr,
+    flags_ptr,
+    err_ptr,
+    m,
+    rank,
+    gemm_rows,
+    eps,
+    timeout_ns,
+    max_spins,
+    R: tl.constexpr,
+    L: tl.constexpr,
+    H: tl.constexpr,
+    S: tl.constexpr,
+    FOOT: tl.constexpr,
+    BUF: tl.constexpr,
+    RT0: tl.constexpr,
+    USED: tl.constexpr,
+    CH: tl.constexpr,
+    NPR: tl.constexpr,
+    NCH: tl.constexpr,
+    NJ: tl.constexpr,
     SH_OUT_STRIDE: tl.constexpr,
-    TOP_K: tl.constexpr, KG: tl.constexpr,
-    ROUTED: tl.constexpr, SHARED: tl.constexpr, TWO_SHOT: tl.constexpr,
-    FP32_INTERNAL: tl.constexpr, GATHER_F32: tl.constexpr, HAS_RES: tl.constexpr,
-    HOST_ERR: tl.constexpr, USE_TIMER: tl.constexpr, EMULATE: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    TOP_K: tl.constexpr,
+    KG: tl.constexpr,
+    ROUTED: tl.constexpr,
+    SHARED: tl.constexpr,
+    TWO_SHOT: tl.constexpr,
+    FP32_INTERNAL: tl.constexpr,
+    GATHER_F32: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HOST_ERR: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+    EMULATE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -124,15 +158,15 @@ def _tail_kernel(
                     owner = c // NCH
                     cin = (c % NCH) * BLOCK_P + tl.arange(0, BLOCK_P)
                     pmask = cin < CH
-                    vals = _local_values(lat_ptr, wts_ptr, idx_ptr, t64, owner * CH + cin, pmask,
-                                         gemm_rows, L, TOP_K, KG, BLOCK_P)
+                    vals = _local_values(
+                        lat_ptr, wts_ptr, idx_ptr, t64, owner * CH + cin, pmask, gemm_rows, L, TOP_K, KG, BLOCK_P
+                    )
                     bits = _bf16_bits(vals, EMULATE)
                     tl.store(_peer16(peers_ptr, owner) + slot + rank * CH + cin, bits, mask=pmask)
                 else:
                     cols = c * BLOCK_P + tl.arange(0, BLOCK_P)
                     pmask = cols < L
-                    vals = _local_values(lat_ptr, wts_ptr, idx_ptr, t64, cols, pmask, gemm_rows,
-                                         L, TOP_K, KG, BLOCK_P)
+                    vals = _local_values(lat_ptr, wts_ptr, idx_ptr, t64, cols, pmask, gemm_rows, L, TOP_K, KG, BLOCK_P)
                     bits = _bf16_bits(vals, EMULATE)
                     for p in tl.static_range(R):
                         tl.store(_peer16(peers_ptr, p) + slot + rank * L + cols, bits, mask=pmask)
@@ -171,13 +205,24 @@ def _tail_kernel(
                 pmask = cin < CH
                 t64 = tl.cast(t, tl.int64)
                 slot = cur_base + t64 * FOOT + RT0
-                acc = _sum_sources(ws16_ptr + slot, CH, cin, pmask, deadline, max_spins, err_ptr,
-                                   herr_ptr, R, BLOCK_P, USE_TIMER, HOST_ERR)
+                acc = _sum_sources(
+                    ws16_ptr + slot,
+                    CH,
+                    cin,
+                    pmask,
+                    deadline,
+                    max_spins,
+                    err_ptr,
+                    herr_ptr,
+                    R,
+                    BLOCK_P,
+                    USE_TIMER,
+                    HOST_ERR,
+                )
                 if GATHER_F32:
                     w = acc.to(tl.int32, bitcast=True)
                     w = tl.where(w == -2147450880, tl.zeros_like(w), w)
-                    dst32 = (cur.to(tl.int64) * (BUF // 2) + t64 * (FOOT // 2) + (RT0 + L) // 2
-                             + rank * CH + cin)
+                    dst32 = cur.to(tl.int64) * (BUF // 2) + t64 * (FOOT // 2) + (RT0 + L) // 2 + rank * CH + cin
                     for p in tl.static_range(R):
                         tl.store(_peer32(peers_ptr, p) + dst32, w, mask=pmask)
                 else:
@@ -198,8 +243,20 @@ def _tail_kernel(
                 smask = cols < S
                 t64 = tl.cast(t, tl.int64)
                 slot = cur_base + t64 * FOOT
-                acc = _sum_sources(ws16_ptr + slot, S, cols, smask, deadline, max_spins, err_ptr,
-                                   herr_ptr, R, BLOCK_S, USE_TIMER, HOST_ERR)
+                acc = _sum_sources(
+                    ws16_ptr + slot,
+                    S,
+                    cols,
+                    smask,
+                    deadline,
+                    max_spins,
+                    err_ptr,
+                    herr_ptr,
+                    R,
+                    BLOCK_S,
+                    USE_TIMER,
+                    HOST_ERR,
+                )
                 tl.store(sh_out_ptr + t64 * SH_OUT_STRIDE + cols, _to_bf16(acc, EMULATE), mask=smask)
 
     # ---- phase 5: routed role, rank sum + RMSNorm * gamma ------------------------------------
@@ -211,9 +268,29 @@ def _tail_kernel(
                 cols = tl.arange(0, BLOCK_L)
                 lmask = cols < L
                 g = tl.load(gamma_ptr + cols, mask=lmask, other=0.0).to(tl.float32)
-                x = _routed_row(ws16_ptr, ws32_ptr, cur, t64, cols, lmask, deadline, max_spins,
-                                err_ptr, herr_ptr, R, L, FOOT, BUF, RT0, CH, BLOCK_L, TWO_SHOT,
-                                GATHER_F32, USE_TIMER, HOST_ERR)
+                x = _routed_row(
+                    ws16_ptr,
+                    ws32_ptr,
+                    cur,
+                    t64,
+                    cols,
+                    lmask,
+                    deadline,
+                    max_spins,
+                    err_ptr,
+                    herr_ptr,
+                    R,
+                    L,
+                    FOOT,
+                    BUF,
+                    RT0,
+                    CH,
+                    BLOCK_L,
+                    TWO_SHOT,
+                    GATHER_F32,
+                    USE_TIMER,
+                    HOST_ERR,
+                )
                 x, sq = _norm_input(x, res_ptr, t64, cols, lmask, L, HAS_RES, FP32_INTERNAL, EMULATE)
                 inv = tl.math.rsqrt(tl.sum(sq, axis=0) / L + eps)
                 y = x * inv * g
@@ -224,9 +301,29 @@ def _tail_kernel(
                 for c0 in tl.range(0, L, BLOCK_L):
                     cols = c0 + tl.arange(0, BLOCK_L)
                     lmask = cols < L
-                    x = _routed_row(ws16_ptr, ws32_ptr, cur, t64, cols, lmask, deadline, max_spins,
-                                    err_ptr, herr_ptr, R, L, FOOT, BUF, RT0, CH, BLOCK_L, TWO_SHOT,
-                                    GATHER_F32, USE_TIMER, HOST_ERR)
+                    x = _routed_row(
+                        ws16_ptr,
+                        ws32_ptr,
+                        cur,
+                        t64,
+                        cols,
+                        lmask,
+                        deadline,
+                        max_spins,
+                        err_ptr,
+                        herr_ptr,
+                        R,
+                        L,
+                        FOOT,
+                        BUF,
+                        RT0,
+                        CH,
+                        BLOCK_L,
+                        TWO_SHOT,
+                        GATHER_F32,
+                        USE_TIMER,
+                        HOST_ERR,
+                    )
                     x, sq = _norm_input(x, res_ptr, t64, cols, lmask, L, HAS_RES, FP32_INTERNAL, EMULATE)
                     ss += sq
                 inv = tl.math.rsqrt(tl.sum(ss, axis=0) / L + eps)
@@ -234,9 +331,29 @@ def _tail_kernel(
                     cols = c0 + tl.arange(0, BLOCK_L)
                     lmask = cols < L
                     # every element has arrived (or timed out): the waits below return at once
-                    x = _routed_row(ws16_ptr, ws32_ptr, cur, t64, cols, lmask, deadline, max_spins,
-                                    err_ptr, herr_ptr, R, L, FOOT, BUF, RT0, CH, BLOCK_L, TWO_SHOT,
-                                    GATHER_F32, USE_TIMER, HOST_ERR)
+                    x = _routed_row(
+                        ws16_ptr,
+                        ws32_ptr,
+                        cur,
+                        t64,
+                        cols,
+                        lmask,
+                        deadline,
+                        max_spins,
+                        err_ptr,
+                        herr_ptr,
+                        R,
+                        L,
+                        FOOT,
+                        BUF,
+                        RT0,
+                        CH,
+                        BLOCK_L,
+                        TWO_SHOT,
+                        GATHER_F32,
+                        USE_TIMER,
+                        HOST_ERR,
+                    )
                     x, sq = _norm_input(x, res_ptr, t64, cols, lmask, L, HAS_RES, FP32_INTERNAL, EMULATE)
                     g = tl.load(gamma_ptr + cols, mask=lmask, other=0.0).to(tl.float32)
                     y = x * inv * g
@@ -449,20 +566,53 @@ def launch_tail(
     grid = (max(1, min(num_sms(device), state.max_programs, items)),)
     use_timer = device.type == "cuda" and not interpreting()
     _tail_kernel[grid](
-        lat, wts, idx, res, gam, lat_out, sh, sh_out,
-        state.workspace, state.ws32, state.peers, state.flags, state.errors,
-        m, lay.rank, gemm_rows, float(eps),
-        int(state.timeout_s * 1e9), max_spins_for(state.timeout_s),
-        R=R, L=max(L, 1), H=max(H, 1), S=max(S, 1),
-        FOOT=lay.foot, BUF=lay.buffer_elems, RT0=lay.rt0, USED=lay.used(ts),
-        CH=max(ch, 1), NPR=max(npr, 1), NCH=max(nch, 1), NJ=max(nj, 1),
+        lat,
+        wts,
+        idx,
+        res,
+        gam,
+        lat_out,
+        sh,
+        sh_out,
+        state.workspace,
+        state.ws32,
+        state.peers,
+        state.flags,
+        state.errors,
+        m,
+        lay.rank,
+        gemm_rows,
+        float(eps),
+        int(state.timeout_s * 1e9),
+        max_spins_for(state.timeout_s),
+        R=R,
+        L=max(L, 1),
+        H=max(H, 1),
+        S=max(S, 1),
+        FOOT=lay.foot,
+        BUF=lay.buffer_elems,
+        RT0=lay.rt0,
+        USED=lay.used(ts),
+        CH=max(ch, 1),
+        NPR=max(npr, 1),
+        NCH=max(nch, 1),
+        NJ=max(nj, 1),
         SH_OUT_STRIDE=max(sh_stride, 1),
-        TOP_K=lay.top_k if lay.routed else 0, KG=blk.kg,
-        ROUTED=lay.routed, SHARED=lay.shared, TWO_SHOT=ts,
-        FP32_INTERNAL=lay.fp32_internal, GATHER_F32=lay.gathers_f32, HAS_RES=residual is not None,
-        HOST_ERR=state.host_errors is not None, USE_TIMER=use_timer,
+        TOP_K=lay.top_k if lay.routed else 0,
+        KG=blk.kg,
+        ROUTED=lay.routed,
+        SHARED=lay.shared,
+        TWO_SHOT=ts,
+        FP32_INTERNAL=lay.fp32_internal,
+        GATHER_F32=lay.gathers_f32,
+        HAS_RES=residual is not None,
+        HOST_ERR=state.host_errors is not None,
+        USE_TIMER=use_timer,
         EMULATE=EMULATE_BF16,
-        BLOCK_L=blk.block_l, BLOCK_P=blk.block_p, BLOCK_S=blk.block_s, BLOCK_C=blk.block_c,
+        BLOCK_L=blk.block_l,
+        BLOCK_P=blk.block_p,
+        BLOCK_S=blk.block_s,
+        BLOCK_C=blk.block_c,
         num_warps=blk.num_warps,
     )
     state.prev_m = m

@@ -58,9 +58,7 @@ def get_state(handle: int) -> TailState:
         raise ValueError(f"handle must name a live moekit.comm collective state, got {handle}") from None
 
 
-@torch.library.custom_op(
-    "moekit::symm_moe_tail_", mutates_args=("latent_output", "shared_output")
-)
+@torch.library.custom_op("moekit::symm_moe_tail_", mutates_args=("latent_output", "shared_output"))
 def symm_moe_tail_(
     handle: int,
     m: int,
@@ -88,15 +86,36 @@ def symm_moe_tail_(
                 "TRITON_INTERPRET=1); use backend='torch' on the CPU"
             )
     launch_tail(
-        state, m, latent_source, expert_weights, expanded_idx_to_permuted_idx, residual, gamma,
-        shared_source, latent_output, shared_output, eps, None if two_shot < 0 else bool(two_shot),
+        state,
+        m,
+        latent_source,
+        expert_weights,
+        expanded_idx_to_permuted_idx,
+        residual,
+        gamma,
+        shared_source,
+        latent_output,
+        shared_output,
+        eps,
+        None if two_shot < 0 else bool(two_shot),
     )
 
 
 @symm_moe_tail_.register_fake
-def _symm_moe_tail_fake(handle, m, eps, two_shot, latent_source, expert_weights,
-                        expanded_idx_to_permuted_idx, residual, gamma, shared_source,
-                        latent_output, shared_output) -> None:
+def _symm_moe_tail_fake(
+    handle,
+    m,
+    eps,
+    two_shot,
+    latent_source,
+    expert_weights,
+    expanded_idx_to_permuted_idx,
+    residual,
+    gamma,
+    shared_source,
+    latent_output,
+    shared_output,
+) -> None:
     return None
 
 

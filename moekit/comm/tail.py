@@ -185,8 +185,9 @@ class _Collective:
     def _init_symm(self, layout, max_programs: int) -> None:
         from moekit.comm.symm import create_symm_state, register_state, release_state
 
-        self._state = create_symm_state(layout, self.group, self.device, timeout_s=self.timeout_s,
-                                        max_programs=max_programs)
+        self._state = create_symm_state(
+            layout, self.group, self.device, timeout_s=self.timeout_s, max_programs=max_programs
+        )
         self._state_handle = register_state(self._state)
         self._finalizer = weakref.finalize(self, release_state, self._state_handle)
 
@@ -299,22 +300,26 @@ class CollectiveKernel(_Collective):
         self.top_k = top_k
         self.include_routed = include_routed
         self.include_reduce_scatter = include_reduce_scatter
-        self.two_shot_min_m = (
-            default_two_shot_min_m(tp_size, latent_dim) if two_shot_min_m is None else two_shot_min_m
-        )
+        self.two_shot_min_m = default_two_shot_min_m(tp_size, latent_dim) if two_shot_min_m is None else two_shot_min_m
         self.backend = self._choose_backend()
         dev = self.device
         self._latent_output = torch.empty((max_m, latent_dim), dtype=torch.bfloat16, device=dev)
         self._shared_output = torch.empty((max_m, hidden_dim), dtype=torch.bfloat16, device=dev)
         lo = rank * self.shard_dim
-        self._shared_shard = self._shared_output[:, lo:lo + self.shard_dim]
+        self._shared_shard = self._shared_output[:, lo : lo + self.shard_dim]
         if self.backend == "symm_mem":
             from moekit.comm._triton_tail import TailLayout, choose_blocks
 
             layout = TailLayout(
-                rank=rank, tp_size=tp_size, latent_dim=latent_dim if include_routed else 0,
-                hidden_dim=hidden_dim if include_reduce_scatter else 0, max_m=max_m, top_k=top_k,
-                routed=include_routed, shared=include_reduce_scatter, fp32_internal=fp32_internal,
+                rank=rank,
+                tp_size=tp_size,
+                latent_dim=latent_dim if include_routed else 0,
+                hidden_dim=hidden_dim if include_reduce_scatter else 0,
+                max_m=max_m,
+                top_k=top_k,
+                routed=include_routed,
+                shared=include_reduce_scatter,
+                fp32_internal=fp32_internal,
                 two_shot_min_m=self.two_shot_min_m,
             )
             blk = choose_blocks(layout)
@@ -383,9 +388,18 @@ class CollectiveKernel(_Collective):
         routed, shared = self.include_routed, self.include_reduce_scatter
         if self.backend == "symm_mem":
             torch.ops.moekit.symm_moe_tail_(
-                self._state_handle, m, self.rms_eps, -1,
-                src, wts, idx, None, gamma if routed else None, shared_source if shared else None,
-                self._latent_output if routed else None, self._shared_shard if shared else None,
+                self._state_handle,
+                m,
+                self.rms_eps,
+                -1,
+                src,
+                wts,
+                idx,
+                None,
+                gamma if routed else None,
+                shared_source if shared else None,
+                self._latent_output if routed else None,
+                self._shared_shard if shared else None,
             )
         else:
             from moekit.comm import fallback as fb
@@ -393,12 +407,16 @@ class CollectiveKernel(_Collective):
             if routed:
                 x = fb.finalize_bf16(src, wts, idx) if idx is not None else src
                 fb.routed_all_reduce_rms_norm(
-                    x, gamma, self._latent_output, group=self.group, world_size=self.tp_size,
-                    eps=self.rms_eps, fp32_internal=self.fp32_internal,
+                    x,
+                    gamma,
+                    self._latent_output,
+                    group=self.group,
+                    world_size=self.tp_size,
+                    eps=self.rms_eps,
+                    fp32_internal=self.fp32_internal,
                 )
             if shared:
-                fb.shared_reduce_scatter(shared_source, self._shared_shard, group=self.group,
-                                         world_size=self.tp_size)
+                fb.shared_reduce_scatter(shared_source, self._shared_shard, group=self.group, world_size=self.tp_size)
         return (
             self._latent_output[:m] if routed else None,
             self._shared_shard[:m] if shared else None,
@@ -448,26 +466,34 @@ class AllReduceRMSNorm(_Collective):
         if self.tp_size > MAX_TP:
             raise ValueError(f"the group size must be <= {MAX_TP}, got {self.tp_size}")
         self.max_m, self.hidden, self.eps, self.fp32_internal = max_m, hidden, float(eps), fp32_internal
-        self.two_shot_min_m = (
-            default_two_shot_min_m(self.tp_size, hidden) if two_shot_min_m is None else two_shot_min_m
-        )
+        self.two_shot_min_m = default_two_shot_min_m(self.tp_size, hidden) if two_shot_min_m is None else two_shot_min_m
         self.backend = self._choose_backend()
         self._out = torch.empty((max_m, hidden), dtype=torch.bfloat16, device=self.device)
         if self.backend == "symm_mem":
             from moekit.comm._triton_tail import TailLayout
 
-            layout = TailLayout(rank=self.rank, tp_size=self.tp_size, latent_dim=hidden, hidden_dim=0,
-                                max_m=max_m, top_k=0, routed=True, shared=False,
-                                fp32_internal=fp32_internal, two_shot_min_m=self.two_shot_min_m,
-                                gather_f32=True)
+            layout = TailLayout(
+                rank=self.rank,
+                tp_size=self.tp_size,
+                latent_dim=hidden,
+                hidden_dim=0,
+                max_m=max_m,
+                top_k=0,
+                routed=True,
+                shared=False,
+                fp32_internal=fp32_internal,
+                two_shot_min_m=self.two_shot_min_m,
+                gather_f32=True,
+            )
             self._init_symm(layout, max_programs=1 << 30)
 
     @property
     def output(self) -> torch.Tensor:
         return self._out
 
-    def __call__(self, x: torch.Tensor, gamma: torch.Tensor, eps: Optional[float] = None,
-                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, gamma: torch.Tensor, eps: Optional[float] = None, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         self._raise_if_failed()
         _rank2("x", x)
         m = x.shape[0]
@@ -480,13 +506,22 @@ class AllReduceRMSNorm(_Collective):
             raise ValueError(f"runtime M={m} must be in [1, {self.max_m}]")
         e = self.eps if eps is None else _check_eps("eps", eps)
         if self.backend == "symm_mem":
-            torch.ops.moekit.symm_moe_tail_(self._state_handle, m, e, -1, x, None, None, residual, gamma,
-                                            None, self._out, None)
+            torch.ops.moekit.symm_moe_tail_(
+                self._state_handle, m, e, -1, x, None, None, residual, gamma, None, self._out, None
+            )
         else:
             from moekit.comm import fallback as fb
 
-            fb.routed_all_reduce_rms_norm(x, gamma, self._out, group=self.group, world_size=self.tp_size,
-                                          eps=e, fp32_internal=self.fp32_internal, residual=residual)
+            fb.routed_all_reduce_rms_norm(
+                x,
+                gamma,
+                self._out,
+                group=self.group,
+                world_size=self.tp_size,
+                eps=e,
+                fp32_internal=self.fp32_internal,
+                residual=residual,
+            )
         return self._out[:m]
 
     all_reduce_rms_norm = __call__
@@ -497,8 +532,15 @@ class ReduceScatterHidden(_Collective):
     ``x [m, hidden]`` bf16, ``S = hidden / R`` a multiple of 8; bf16 ``[m, S]`` in a persistent
     buffer valid until the next call (float32 rank-order sums)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], max_m: int, hidden: int, *,
-                 backend: str = "auto", timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup],
+        max_m: int,
+        hidden: int,
+        *,
+        backend: str = "auto",
+        timeout_s: float = 5.0,
+    ) -> None:
         check_int("max_m", max_m, lo=1)
         check_int("hidden", hidden, lo=1)
         self._init_common(group, backend, timeout_s)
@@ -506,18 +548,25 @@ class ReduceScatterHidden(_Collective):
         if self.tp_size > MAX_TP:
             raise ValueError(f"the group size must be <= {MAX_TP}, got {self.tp_size}")
         if hidden % self.tp_size or (hidden // self.tp_size) % 8:
-            raise ValueError(
-                f"hidden must be a multiple of 8 * group size ({8 * self.tp_size}), got {hidden}"
-            )
+            raise ValueError(f"hidden must be a multiple of 8 * group size ({8 * self.tp_size}), got {hidden}")
         self.max_m, self.hidden, self.shard_dim = max_m, hidden, hidden // self.tp_size
         self.backend = self._choose_backend()
         self._out = torch.empty((max_m, self.shard_dim), dtype=torch.bfloat16, device=self.device)
         if self.backend == "symm_mem":
             from moekit.comm._triton_tail import TailLayout
 
-            layout = TailLayout(rank=self.rank, tp_size=self.tp_size, latent_dim=0, hidden_dim=hidden,
-                                max_m=max_m, top_k=0, routed=False, shared=True, fp32_internal=False,
-                                two_shot_min_m=1 << 30)
+            layout = TailLayout(
+                rank=self.rank,
+                tp_size=self.tp_size,
+                latent_dim=0,
+                hidden_dim=hidden,
+                max_m=max_m,
+                top_k=0,
+                routed=False,
+                shared=True,
+                fp32_internal=False,
+                two_shot_min_m=1 << 30,
+            )
             self._init_symm(layout, max_programs=1 << 30)
 
     @property
@@ -532,8 +581,9 @@ class ReduceScatterHidden(_Collective):
         if not 1 <= m <= self.max_m:
             raise ValueError(f"runtime M={m} must be in [1, {self.max_m}]")
         if self.backend == "symm_mem":
-            torch.ops.moekit.symm_moe_tail_(self._state_handle, m, 0.0, -1, None, None, None, None, None,
-                                            x, None, self._out)
+            torch.ops.moekit.symm_moe_tail_(
+                self._state_handle, m, 0.0, -1, None, None, None, None, None, x, None, self._out
+            )
         else:
             from moekit.comm import fallback as fb
 

@@ -257,7 +257,14 @@ def _is_silu(act: Any) -> bool:
 
 _PLAN_ATTR = "_moekit_plan"
 _PLAN_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
-_PLAN_FLAGS = ("has_gate", "is_transposed", "has_bias", "_is_expert_parallel", "has_post_expert_norm", "is_concatenated")
+_PLAN_FLAGS = (
+    "has_gate",
+    "is_transposed",
+    "has_bias",
+    "_is_expert_parallel",
+    "has_post_expert_norm",
+    "is_concatenated",
+)
 
 
 def _plan_key(module: torch.nn.Module) -> tuple:
@@ -579,8 +586,7 @@ def enable(model: torch.nn.Module, *, deterministic: bool = False, cuda_graphs: 
         raise TypeError(
             "moekit cannot run these experts modules (they neither use transformers' ExpertsInterface "
             "(@use_experts_implementation) nor are Llama 4 text experts, nor sit next to such experts as "
-            f"shared experts): {', '.join(foreign[:4])}"
-            + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+            f"shared experts): {', '.join(foreign[:4])}" + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         )
     if not found:
         raise TypeError(

@@ -92,8 +92,12 @@ class MoEBase(torch.nn.Module):
             )  # fmt: skip
             self.shared_experts = (
                 SharedExperts(
-                    D, args.local_shared_hidden_dim, precision=args.resolved_shared_precision, dtype=args.dtype,
-                    device=dev, seed=self._shard_seed(seed),
+                    D,
+                    args.local_shared_hidden_dim,
+                    precision=args.resolved_shared_precision,
+                    dtype=args.dtype,
+                    device=dev,
+                    seed=self._shard_seed(seed),
                 )  # fmt: skip
                 if args.shared_hidden_dim
                 else None
@@ -197,7 +201,9 @@ class MoEBase(torch.nn.Module):
         bias = None
         if args.score_correction_bias:
             if e_score_correction_bias is None:
-                raise ValueError("e_score_correction_bias is required when args.score_correction_bias is True, got None")
+                raise ValueError(
+                    "e_score_correction_bias is required when args.score_correction_bias is True, got None"
+                )
             check_tensor("e_score_correction_bias", e_score_correction_bias, shape=(E,), device=dev)
             bias = e_score_correction_bias.float().contiguous()
         elif e_score_correction_bias is not None:

@@ -184,9 +184,7 @@ class MoEArgs:
             check_int("n_group", self.n_group, lo=1, hi=self.num_experts)
             check_int("topk_group", self.topk_group, lo=1, hi=self.n_group)
             if self.num_experts % self.n_group:
-                raise ValueError(
-                    f"n_group must divide num_experts ({self.num_experts}), got n_group={self.n_group}"
-                )
+                raise ValueError(f"n_group must divide num_experts ({self.num_experts}), got n_group={self.n_group}")
             per_group = self.num_experts // self.n_group
             if self.top_k > self.topk_group * per_group:
                 raise ValueError(

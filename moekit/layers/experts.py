@@ -77,7 +77,6 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
     return "sorted"
 
 
-
 def down_sums_rows(deterministic: bool = False) -> bool:
     """Whether the down projection stores its rows and sums them per token (``combine_rows``)
     instead of scatter-adding them with atomics: ``settings.down_sum``; ``auto``: for

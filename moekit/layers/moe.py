@@ -134,9 +134,7 @@ class MetaShufflingMoE(MoEBase):
         if x_TD.shape[0] == 0:  # static shape: nothing to route
             return torch.zeros_like(x)
         has_shared = self.shared_experts is not None
-        overlap = (
-            has_shared and x_TD.is_cuda and self.overlap_shared_expert and not torch.compiler.is_compiling()
-        )
+        overlap = has_shared and x_TD.is_cuda and self.overlap_shared_expert and not torch.compiler.is_compiling()
         if not overlap:
             shared = self.shared_forward(x_TD) if has_shared else None
             return self._routed(x_TD, self.router_logits(x_TD), shared).reshape(x.shape)

@@ -114,9 +114,7 @@ def _check_padded(
     check_tensor("token_counts", token_counts, ndim=1, dtype=INDEX_DTYPES, device=in_tokens.device)
     E = token_counts.shape[0]
     if E % EP != 0:
-        raise ValueError(
-            f"token_counts' length (experts, {E}) must be a multiple of in_tokens.shape[0] (EP, {EP})"
-        )
+        raise ValueError(f"token_counts' length (experts, {E}) must be a multiple of in_tokens.shape[0] (EP, {EP})")
     check_tensor("token_indices", token_indices, shape=(T_K,), dtype=INDEX_DTYPES, device=in_tokens.device)
     check_tensor("out_tokens", out_tokens, ndim=2, dtype=in_tokens.dtype, device=in_tokens.device)
     if out_tokens.shape[1] != D:

@@ -174,7 +174,13 @@ def _grouped_gemm_scatter_add_op(
         )  # fmt: skip
         return
     _ref.grouped_gemm(
-        x, w, m_sizes, bias, token_weights, _output_tensor=output, _scatter_add_indices=scatter_add_indices,
+        x,
+        w,
+        m_sizes,
+        bias,
+        token_weights,
+        _output_tensor=output,
+        _scatter_add_indices=scatter_add_indices,
         w_scale=w_scale,
     )
 

@@ -147,4 +147,3 @@ def triton_quantize_fp8_row(
     _check_args(a, scale_ub, zero_start_index_M, eps)
     align = 1 if align_rows_to is None else check_int("align_rows_to", align_rows_to, lo=1)
     return call_op(_quantize_fp8_row_op, a, scale_ub, zero_start_index_M, True, float(eps), align)
-

@@ -24,7 +24,12 @@ from moekit.reference import routing as _ref
 from moekit.reference.routing import SCORE_FUNCS
 
 __all__ = [
-    "index_shuffling", "route_and_shuffle", "shuffle_top_k", "dense_route", "check_routing_options", "SCORE_DTYPES",
+    "index_shuffling",
+    "route_and_shuffle",
+    "shuffle_top_k",
+    "dense_route",
+    "check_routing_options",
+    "SCORE_DTYPES",
 ]
 
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -158,9 +163,7 @@ def _check(
     if E < 1:
         raise ValueError(f"routing_scores must have at least one expert column, got shape {(T, E)}")
     check_int("top_k", top_k, lo=1, hi=E)
-    expert_range(
-        E, expert_index_start, expert_index_end, start_name="expert_index_start", end_name="expert_index_end"
-    )
+    expert_range(E, expert_index_start, expert_index_end, start_name="expert_index_start", end_name="expert_index_end")
     check_optional_count("valid_token_count", valid_token_count, routing_scores.device)
     if T * top_k >= 2**31:
         raise ValueError(
@@ -199,9 +202,7 @@ def index_shuffling(
     host synchronization; CUDA-graph capturable.
     """
     _check(routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k)
-    return call_op(
-        _index_shuffling_op, routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k
-    )
+    return call_op(_index_shuffling_op, routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k)
 
 
 # ----------------------------------------------------------------------------------------------

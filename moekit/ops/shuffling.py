@@ -48,9 +48,7 @@ def _check(
     if not isinstance(is_padded, bool):
         raise TypeError(f"is_padded must be a bool, got {type(is_padded).__name__}")
     if is_padded and T % EP != 0:
-        raise ValueError(
-            f"is_padded=True needs tokens.shape[0] ({T}) divisible by EP (token_counts.shape[0], {EP})"
-        )
+        raise ValueError(f"is_padded=True needs tokens.shape[0] ({T}) divisible by EP (token_counts.shape[0], {EP})")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -142,6 +140,4 @@ def split_shuffling(
     _check(tokens, token_counts, expert_start, expert_end, is_padded)
     if not isinstance(init_with_zeros, bool):
         raise TypeError(f"init_with_zeros must be a bool, got {type(init_with_zeros).__name__}")
-    return call_op(
-        _split_shuffling_op, tokens, token_counts, expert_start, expert_end, is_padded, init_with_zeros
-    )
+    return call_op(_split_shuffling_op, tokens, token_counts, expert_start, expert_end, is_padded, init_with_zeros)

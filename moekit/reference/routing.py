@@ -105,9 +105,7 @@ def routing_weights(
         group_mask.scatter_(1, group_ids, True)
         expert_mask = group_mask.unsqueeze(-1).expand(T, n_group, per_group).reshape(T, E)
         if top_k > topk_group * per_group:
-            raise ValueError(
-                f"top_k ({top_k}) must be <= topk_group * experts per group ({topk_group * per_group})"
-            )
+            raise ValueError(f"top_k ({top_k}) must be <= topk_group * experts per group ({topk_group * per_group})")
         choice = choice.masked_fill(~expert_mask, float("-inf"))
     ids = _topk_lowest_index_on_ties(choice, top_k)[1]
     weights = scores.gather(1, ids)

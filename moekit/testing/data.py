@@ -143,5 +143,7 @@ def random_expert_weights(
         out["shared_w13_2FD"] = rnd(2 * s.shared_F, s.D, fan_in=s.D)
         out["shared_w2_DF"] = rnd(s.D, s.shared_F, fan_in=s.shared_F)
     if s.n_group is not None:
-        out["e_score_correction_bias"] = (torch.rand(E, generator=g, device=device if on_gpu else "cpu") * 0.1).to(device)
+        out["e_score_correction_bias"] = (torch.rand(E, generator=g, device=device if on_gpu else "cpu") * 0.1).to(
+            device
+        )
     return out

@@ -30,10 +30,22 @@ CONFIGS = [
 ]
 
 
-def compile_config(R, L, H, top_k=0, routed=True, shared=True, fp32=False, two=False, res=False,
-                   gather_f32=None, max_m=512):
-    lay = T.TailLayout(0, R, L if routed else 0, H if shared else 0, max_m, top_k, routed, shared, fp32,
-                       1 if two else 1 << 30, gather_f32)
+def compile_config(
+    R, L, H, top_k=0, routed=True, shared=True, fp32=False, two=False, res=False, gather_f32=None, max_m=512
+):
+    lay = T.TailLayout(
+        0,
+        R,
+        L if routed else 0,
+        H if shared else 0,
+        max_m,
+        top_k,
+        routed,
+        shared,
+        fp32,
+        1 if two else 1 << 30,
+        gather_f32,
+    )
     blk = T.choose_blocks(lay)
     S = lay.shard_dim
     ch = L // R if two else 0
@@ -41,17 +53,56 @@ def compile_config(R, L, H, top_k=0, routed=True, shared=True, fp32=False, two=F
     nch = cdiv(ch, blk.block_p) if two else 0
     nj = cdiv(S, blk.block_s) if shared else 0
     const = dict(
-        R=R, L=max(L, 1), H=max(H, 1), S=max(S, 1), FOOT=lay.foot, BUF=lay.buffer_elems, RT0=lay.rt0,
-        USED=lay.used(two), CH=max(ch, 1), NPR=max(npr, 1), NCH=max(nch, 1), NJ=max(nj, 1),
-        SH_OUT_STRIDE=max(H, 1), TOP_K=top_k if routed else 0, KG=blk.kg, ROUTED=routed, SHARED=shared,
-        TWO_SHOT=two, FP32_INTERNAL=fp32, GATHER_F32=lay.gathers_f32, HAS_RES=res, HOST_ERR=True,
-        USE_TIMER=True, EMULATE=False, BLOCK_L=blk.block_l, BLOCK_P=blk.block_p, BLOCK_S=blk.block_s,
+        R=R,
+        L=max(L, 1),
+        H=max(H, 1),
+        S=max(S, 1),
+        FOOT=lay.foot,
+        BUF=lay.buffer_elems,
+        RT0=lay.rt0,
+        USED=lay.used(two),
+        CH=max(ch, 1),
+        NPR=max(npr, 1),
+        NCH=max(nch, 1),
+        NJ=max(nj, 1),
+        SH_OUT_STRIDE=max(H, 1),
+        TOP_K=top_k if routed else 0,
+        KG=blk.kg,
+        ROUTED=routed,
+        SHARED=shared,
+        TWO_SHOT=two,
+        FP32_INTERNAL=fp32,
+        GATHER_F32=lay.gathers_f32,
+        HAS_RES=res,
+        HOST_ERR=True,
+        USE_TIMER=True,
+        EMULATE=False,
+        BLOCK_L=blk.block_l,
+        BLOCK_P=blk.block_p,
+        BLOCK_S=blk.block_s,
         BLOCK_C=blk.block_c,
     )
-    sig = dict(lat_ptr="*bf16", wts_ptr="*bf16", idx_ptr="*i32", res_ptr="*bf16", gamma_ptr="*bf16",
-               lat_out_ptr="*bf16", sh_ptr="*bf16", sh_out_ptr="*bf16", ws16_ptr="*i16", ws32_ptr="*i32",
-               peers_ptr="*i64", flags_ptr="*i32", err_ptr="*i32", m="i32", rank="i32", gemm_rows="i32",
-               eps="fp32", timeout_ns="i64", max_spins="i32")
+    sig = dict(
+        lat_ptr="*bf16",
+        wts_ptr="*bf16",
+        idx_ptr="*i32",
+        res_ptr="*bf16",
+        gamma_ptr="*bf16",
+        lat_out_ptr="*bf16",
+        sh_ptr="*bf16",
+        sh_out_ptr="*bf16",
+        ws16_ptr="*i16",
+        ws32_ptr="*i32",
+        peers_ptr="*i64",
+        flags_ptr="*i32",
+        err_ptr="*i32",
+        m="i32",
+        rank="i32",
+        gemm_rows="i32",
+        eps="fp32",
+        timeout_ns="i64",
+        max_spins="i32",
+    )
     sig.update({k: "constexpr" for k in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(13)}
     src = ASTSource(fn=T._tail_kernel, signature=sig, constexprs=const, attrs=attrs)
@@ -80,8 +131,14 @@ def main() -> int:
     for R, L, H, kw in CONFIGS:
         info = compile_config(R, L, H, **kw)
         fits = 0 < info["regs"] * info["warps"] * 32 <= 65536  # one program per SM at least
-        ok = (info["local_bytes"] == 0 and fits and info["globaltimer"] and info["acq_rel_atomic"]
-              and info["vector_volatile_loads"] and not info["scalar_16bit_global_stores"])
+        ok = (
+            info["local_bytes"] == 0
+            and fits
+            and info["globaltimer"]
+            and info["acq_rel_atomic"]
+            and info["vector_volatile_loads"]
+            and not info["scalar_16bit_global_stores"]
+        )
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} R={R} L={L} H={H} {kw}: {info}", flush=True)
     return 1 if bad else 0

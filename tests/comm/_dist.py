@@ -45,8 +45,9 @@ def _entry(rank, world_size, backend, port, fn, args, out_dir, pg_timeout_s):
         if backend == "nccl":
             torch.cuda.set_device(rank)
             kwargs["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout_s), **kwargs)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s), **kwargs
+        )
         status = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent
         status = ("error", traceback.format_exc())
@@ -65,8 +66,9 @@ def _entry(rank, world_size, backend, port, fn, args, out_dir, pg_timeout_s):
     os._exit(0)
 
 
-def run_distributed(fn, world_size: int, backend: str = "gloo", args: tuple = (),
-                    timeout_s: float = 120.0, pg_timeout_s: float = 60.0) -> list:
+def run_distributed(
+    fn, world_size: int, backend: str = "gloo", args: tuple = (), timeout_s: float = 120.0, pg_timeout_s: float = 60.0
+) -> list:
     import torch.multiprocessing as mp
 
     os.environ.update(NO_MULTICAST_ENV)
@@ -121,8 +123,10 @@ def run_scenarios(rank: int, scenarios: dict, *args) -> dict:
         except Exception:  # noqa: BLE001
             out[name] = traceback.format_exc()
         # progress on the worker's stdout: shows where a run stopped if it is killed
-        print(f"[rank {rank}] {name}: {'ok' if out[name] == 'ok' else 'FAILED'} "
-              f"({time.monotonic() - t0:.1f} s)", flush=True)
+        print(
+            f"[rank {rank}] {name}: {'ok' if out[name] == 'ok' else 'FAILED'} ({time.monotonic() - t0:.1f} s)",
+            flush=True,
+        )
     return out
 
 

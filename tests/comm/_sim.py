@@ -35,15 +35,26 @@ class Sim:
     """Rank ``rank`` of ``R`` simulated ranks: a sentinel-filled local workspace, one scratch
     workspace per peer, and a kernel state pointing at them."""
 
-    def __init__(self, layout: TailLayout, timeout_s: float = 5.0, max_programs: int = 1 << 30,
-                 max_block_l: Optional[int] = None, host_errors: bool = True):
+    def __init__(
+        self,
+        layout: TailLayout,
+        timeout_s: float = 5.0,
+        max_programs: int = 1 << 30,
+        max_block_l: Optional[int] = None,
+        host_errors: bool = True,
+    ):
         self.layout = layout
         n = layout.workspace_elems
         self.ws = [torch.full((n,), SENTINEL16, dtype=torch.int16) for _ in range(layout.tp_size)]
         self.host_errors = torch.zeros(layout.tp_size, dtype=torch.int32) if host_errors else None
         self.state = create_local_state(
-            layout, self.ws[layout.rank], [w.data_ptr() for w in self.ws], timeout_s=timeout_s,
-            max_programs=max_programs, host_errors=self.host_errors, max_block_l=max_block_l,
+            layout,
+            self.ws[layout.rank],
+            [w.data_ptr() for w in self.ws],
+            timeout_s=timeout_s,
+            max_programs=max_programs,
+            host_errors=self.host_errors,
+            max_block_l=max_block_l,
         )
 
     def buf(self, p: int, b: int) -> torch.Tensor:
@@ -64,8 +75,14 @@ class Sim:
         """Per rank: its routed contribution as published bf16 bits ``[m, L]``."""
         return [bf16_bits(x) for x in latents]
 
-    def prefill(self, m: int, routed_bits: Optional[list[torch.Tensor]], shared: Optional[list[torch.Tensor]],
-                two_shot: bool = False, skip: tuple[int, ...] = ()) -> None:
+    def prefill(
+        self,
+        m: int,
+        routed_bits: Optional[list[torch.Tensor]],
+        shared: Optional[list[torch.Tensor]],
+        two_shot: bool = False,
+        skip: tuple[int, ...] = (),
+    ) -> None:
         """Publish every rank's fragments (except ranks in ``skip``) into the local current buffer."""
         lay, me = self.layout, self.layout.rank
         R, L, S, rt0 = lay.tp_size, lay.latent_dim, lay.shard_dim, lay.rt0
@@ -75,24 +92,24 @@ class Sim:
                 continue
             if lay.shared:
                 sb = bf16_bits(shared[s])
-                B[:m, s * S:(s + 1) * S] = sb[:, me * S:(me + 1) * S]
+                B[:m, s * S : (s + 1) * S] = sb[:, me * S : (me + 1) * S]
             if lay.routed:
                 if two_shot:
                     CH = L // R
-                    B[:m, rt0 + s * CH: rt0 + (s + 1) * CH] = routed_bits[s][:, me * CH:(me + 1) * CH]
+                    B[:m, rt0 + s * CH : rt0 + (s + 1) * CH] = routed_bits[s][:, me * CH : (me + 1) * CH]
                 else:
-                    B[:m, rt0 + s * L: rt0 + (s + 1) * L] = routed_bits[s]
+                    B[:m, rt0 + s * L : rt0 + (s + 1) * L] = routed_bits[s]
         if lay.routed and two_shot:
             CH = L // R
             total = ref.rank_sum([bits_f32(b) for b in routed_bits])
             for c in range(R):
                 if c in skip:
                     continue
-                chunk = total[:, c * CH:(c + 1) * CH]
+                chunk = total[:, c * CH : (c + 1) * CH]
                 if lay.gathers_f32:
-                    B[:m, rt0 + L + 2 * c * CH: rt0 + L + 2 * (c + 1) * CH] = f32_bits(chunk).view(m, -1)
+                    B[:m, rt0 + L + 2 * c * CH : rt0 + L + 2 * (c + 1) * CH] = f32_bits(chunk).view(m, -1)
                 else:
-                    B[:m, rt0 + L + c * CH: rt0 + L + (c + 1) * CH] = bf16_bits(chunk)
+                    B[:m, rt0 + L + c * CH : rt0 + L + (c + 1) * CH] = bf16_bits(chunk)
 
     def expected_peer_writes(self, m: int, routed_bits, shared, two_shot: bool = False) -> dict:
         """``{(peer, lo, hi): bits [m, hi-lo]}``: what this rank must have written per token into
@@ -104,12 +121,12 @@ class Sim:
             if p == me:
                 continue
             if lay.shared:
-                out[(p, me * S, (me + 1) * S)] = bf16_bits(shared[me])[:, p * S:(p + 1) * S]
+                out[(p, me * S, (me + 1) * S)] = bf16_bits(shared[me])[:, p * S : (p + 1) * S]
             if lay.routed:
                 if two_shot:
                     CH = L // R
-                    out[(p, rt0 + me * CH, rt0 + (me + 1) * CH)] = routed_bits[me][:, p * CH:(p + 1) * CH]
-                    total = ref.rank_sum([bits_f32(b) for b in routed_bits])[:, me * CH:(me + 1) * CH]
+                    out[(p, rt0 + me * CH, rt0 + (me + 1) * CH)] = routed_bits[me][:, p * CH : (p + 1) * CH]
+                    total = ref.rank_sum([bits_f32(b) for b in routed_bits])[:, me * CH : (me + 1) * CH]
                     if lay.gathers_f32:
                         out[(p, rt0 + L + 2 * me * CH, rt0 + L + 2 * (me + 1) * CH)] = f32_bits(total).view(m, -1)
                     else:

@@ -52,8 +52,17 @@ def _same_on_all_ranks(t: torch.Tensor) -> None:
 def _ck(rank, R, **kw):
     from moekit.comm import CollectiveKernel
 
-    base = dict(group=None, rank=rank, tp_size=R, latent_dim=L, hidden_dim=H, max_m=MAX_M, max_token_ctas=MAX_M,
-                rms_eps=EPS, fp32_internal=False)
+    base = dict(
+        group=None,
+        rank=rank,
+        tp_size=R,
+        latent_dim=L,
+        hidden_dim=H,
+        max_m=MAX_M,
+        max_token_ctas=MAX_M,
+        rms_eps=EPS,
+        fp32_internal=False,
+    )
     base.update(kw)
     return CollectiveKernel(**base)
 
@@ -80,7 +89,7 @@ def sc_both_roles(rank, R):
             assert_poisoned(ck.latent_output, slice(0, m))
             assert_poisoned(ck.shared_shard, slice(0, m))
             S = H // R
-            others = torch.cat([ck.shared_output[:, :rank * S], ck.shared_output[:, (rank + 1) * S:]], 1)
+            others = torch.cat([ck.shared_output[:, : rank * S], ck.shared_output[:, (rank + 1) * S :]], 1)
             assert torch.isnan(others).all()
             _same_on_all_ranks(lo)
 
@@ -189,8 +198,14 @@ def sc_call_validation(rank, R):
     gemm2, w, idx = unf[rank]
     bf = torch.bfloat16
     _raises(ValueError, "latent_source must be contiguous CPU bfloat16 [3, 40], got float32", ck, x.float(), s, gamma)
-    _raises(ValueError, f"latent_source must be contiguous CPU bfloat16 [3, {L}], got bfloat16 [3, 48]",
-            ck, torch.zeros(3, 48, dtype=bf), s, gamma)
+    _raises(
+        ValueError,
+        f"latent_source must be contiguous CPU bfloat16 [3, {L}], got bfloat16 [3, 48]",
+        ck,
+        torch.zeros(3, 48, dtype=bf),
+        s,
+        gamma,
+    )
     nc = torch.zeros(L, 3, dtype=bf).t()
     _raises(ValueError, "non-contiguous", ck, nc, s, gamma)
     _raises(ValueError, "on meta", ck, torch.empty(3, L, dtype=bf, device="meta"), s, gamma)
@@ -203,15 +218,47 @@ def sc_call_validation(rank, R):
     _raises(ValueError, "gamma must be contiguous CPU bfloat16", ck, x, s, gamma.float())
     _raises(ValueError, f"runtime M=0 must be in [1, {MAX_M}]", ck, x[:0], s[:0], gamma)
     big = torch.zeros(MAX_M + 1, L, dtype=bf)
-    _raises(ValueError, f"runtime M={MAX_M + 1} must be in [1, {MAX_M}]", ck, big, torch.zeros(MAX_M + 1, H, dtype=bf), gamma)
-    _raises(ValueError, "collective was not configured for top-k finalize", ck, UnfinalizedMoEOutput(gemm2, w, idx), s, gamma)
+    _raises(
+        ValueError,
+        f"runtime M={MAX_M + 1} must be in [1, {MAX_M}]",
+        ck,
+        big,
+        torch.zeros(MAX_M + 1, H, dtype=bf),
+        gamma,
+    )
+    _raises(
+        ValueError,
+        "collective was not configured for top-k finalize",
+        ck,
+        UnfinalizedMoEOutput(gemm2, w, idx),
+        s,
+        gamma,
+    )
     _raises(ValueError, "top-k collective requires an unfinalized output", ck_k, x, s, gamma)
-    _raises(ValueError, "expert_weights must be contiguous CPU bfloat16 or float32 [3, 2]", ck_k,
-            UnfinalizedMoEOutput(gemm2, w[:, :1], idx), s, gamma)
-    _raises(ValueError, "expanded_idx_to_permuted_idx must be contiguous CPU int32 or int64 [3, 2], got float32",
-            ck_k, UnfinalizedMoEOutput(gemm2, w, idx.float()), s, gamma)
-    _raises(ValueError, f"gemm2_permuted must be contiguous CPU bfloat16 [9, {L}]", ck_k,
-            UnfinalizedMoEOutput(gemm2.float(), w, idx), s, gamma)
+    _raises(
+        ValueError,
+        "expert_weights must be contiguous CPU bfloat16 or float32 [3, 2]",
+        ck_k,
+        UnfinalizedMoEOutput(gemm2, w[:, :1], idx),
+        s,
+        gamma,
+    )
+    _raises(
+        ValueError,
+        "expanded_idx_to_permuted_idx must be contiguous CPU int32 or int64 [3, 2], got float32",
+        ck_k,
+        UnfinalizedMoEOutput(gemm2, w, idx.float()),
+        s,
+        gamma,
+    )
+    _raises(
+        ValueError,
+        f"gemm2_permuted must be contiguous CPU bfloat16 [9, {L}]",
+        ck_k,
+        UnfinalizedMoEOutput(gemm2.float(), w, idx),
+        s,
+        gamma,
+    )
     _raises(ValueError, "expert_weights must be rank-2", ck_k, UnfinalizedMoEOutput(gemm2, w[0], idx), s, gamma)
     # constructor checks against the group (local, no collective)
     _raises(ValueError, f"tp_size must equal the group size ({R})", _ck, rank, R * 2, hidden_dim=H * 2)
@@ -222,18 +269,28 @@ def sc_call_validation(rank, R):
     from moekit.comm import AllReduceRMSNorm, ReduceScatterHidden
 
     _raises(ValueError, "hidden must be a multiple of 8", AllReduceRMSNorm, None, 4, 20)
-    _raises(ValueError, f"hidden must be a multiple of 8 * group size ({8 * R})", ReduceScatterHidden, None, 4, 8 * R + 8)
+    _raises(
+        ValueError, f"hidden must be a multiple of 8 * group size ({8 * R})", ReduceScatterHidden, None, 4, 8 * R + 8
+    )
     ar = AllReduceRMSNorm(None, 4, 16)
     _raises(ValueError, "x must be contiguous CPU bfloat16 [2, 16]", ar, torch.zeros(2, 24, dtype=bf), gamma[:16])
-    _raises(ValueError, "residual must be contiguous CPU bfloat16 [2, 16]", ar, torch.zeros(2, 16, dtype=bf),
-            gamma[:16], None, torch.zeros(2, 16))
+    _raises(
+        ValueError,
+        "residual must be contiguous CPU bfloat16 [2, 16]",
+        ar,
+        torch.zeros(2, 16, dtype=bf),
+        gamma[:16],
+        None,
+        torch.zeros(2, 16),
+    )
     _raises(ValueError, "runtime M=5 must be in [1, 4]", ar, torch.zeros(5, 16, dtype=bf), gamma[:16])
     x16 = torch.zeros(2, 16, dtype=bf)
     _raises(ValueError, "eps must be a non-negative float and finite, got -1.0", ar, x16, gamma[:16], -1.0)
     _raises(ValueError, "eps must be a non-negative float and finite, got nan", ar, x16, gamma[:16], float("nan"))
     _raises(TypeError, "eps must be a float, got str", ar, x16, gamma[:16], "0.1")
-    _raises(ValueError, "eps must be a non-negative float and finite, got -0.5", AllReduceRMSNorm, None, 4, 16,
-            eps=-0.5)
+    _raises(
+        ValueError, "eps must be a non-negative float and finite, got -0.5", AllReduceRMSNorm, None, 4, 16, eps=-0.5
+    )
     rs = ReduceScatterHidden(None, 4, 16 * R)
     _raises(ValueError, f"x must be contiguous CPU bfloat16 [2, {16 * R}]", rs, torch.zeros(2, 16 * R))
 

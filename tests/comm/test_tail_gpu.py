@@ -58,8 +58,18 @@ def _inputs(R, m, L, H, seed, top_k=0, rows=None):
 def _ck(rank, R, L, H, max_m, **kw):
     from moekit.comm import CollectiveKernel
 
-    base = dict(group=None, rank=rank, tp_size=R, latent_dim=L, hidden_dim=H, max_m=max_m, max_token_ctas=max_m,
-                rms_eps=EPS, fp32_internal=False, backend=BACKEND)
+    base = dict(
+        group=None,
+        rank=rank,
+        tp_size=R,
+        latent_dim=L,
+        hidden_dim=H,
+        max_m=max_m,
+        max_token_ctas=max_m,
+        rms_eps=EPS,
+        fp32_internal=False,
+        backend=BACKEND,
+    )
     base.update(kw)
     return CollectiveKernel(**base)
 
@@ -114,7 +124,7 @@ def _check_call(ck, rank, R, m, lat, sh, gamma, fp32, unf=None, what=""):
             problems.append(f"{what} m={m}: the shard is not the rank-order float32 sum")
         expect(assert_poisoned, ck.shared_shard, slice(0, m), msg="shard rows")
         full = ck.shared_output
-        others = torch.cat([full[:, :rank * S], full[:, (rank + 1) * S:]], 1)
+        others = torch.cat([full[:, : rank * S], full[:, (rank + 1) * S :]], 1)
         if not torch.isnan(others).all():
             problems.append(f"{what} m={m}: other ranks' shard columns were written")
     if ck.include_routed:
@@ -212,7 +222,7 @@ def sc_back_to_back(rank, R, n_calls=2000):
         sq = (vb * vb).to(torch.bfloat16).float()
         want = vb * torch.rsqrt(sq.sum(-1, keepdim=True) / L + EPS) * gamma.float()
         errs[i] = torch.linalg.vector_norm(lo.float() - want) / torch.linalg.vector_norm(want)
-        want_sh = ref.rank_sum([x[:, rank * S:(rank + 1) * S] for x in sh]).to(torch.bfloat16)
+        want_sh = ref.rank_sum([x[:, rank * S : (rank + 1) * S] for x in sh]).to(torch.bfloat16)
         bad_shard[i] = (so.view(torch.int16) != want_sh.view(torch.int16)).sum()
         sums[i] = lo.view(torch.int16).to(torch.int64).sum()
     worst = errs.max().item()
@@ -232,11 +242,15 @@ def sc_cuda_graph(rank, R):
     L, H, m = 3584, 7168, 16
     ck = _ck(rank, R, L, H, 64)
     dev = DEV
-    ins = [(torch.empty(m, L, dtype=torch.bfloat16, device=dev), torch.empty(m, H, dtype=torch.bfloat16, device=dev))
-           for _ in range(3)]
+    ins = [
+        (torch.empty(m, L, dtype=torch.bfloat16, device=dev), torch.empty(m, H, dtype=torch.bfloat16, device=dev))
+        for _ in range(3)
+    ]
     gamma = (torch.rand(L, device=dev, generator=_gen("g-gamma")) + 0.5).to(torch.bfloat16)
-    outs = [(torch.empty(m, L, dtype=torch.bfloat16, device=dev), torch.empty(m, H // R, dtype=torch.bfloat16, device=dev))
-            for _ in range(3)]
+    outs = [
+        (torch.empty(m, L, dtype=torch.bfloat16, device=dev), torch.empty(m, H // R, dtype=torch.bfloat16, device=dev))
+        for _ in range(3)
+    ]
 
     def fill(step):
         all_in = []
@@ -290,8 +304,10 @@ def sc_standalone(rank, R):
         for fp32 in (True, False):
             ar = AllReduceRMSNorm(None, 128, hidden, eps=EPS, fp32_internal=fp32, backend=BACKEND)
             for m in (1, 100):
-                xs = [torch.randn(m, hidden, generator=_gen("ar", hidden, m, r), device=dev).to(torch.bfloat16)
-                      for r in range(R)]
+                xs = [
+                    torch.randn(m, hidden, generator=_gen("ar", hidden, m, r), device=dev).to(torch.bfloat16)
+                    for r in range(R)
+                ]
                 gamma = torch.rand(hidden, generator=_gen("ar-g", hidden), device=dev).to(torch.bfloat16)
                 res = torch.randn(m, hidden, generator=_gen("ar-r", hidden, m), device=dev).to(torch.bfloat16)
                 out = ar(xs[rank], gamma, EPS, residual=res)

@@ -19,10 +19,22 @@ MAX_M = 4
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-def _layout(R, rank, L, H, *, top_k=0, routed=True, shared=True, fp32=False, two_shot=False, max_m=MAX_M,
-            gather_f32=None):
-    return TailLayout(rank, R, L if routed else 0, H if shared else 0, max_m, top_k, routed, shared, fp32,
-                      1 if two_shot else 1 << 30, gather_f32)
+def _layout(
+    R, rank, L, H, *, top_k=0, routed=True, shared=True, fp32=False, two_shot=False, max_m=MAX_M, gather_f32=None
+):
+    return TailLayout(
+        rank,
+        R,
+        L if routed else 0,
+        H if shared else 0,
+        max_m,
+        top_k,
+        routed,
+        shared,
+        fp32,
+        1 if two_shot else 1 << 30,
+        gather_f32,
+    )
 
 
 def _inputs(R, m, L, H, seed, top_k=0, rows=7):
@@ -62,13 +74,25 @@ def _call(sim: Sim, m, lat, sh, gamma, *, unf=None, res=None, two_shot=False, po
         poison(lat_out)
         poison(sh_full)
     S = lay.shard_dim
-    sh_view = sh_full[:, rank * S:(rank + 1) * S] if lay.shared else None
+    sh_view = sh_full[:, rank * S : (rank + 1) * S] if lay.shared else None
     if unf is not None:
         src, w, idx = unf[rank]
     else:
         src, w, idx = (lat[rank] if lay.routed else None), None, None
-    launch_tail(sim.state, m, src, w, idx, res, gamma if lay.routed else None,
-                sh[rank] if lay.shared else None, lat_out if lay.routed else None, sh_view, EPS, two_shot)
+    launch_tail(
+        sim.state,
+        m,
+        src,
+        w,
+        idx,
+        res,
+        gamma if lay.routed else None,
+        sh[rank] if lay.shared else None,
+        lat_out if lay.routed else None,
+        sh_view,
+        EPS,
+        two_shot,
+    )
     assert sim.state.errors.sum().item() == 0, sim.state.errors
     if lay.routed:
         want = ref.all_reduce_rms_norm([bits_f32(x) for x in rows_bits], gamma, EPS, lay.fp32_internal, res)
@@ -79,8 +103,8 @@ def _call(sim: Sim, m, lat, sh, gamma, *, unf=None, res=None, two_shot=False, po
         assert_close(sh_view[:m], want_sh, msg="shared shard")
         # exact: a float32 rank-order sum rounded once to bf16
         assert torch.equal(sh_view[:m], want_sh.to(torch.bfloat16))
-        assert_poisoned(sh_full[:, rank * S:(rank + 1) * S], slice(0, m))
-        others = torch.cat([sh_full[:, :rank * S], sh_full[:, (rank + 1) * S:]], dim=1)
+        assert_poisoned(sh_full[:, rank * S : (rank + 1) * S], slice(0, m))
+        others = torch.cat([sh_full[:, : rank * S], sh_full[:, (rank + 1) * S :]], dim=1)
         assert torch.isnan(others).all(), "columns of other ranks' shards were written"
     sim.check_peer_writes(b, m, sim.expected_peer_writes(m, rows_bits, sh, two_shot))
     return lat_out, b
@@ -265,8 +289,17 @@ def test_validate_shape_relaxed():
 def test_collective_kernel_argument_errors(kw, exc, text):
     import re
 
-    base = dict(group=None, rank=0, tp_size=2, latent_dim=64, hidden_dim=64, max_m=4, max_token_ctas=4,
-                rms_eps=1e-6, fp32_internal=False)
+    base = dict(
+        group=None,
+        rank=0,
+        tp_size=2,
+        latent_dim=64,
+        hidden_dim=64,
+        max_m=4,
+        max_token_ctas=4,
+        rms_eps=1e-6,
+        fp32_internal=False,
+    )
     base.update(kw)
     with pytest.raises(exc, match=re.escape(text)):
         CollectiveKernel(**base)
@@ -281,14 +314,28 @@ def _local_collective(L=32, H=32, max_m=MAX_M, top_k=0, fp32=False):
 
     lay = _layout(1, 0, L, H, top_k=top_k, fp32=fp32, max_m=max_m)
     ws = torch.full((lay.workspace_elems,), SENTINEL16, dtype=torch.int16)
-    st = create_local_state(lay, ws, [ws.data_ptr()], max_programs=1,
-                            host_errors=torch.zeros(1, dtype=torch.int32))
+    st = create_local_state(lay, ws, [ws.data_ptr()], max_programs=1, host_errors=torch.zeros(1, dtype=torch.int32))
     ck = object.__new__(CollectiveKernel)
     ck.__dict__.update(
-        rank=0, tp_size=1, latent_dim=L, hidden_dim=H, shard_dim=H, max_m=max_m, max_token_ctas=max_m,
-        rms_eps=EPS, fp32_internal=fp32, top_k=top_k, include_routed=True, include_reduce_scatter=True,
-        device=torch.device("cpu"), backend="symm_mem", timeout_s=1.0, group=None,
-        _state=st, _state_handle=register_state(st), _failed=None,
+        rank=0,
+        tp_size=1,
+        latent_dim=L,
+        hidden_dim=H,
+        shard_dim=H,
+        max_m=max_m,
+        max_token_ctas=max_m,
+        rms_eps=EPS,
+        fp32_internal=fp32,
+        top_k=top_k,
+        include_routed=True,
+        include_reduce_scatter=True,
+        device=torch.device("cpu"),
+        backend="symm_mem",
+        timeout_s=1.0,
+        group=None,
+        _state=st,
+        _state_handle=register_state(st),
+        _failed=None,
         _latent_output=torch.empty(max_m, L, dtype=torch.bfloat16),
         _shared_output=torch.empty(max_m, H, dtype=torch.bfloat16),
     )
@@ -370,8 +417,14 @@ def test_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-m", "tests.comm._compile_sm90"], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "tests.comm._compile_sm90"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if p.returncode != 0 and "ptxas" in p.stderr and "not found" in p.stderr:  # pragma: no cover
         pytest.skip("no ptxas in this triton install")
     assert p.returncode == 0, p.stdout + p.stderr

@@ -485,9 +485,7 @@ def test_enable_errors():
         mt.enable(object())
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         mt.enable(_model("qwen3_moe"), deterministic=1)
-    dense = AutoModelForCausalLM.from_config(
-        transformers.LlamaConfig(hidden_size=64, intermediate_size=64, **_ATTN)
-    )
+    dense = AutoModelForCausalLM.from_config(transformers.LlamaConfig(hidden_size=64, intermediate_size=64, **_ATTN))
     with pytest.raises(TypeError, match="no MoE experts module"):
         mt.enable(dense)
 

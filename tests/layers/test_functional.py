@@ -143,8 +143,15 @@ def test_moe_forward_gpu_fp8(T):
     w13q, w13s = quantize_expert_weights(w["w13_e2FD"])
     w2q, w2s = quantize_expert_weights(w["w2_eDF"])
     got = moe_forward(
-        x, None, w13q, w2q, _cfg(s), logits_TE=x.float() @ w["router_DE"].float(),
-        shared_out_TD=_shared(x, w), w13_scale_e2F=w13s, w2_scale_eD=w2s,
+        x,
+        None,
+        w13q,
+        w2q,
+        _cfg(s),
+        logits_TE=x.float() @ w["router_DE"].float(),
+        shared_out_TD=_shared(x, w),
+        w13_scale_e2F=w13s,
+        w2_scale_eD=w2s,
     )
     want = _reference(x.float(), {k: v.float() for k, v in w.items()}, s)
     assert_close(got.float(), want.float(), tol=6e-2)
@@ -191,6 +198,7 @@ def _gpu_weights(name, fp8):
         if s.n_group is not None:
             w["e_score_correction_bias"] = torch.rand(s.E, generator=g, device="cuda") * 0.1
         if fp8:  # quantized 16 experts at a time: the float32 copy of a whole gpt-oss w13 is 8.5 GB
+
             def quant(t):
                 parts = [quantize_expert_weights(t[i : i + 16]) for i in range(0, t.shape[0], 16)]
                 return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -217,8 +225,18 @@ def _reference_hit(x, w, s, logits):
 
 def _forward(s, w, x, logits, fp8, **kw):
     if fp8:
-        return moe_forward(x, None, w["w13q"], w["w2q"], _cfg(s), logits_TE=logits, w13_scale_e2F=w["w13s"],
-                           w2_scale_eD=w["w2s"], e_score_correction_bias=w.get("e_score_correction_bias"), **kw)
+        return moe_forward(
+            x,
+            None,
+            w["w13q"],
+            w["w2q"],
+            _cfg(s),
+            logits_TE=logits,
+            w13_scale_e2F=w["w13s"],
+            w2_scale_eD=w["w2s"],
+            e_score_correction_bias=w.get("e_score_correction_bias"),
+            **kw,
+        )
     return moe_forward(x, None, w["w13_e2FD"], w["w2_eDF"], _cfg(s), logits_TE=logits,
                        e_score_correction_bias=w.get("e_score_correction_bias"), **kw)  # fmt: skip
 

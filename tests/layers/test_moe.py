@@ -262,7 +262,11 @@ def test_args_from_model_shape():
 def test_experts_from_unfused_matches_fused_layout():
     g = torch.Generator().manual_seed(0)
     e, D, F = 3, 16, 8
-    w_in, w_sw, w_out = torch.randn(e, D, F, generator=g), torch.randn(e, D, F, generator=g), torch.randn(e, F, D, generator=g)
+    w_in, w_sw, w_out = (
+        torch.randn(e, D, F, generator=g),
+        torch.randn(e, D, F, generator=g),
+        torch.randn(e, F, D, generator=g),
+    )
     r = RoutedExperts.from_unfused(w_in, w_sw, w_out)
     x = torch.randn(5, D, generator=g)
     for i in range(e):  # expert i: silu(x @ w_in) * (x @ w_swiglu) @ w_out

@@ -154,7 +154,9 @@ def assert_untouched(placed: Placed, rows: torch.Tensor, what: str) -> None:
     """Rows ``rows`` (bool mask) of the placed output are bitwise as they were before the op."""
     same = rows_equal(placed.t, placed.before).cpu()
     bad = rows.cpu() & ~same
-    assert not bool(bad.any()), f"{what}: rows that must stay untouched were written: {bad.nonzero().flatten()[:5].tolist()}"
+    assert not bool(bad.any()), (
+        f"{what}: rows that must stay untouched were written: {bad.nonzero().flatten()[:5].tolist()}"
+    )
 
 
 def vcount(v: int, dtype=torch.int32) -> torch.Tensor:

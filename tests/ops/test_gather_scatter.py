@@ -579,16 +579,19 @@ def test_kernels_compile_for_sm90():
     assert_all_compiled(records, 28)
     # The one-pass FP8 gather holds a row of 5120 on 2 warps in 64 registers per lane (16 rows in
     # flight per SM; a float32 or masked row took 96: 10 rows), 7168 in at most 96.
-    quant = {(r["constants"]["N_CHUNKS"], r["constants"]["UNMASKED"]): r for r in records
-             if r["kernel"] == "_gather_scale_quant_kernel" and r["constants"]["ONE_PASS"] == "True"}
+    quant = {
+        (r["constants"]["N_CHUNKS"], r["constants"]["UNMASKED"]): r
+        for r in records
+        if r["kernel"] == "_gather_scale_quant_kernel" and r["constants"]["ONE_PASS"] == "True"
+    }
     assert set(quant) >= {("5", "True"), ("7", "True"), ("3", "False")}, set(quant)
     if quant[("5", "True")]["regs"] is not None:
         assert quant[("5", "True")]["num_warps"] == 2 and quant[("5", "True")]["regs"] <= 64, quant[("5", "True")]
         assert quant[("7", "True")]["regs"] <= 96, quant[("7", "True")]
     locked = [r for r in records if r["kernel"] == "_scatter_add_locked_kernel"]
     assert [(r["constants"]["N_CHUNKS"], r["num_warps"]) for r in locked] == [("5", 4), ("3", 2)], locked
-    spec = {r['constants'].get('SPECULATE') for r in records if r['kernel'] == '_scatter_add_kernel'}
-    assert spec == {'True', 'False'}, spec
+    spec = {r["constants"].get("SPECULATE") for r in records if r["kernel"] == "_scatter_add_kernel"}
+    assert spec == {"True", "False"}, spec
     caps = {r["constants"].get("CAP") for r in records if r["kernel"] == "_bucket_sum_kernel"}
     assert caps == {"4", "8", "16", "256"}, caps
 
@@ -674,8 +677,10 @@ def test_scatter_add_deterministic_too_many_rows():
     A = 2**31
     with pytest.raises(ValueError, match=re.escape("in_tokens must have fewer than 2**31 - 1 rows")):
         tri.scatter_add_dense_tokens_deterministic(
-            torch.empty(4, 8, device="meta"), torch.empty(A, 8, device="meta"),
-            torch.empty(A, dtype=torch.int32, device="meta"))
+            torch.empty(4, 8, device="meta"),
+            torch.empty(A, 8, device="meta"),
+            torch.empty(A, dtype=torch.int32, device="meta"),
+        )
 
 
 @pytest.mark.reference
@@ -769,21 +774,51 @@ def _bad_calls():
         ("expert_indices shape", lambda: g(x, tidx, eidx[:-1], s), ValueError, "expert_indices must have shape"),
         ("scores rows", lambda: g(x, tidx, eidx, s[:-1]), ValueError, "scores must have shape"),
         ("scores dtype", lambda: g(x, tidx, eidx, s.int()), TypeError, "scores must have dtype"),
-        ("valid_token_count 2 elems", lambda: g(x, tidx, eidx, s, torch.tensor([1, 2])), ValueError, "valid_token_count"),
+        (
+            "valid_token_count 2 elems",
+            lambda: g(x, tidx, eidx, s, torch.tensor([1, 2])),
+            ValueError,
+            "valid_token_count",
+        ),
         ("valid_token_count dtype", lambda: g(x, tidx, eidx, s, torch.tensor([1.0])), TypeError, "valid_token_count"),
         ("scale_ub dtype", lambda: q(x, tidx, eidx, s, torch.tensor([1], dtype=torch.float64)), TypeError, "scale_ub"),
         ("scale_ub numel", lambda: q(x, tidx, eidx, s, torch.ones(2)), ValueError, "scale_ub"),
         ("out_tokens dtype", lambda: sa(out.int(), rows, tidx), TypeError, "out_tokens must have dtype"),
         ("in_tokens columns", lambda: sa(out, randn(T * K, 24), tidx), ValueError, "out_tokens must have 24 columns"),
         ("in_tokens D % 8", lambda: sa(randn(T, 12), randn(T * K, 12), tidx), ValueError, "multiple of 8"),
-        ("in_tokens non-contiguous", lambda: sa(out, randn(D, T * K).T, tidx), ValueError, "in_tokens must have a unit stride"),
+        (
+            "in_tokens non-contiguous",
+            lambda: sa(out, randn(D, T * K).T, tidx),
+            ValueError,
+            "in_tokens must have a unit stride",
+        ),
         ("token_indices length", lambda: sa(out, rows, tidx[:-1]), ValueError, "token_indices must have shape"),
         ("deterministic type", lambda: sa(out, rows, tidx, deterministic=1), TypeError, "deterministic must be a bool"),
-        ("padded E % EP", lambda: sp(randn(4, T * K, D), counts[:E], tidx, out), ValueError, "multiple of in_tokens.shape[0]"),
+        (
+            "padded E % EP",
+            lambda: sp(randn(4, T * K, D), counts[:E], tidx, out),
+            ValueError,
+            "multiple of in_tokens.shape[0]",
+        ),
         ("padded in_tokens 2-D", lambda: sp(rows, counts[:E], tidx, out), ValueError, "in_tokens must be 3-D"),
-        ("padded out dtype", lambda: sp(randn(2, T * K, D), counts[:E], tidx, out.half()), TypeError, "out_tokens must have dtype"),
-        ("padded token_indices", lambda: sp(randn(2, T * K, D), counts[:E], tidx[:3], out), ValueError, "token_indices must have shape"),
-        ("padded counts dtype", lambda: sp(randn(2, T * K, D), counts[:E].float(), tidx, out), TypeError, "token_counts must have dtype"),
+        (
+            "padded out dtype",
+            lambda: sp(randn(2, T * K, D), counts[:E], tidx, out.half()),
+            TypeError,
+            "out_tokens must have dtype",
+        ),
+        (
+            "padded token_indices",
+            lambda: sp(randn(2, T * K, D), counts[:E], tidx[:3], out),
+            ValueError,
+            "token_indices must have shape",
+        ),
+        (
+            "padded counts dtype",
+            lambda: sp(randn(2, T * K, D), counts[:E].float(), tidx, out),
+            TypeError,
+            "token_counts must have dtype",
+        ),
     ]
 
 
@@ -990,8 +1025,14 @@ def test_scatter_add_deterministic_gpu_paths_agree(monkeypatch, T, K, cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "T,K,D,dtype",
-    [(2048, 4, 5120, torch.bfloat16), (2048, 1, 5120, torch.bfloat16), (512, 8, 2880, torch.bfloat16),
-     (300, 6, 7168, torch.float32), (4096, 2, 8, torch.float16), (64, 64, 1024, torch.bfloat16)],
+    [
+        (2048, 4, 5120, torch.bfloat16),
+        (2048, 1, 5120, torch.bfloat16),
+        (512, 8, 2880, torch.bfloat16),
+        (300, 6, 7168, torch.float32),
+        (4096, 2, 8, torch.float16),
+        (64, 64, 1024, torch.bfloat16),
+    ],
 )
 def test_scatter_add_deterministic_gpu_bitwise(T, K, D, dtype, cuda):
     """The bucket path at model shapes: bit for bit the float32 reference computed on the CPU
@@ -1002,8 +1043,11 @@ def test_scatter_add_deterministic_gpu_bitwise(T, K, D, dtype, cuda):
     _, _, _, topk = routing(T, E, K, start=1, end=E, seed=T + K, device=cuda)
     one = torch.full((T * K,), T // 3, dtype=torch.int32, device=cuda)
     rows = randn(T * K, D, dtype=dtype, device=cuda, seed=1)
-    for tidx, v in ((topk, vtc(T * K - 11, cuda)), (det_indices(T, T * K, seed=T, hot=7).to(cuda), None),
-                    (one, vtc(T * K // 2, cuda))):
+    for tidx, v in (
+        (topk, vtc(T * K - 11, cuda)),
+        (det_indices(T, T * K, seed=T, hot=7).to(cuda), None),
+        (one, vtc(T * K // 2, cuda)),
+    ):
         hit = hit_tokens(tidx, T, v, cuda)
         out0 = randn(T, D, dtype=dtype, device=cuda, seed=2)
         out0[~hit] = float("nan")
@@ -1163,8 +1207,16 @@ def test_torch_compile_fullgraph_gpu(cuda):
         ops.scatter_add_padded_tokens(inp, counts, tidx, out)
         return y, q.float(), sc, out * 1
 
-    args = (x, tidx, eidx, s, v, randn(T, D, dtype=torch.bfloat16, device=cuda, seed=1),
-            randn(2, T * K, D, dtype=torch.bfloat16, device=cuda, seed=3), counts[:E])
+    args = (
+        x,
+        tidx,
+        eidx,
+        s,
+        v,
+        randn(T, D, dtype=torch.bfloat16, device=cuda, seed=1),
+        randn(2, T * K, D, dtype=torch.bfloat16, device=cuda, seed=3),
+        counts[:E],
+    )
     clone = lambda: [a.clone() for a in args]  # noqa: E731
     got = torch.compile(f, fullgraph=True)(*clone())
     want = f(*clone())

@@ -440,7 +440,7 @@ def test_heuristic_buckets():
     c = sel(16384, 2048, 768, 128, True, 1, 132)  # 128 rows per expert: 64-row tiles
     assert (c.kind, c.block_m, c.block_n, c.stages) == ("tiled", 64, 256, 4)
     for M in (1, 2, 3, 4, 16, 64, 128, 2048, 16384):
-        for (G, N, K) in ((16, 2048, 5120), (256, 7168, 2048), (128, 2048, 768), (128, 1536, 2048), (4, 40, 24)):
+        for G, N, K in ((16, 2048, 5120), (256, 7168, 2048), (128, 2048, 768), (128, 1536, 2048), (4, 40, 24)):
             for fp8 in (False, True):
                 cfg = sel(M, N, K, G, fp8, 1 if fp8 else 2, 132)
                 hits = tri.expected_groups_hit(M, G)
@@ -518,7 +518,9 @@ def test_cpu_fp8_and_dense_match_reference():
     ms = _sizes("over", M, G)
     tw = torch.rand(M, generator=_gen(5))
     y = grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, token_weights=tw)
-    assert y.dtype == torch.bfloat16 and torch.equal(y, ref.grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, token_weights=tw))
+    assert y.dtype == torch.bfloat16 and torch.equal(
+        y, ref.grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, token_weights=tw)
+    )
     out = torch.randn(7, N, generator=_gen(6)).to(torch.bfloat16)
     idx = torch.randint(0, 7, (M,), generator=_gen(7), dtype=torch.int32)
     want = out.clone()
@@ -623,19 +625,39 @@ def _bad_calls():
         ("token_weights shape", ValueError, "token_weights", lambda: grouped_gemm(x, w, ms, None, torch.ones(M + 1))),
         ("output alone", ValueError, "_scatter_add_indices", lambda: grouped_gemm(x, w, ms, _output_tensor=out)),
         ("indices alone", ValueError, "_output_tensor", lambda: grouped_gemm(x, w, ms, _scatter_add_indices=idx)),
-        ("output dtype", TypeError, "_output_tensor",
-         lambda: grouped_gemm(x, w, ms, _output_tensor=out.float(), _scatter_add_indices=idx)),
-        ("output cols", ValueError, "_output_tensor",
-         lambda: grouped_gemm(x, w, ms, _output_tensor=out[:, :8], _scatter_add_indices=idx)),
-        ("indices shape", ValueError, "_scatter_add_indices",
-         lambda: grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx[:3])),
-        ("indices dtype", TypeError, "_scatter_add_indices",
-         lambda: grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx.float())),
+        (
+            "output dtype",
+            TypeError,
+            "_output_tensor",
+            lambda: grouped_gemm(x, w, ms, _output_tensor=out.float(), _scatter_add_indices=idx),
+        ),
+        (
+            "output cols",
+            ValueError,
+            "_output_tensor",
+            lambda: grouped_gemm(x, w, ms, _output_tensor=out[:, :8], _scatter_add_indices=idx),
+        ),
+        (
+            "indices shape",
+            ValueError,
+            "_scatter_add_indices",
+            lambda: grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx[:3]),
+        ),
+        (
+            "indices dtype",
+            TypeError,
+            "_scatter_add_indices",
+            lambda: grouped_gemm(x, w, ms, _output_tensor=out, _scatter_add_indices=idx.float()),
+        ),
         ("x_scale dtype", TypeError, "x_scale", lambda: grouped_gemm_fp8_rowwise(xq, wq, ms, xs.half(), ws)),
         ("x_scale size", ValueError, "x_scale", lambda: grouped_gemm_fp8_rowwise(xq, wq, ms, xs[:3], ws)),
         ("w_scale size", ValueError, "w_scale", lambda: grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws[:3])),
-        ("fp8 output dtype", TypeError, "_output_tensor",
-         lambda: grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, _output_tensor=out.half(), _scatter_add_indices=idx)),
+        (
+            "fp8 output dtype",
+            TypeError,
+            "_output_tensor",
+            lambda: grouped_gemm_fp8_rowwise(xq, wq, ms, xs, ws, _output_tensor=out.half(), _scatter_add_indices=idx),
+        ),
         ("dense XQ dtype", TypeError, "XQ", lambda: f8f8bf16_rowwise(x, wq, xs, ws)),
         ("dense K", ValueError, "K", lambda: f8f8bf16_rowwise(xq[:, :20], wq[:N, :20], xs, ws[:N])),
         ("dense N", ValueError, "N", lambda: f8f8bf16_rowwise(xq, wq[:12], xs, ws[:12])),
@@ -1080,7 +1102,6 @@ def test_inductor_sees_only_the_output_written():
     assert writes["tiled"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes
 
 
-
 # ---------------------------------------------------------------------------- non-tensor arguments
 
 
@@ -1098,21 +1119,62 @@ def _valid_public_calls():
     w2q, w2s = quantize_fp8_row(torch.randn(G * N, F, generator=_gen(3)))
     bf16_out = torch.zeros(M, N, dtype=torch.bfloat16)
     return [
-        ("grouped_gemm", grouped_gemm, dict(x=x, w=w, m_sizes=ms, bias=torch.zeros(G, N), token_weights=torch.ones(M),
-                                            _output_tensor=torch.zeros(M, N), _scatter_add_indices=idx)),
+        (
+            "grouped_gemm",
+            grouped_gemm,
+            dict(
+                x=x,
+                w=w,
+                m_sizes=ms,
+                bias=torch.zeros(G, N),
+                token_weights=torch.ones(M),
+                _output_tensor=torch.zeros(M, N),
+                _scatter_add_indices=idx,
+            ),
+        ),
         ("grouped_gemm-w_scale", grouped_gemm, dict(x=x, w=wq, m_sizes=ms, w_scale=ws)),
-        ("grouped_gemm_fp8_rowwise", grouped_gemm_fp8_rowwise,
-         dict(x=xq, w=wq, m_sizes=ms, x_scale=xs, w_scale=ws, token_weights=torch.ones(M), _output_tensor=bf16_out,
-              _scatter_add_indices=idx)),
-        ("grouped_gemm_swiglu", grouped_gemm_swiglu,
-         dict(x=xq, w13=w13q, m_sizes=ms, gather_indices=idx, row_scales=torch.ones(M), x_scale=xs, w_scale=w13s)),
-        ("grouped_gemm_swiglu-bf16", grouped_gemm_swiglu,
-         dict(x=x, w13=w13q.float(), m_sizes=ms, gather_indices=idx, row_scales=torch.ones(M))),
-        ("grouped_gemm_combine", grouped_gemm_combine,
-         dict(z=torch.randn(M, F), w=w2q, expert_indices=torch.zeros(M, dtype=torch.int32), selection_rows=idx,
-              out=torch.zeros(M, N), row_weights=torch.ones(M), w_scale=w2s)),
-        ("f8f8bf16_rowwise", f8f8bf16_rowwise,
-         dict(XQ=xq, WQ=wq[:N], x_scale=xs, w_scale=ws[:N], bias=torch.zeros(N, dtype=torch.bfloat16))),
+        (
+            "grouped_gemm_fp8_rowwise",
+            grouped_gemm_fp8_rowwise,
+            dict(
+                x=xq,
+                w=wq,
+                m_sizes=ms,
+                x_scale=xs,
+                w_scale=ws,
+                token_weights=torch.ones(M),
+                _output_tensor=bf16_out,
+                _scatter_add_indices=idx,
+            ),
+        ),
+        (
+            "grouped_gemm_swiglu",
+            grouped_gemm_swiglu,
+            dict(x=xq, w13=w13q, m_sizes=ms, gather_indices=idx, row_scales=torch.ones(M), x_scale=xs, w_scale=w13s),
+        ),
+        (
+            "grouped_gemm_swiglu-bf16",
+            grouped_gemm_swiglu,
+            dict(x=x, w13=w13q.float(), m_sizes=ms, gather_indices=idx, row_scales=torch.ones(M)),
+        ),
+        (
+            "grouped_gemm_combine",
+            grouped_gemm_combine,
+            dict(
+                z=torch.randn(M, F),
+                w=w2q,
+                expert_indices=torch.zeros(M, dtype=torch.int32),
+                selection_rows=idx,
+                out=torch.zeros(M, N),
+                row_weights=torch.ones(M),
+                w_scale=w2s,
+            ),
+        ),
+        (
+            "f8f8bf16_rowwise",
+            f8f8bf16_rowwise,
+            dict(XQ=xq, WQ=wq[:N], x_scale=xs, w_scale=ws[:N], bias=torch.zeros(N, dtype=torch.bfloat16)),
+        ),
     ]
 
 

@@ -76,7 +76,10 @@ def test_jagged_and_padding_interpreter(dtype):
     a = _rand((4, 5, 24), dtype, seed=1)
     zsi = torch.tensor([0, 2, 5, 9], dtype=torch.int32)
     _check(tri.quantize_fp8_row(a, None, zsi), _expected(a, zsi=zsi))
-    _check(tri.quantize_fp8_row(a, torch.tensor([1.0]), zsi.long(), k_out=32), _expected(a, torch.tensor([1.0]), zsi, align=16))
+    _check(
+        tri.quantize_fp8_row(a, torch.tensor([1.0]), zsi.long(), k_out=32),
+        _expected(a, torch.tensor([1.0]), zsi, align=16),
+    )
     a2 = _rand((6, 24), dtype, seed=2)
     z1 = torch.tensor([4])
     _check(tri.quantize_fp8_row(a2, None, z1), _expected(a2, zsi=z1))
@@ -106,7 +109,9 @@ def test_persistent_loop_interpreter(monkeypatch):
     _check(tri.quantize_fp8_row(a, torch.tensor([2.0])), _expected(a, torch.tensor([2.0])))
     b = _rand((5, 8, 2, 4096), torch.bfloat16, seed=6)[:, :, 1]  # [5, 8, 4096], row stride 8192
     zsi = torch.tensor([8, 0, 3, 7, 1])
-    _check(tri.quantize_fp8_row(b[..., :4000], None, zsi, DEFAULT_EPS, 4032), _expected(b[..., :4000], zsi=zsi, align=64))
+    _check(
+        tri.quantize_fp8_row(b[..., :4000], None, zsi, DEFAULT_EPS, 4032), _expected(b[..., :4000], zsi=zsi, align=64)
+    )
     c = b.transpose(0, 1)  # leading dims that need two-level row addressing
     assert tri.row_layout(c).inner != 1 and tri.row_layout(b).inner == 1
     _check(tri.quantize_fp8_row(c), _expected(c))
@@ -185,7 +190,9 @@ def _check_nan_row(quantize, shape, dtype, device="cpu"):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("shape,dtype", [((3, 40), torch.bfloat16), ((3, 8200), torch.float32)], ids=["one_pass", "two_pass"])
+@pytest.mark.parametrize(
+    "shape,dtype", [((3, 40), torch.bfloat16), ((3, 8200), torch.float32)], ids=["one_pass", "two_pass"]
+)
 def test_nan_row_interpreter(shape, dtype):
     from moekit.ops._triton import quantize as tri
 
@@ -257,8 +264,13 @@ def test_kernels_compile_for_sm90():
     )
     assert_all_compiled(records, 5)
     got = [(r["constants"]["STAGES"], r["constants"]["BLOCK_K"], r["constants"]["BLOCK_K2"]) for r in records]
-    assert got == [("1", "8192", "0"), ("3", "4096", "1024"), ("1", "8192", "0"), ("3", "4096", "2048"),
-                   ("1", "4096", "0")], got
+    assert got == [
+        ("1", "8192", "0"),
+        ("3", "4096", "1024"),
+        ("1", "8192", "0"),
+        ("3", "4096", "2048"),
+        ("1", "4096", "0"),
+    ], got
 
 
 def _bad_cases():

@@ -352,7 +352,7 @@ def test_fallbacks_are_said_once(monkeypatch):
 
 # ---------------------------------------------------------------------------- traced (torch.compile's AOT path)
 
-_TRACE_BODY = '''
+_TRACE_BODY = """
 from torch._functorch.aot_autograd import aot_function
 from tests.ops.test_route_and_shuffle import ROUTINGS, _inputs
 
@@ -383,7 +383,7 @@ for r, T in ((ROUTINGS[0], 5), (ROUTINGS[0], 40), (ROUTINGS[1], 37), (ROUTINGS[2
         assert torch.equal(x, y)
 assert launches == {1, 2}, launches  # one program up to 8 tokens; blocks + placement past it
 print("TRACED OK")
-'''
+"""
 
 
 @pytest.mark.interpreter

@@ -68,13 +68,7 @@ def ref_of(scores, start=None, end=None, vtc=None, top_k=1):
 # ----------------------------------------------------------------------------- interpreter tier
 
 # (T, E, K): the grid, thinned where T * E * K makes the interpreter slow.
-_GRID = [
-    (T, E, K)
-    for T in (0, 1, 7)
-    for E in (1, 6, 16, 128, 257, 512)
-    for K in (1, 2, 4, 8, 16)
-    if K <= E
-]
+_GRID = [(T, E, K) for T in (0, 1, 7) for E in (1, 6, 16, 128, 257, 512) for K in (1, 2, 4, 8, 16) if K <= E]
 _GRID += [(128, E, K) for E, K in ((1, 1), (6, 2), (16, 4), (128, 1), (128, 8), (257, 16), (512, 8))]
 _GRID += [(600, 16, 2)]
 
@@ -415,15 +409,14 @@ _TRACE_SCRIPT = textwrap.dedent(
 @pytest.mark.interpreter
 def test_interp_traced_cuda_branch_matches_eager():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
+    r = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     if r.returncode == 77:
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0 and "TRACED OK" in r.stdout, (r.stdout[-3000:], r.stderr[-6000:])
 
 
 # ----------------------------------------------------------------------------- reference tier: the public op on CPU
+
 
 @pytest.mark.reference
 @pytest.mark.parametrize("T,E,K", [(0, 6, 2), (1, 16, 1), (9, 6, 2), (33, 257, 8)])

@@ -307,7 +307,12 @@ def _bad_calls():
         ("tokens dtype", lambda: c(tokens.int(), counts), TypeError, "tokens must have dtype"),
         ("tokens 1-D", lambda: c(tokens[0], counts), ValueError, "tokens must be 2-D"),
         ("tokens D % 8", lambda: c(tokens[:, :12], counts), ValueError, "multiple of 8"),
-        ("tokens non-contiguous", lambda: c(torch.randn(16, tokens.shape[0]).T, counts), ValueError, "tokens must have a unit stride"),
+        (
+            "tokens non-contiguous",
+            lambda: c(torch.randn(16, tokens.shape[0]).T, counts),
+            ValueError,
+            "tokens must have a unit stride",
+        ),
         ("tokens row stride", lambda: c(torch.randn(tokens.shape[0], 20)[:, :16], counts), ValueError, "row stride"),
         ("token_counts dtype", lambda: c(tokens, counts.float()), TypeError, "token_counts must have dtype"),
         ("token_counts 1-D", lambda: c(tokens, counts[0]), ValueError, "token_counts must be 2-D"),
@@ -317,7 +322,12 @@ def _bad_calls():
         ("expert_start type", lambda: c(tokens, counts, 1.0, 2), TypeError, "expert_start must be an int"),
         ("padded T % EP", lambda: c(tokens[:-1], counts, is_padded=True), ValueError, "divisible by EP"),
         ("is_padded type", lambda: c(tokens, counts, is_padded=1), TypeError, "is_padded must be a bool"),
-        ("init_with_zeros type", lambda: s(tokens, counts, init_with_zeros=None), TypeError, "init_with_zeros must be a bool"),
+        (
+            "init_with_zeros type",
+            lambda: s(tokens, counts, init_with_zeros=None),
+            TypeError,
+            "init_with_zeros must be a bool",
+        ),
     ]
 
 

@@ -60,8 +60,12 @@ def test_silu_mul_matches_naive(T, F, vtc, dtype):
         assert (y[vtc:] == 0).all()
     # Column slices give the same result as contiguous copies (up to torch's vectorized vs
     # strided sigmoid, which may differ in the last float32 bit).
-    assert_close(y, ref.silu_mul(x0.contiguous(), x1.contiguous(), i32(vtc)), dtype=torch.float32,
-                 tol=1e-6 if dtype == torch.float32 else 1e-3)
+    assert_close(
+        y,
+        ref.silu_mul(x0.contiguous(), x1.contiguous(), i32(vtc)),
+        dtype=torch.float32,
+        tol=1e-6 if dtype == torch.float32 else 1e-3,
+    )
 
 
 @pytest.mark.parametrize("T,F,vtc", ACT_CASES)
@@ -103,8 +107,10 @@ def naive_quantize(a: torch.Tensor, eps: float, scale_ub=None):
         q, s = naive.quantize_row(row, eps, scale_ub)
         qs.append(q)
         ss.append(s)
-    return (torch.tensor(qs, dtype=torch.float32).reshape(a.shape),
-            torch.tensor(ss, dtype=torch.float32).reshape(a.shape[:-1]))
+    return (
+        torch.tensor(qs, dtype=torch.float32).reshape(a.shape),
+        torch.tensor(ss, dtype=torch.float32).reshape(a.shape[:-1]),
+    )
 
 
 QUANT_SHAPES = [(0, 16), (1, 16), (7, 24), (5, 1), (2, 3, 16), (33,)]

@@ -63,8 +63,7 @@ GATHER_CASES = [
 @pytest.mark.parametrize("T,E,K,D,start,end,vtc", GATHER_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_scale_matches_naive(T, E, K, D, start, end, vtc, dtype):
-    scores, _, experts, tokens = routing_metadata(T, E, K, seed=T + E, start=start, end=end,
-                                                  column_major=(T % 2 == 1))
+    scores, _, experts, tokens = routing_metadata(T, E, K, seed=T + E, start=start, end=end, column_major=(T % 2 == 1))
     x = rand(T, D, seed=T + D, dtype=dtype)
     out = ref.gather_scale_dense_tokens(x, tokens, experts, scores, i32(vtc))
     assert out.dtype == dtype and out.shape == (T * K, D)
@@ -305,8 +304,11 @@ BAD_CALLS = [
     (lambda: ref.gather_scale_dense_tokens(X, TOK, TOK[:2], SC), ValueError, "expert_indices"),
     (lambda: ref.gather_scale_dense_tokens(X, TOK, TOK, SC[:3]), ValueError, "scores"),
     (lambda: ref.gather_scale_dense_tokens(X, TOK, TOK, SC, torch.tensor([1.0])), TypeError, "valid_token_count"),
-    (lambda: ref.gather_scale_quant_dense_tokens(X, TOK, TOK, SC, torch.tensor([1.0], dtype=torch.float64)),
-     TypeError, "scale_ub"),
+    (
+        lambda: ref.gather_scale_quant_dense_tokens(X, TOK, TOK, SC, torch.tensor([1.0], dtype=torch.float64)),
+        TypeError,
+        "scale_ub",
+    ),
     (lambda: ref.gather_scale_quant_dense_tokens(X, TOK, TOK, SC, torch.ones(2)), ValueError, "scale_ub"),
     (lambda: ref.scatter_add_dense_tokens(X.int(), X[:3], TOK), TypeError, "out_tokens"),
     (lambda: ref.scatter_add_dense_tokens(X, X[:3, :5], TOK), ValueError, "out_tokens"),

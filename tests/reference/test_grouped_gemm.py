@@ -154,8 +154,7 @@ def test_grouped_gemm_fused_scatter_add(case, dtype):
 def test_grouped_gemm_scatter_into_empty_output():
     x, w = rand(3, 16), rand(2 * 8, 16)
     out = torch.zeros(0, 8)
-    res = ref.grouped_gemm(x, w, torch.tensor([2, 1]), _output_tensor=out,
-                           _scatter_add_indices=torch.full((3,), -1))
+    res = ref.grouped_gemm(x, w, torch.tensor([2, 1]), _output_tensor=out, _scatter_add_indices=torch.full((3,), -1))
     assert res is out and out.shape == (0, 8)
 
 
@@ -186,8 +185,9 @@ def test_grouped_gemm_fp8_rowwise_matches_naive(case, scatter):
         if computed[i] and idx[i] >= 0:
             for n in range(N):
                 base[idx[i]][n] += rows[i][n]
-    res = ref.grouped_gemm_fp8_rowwise(xq, wq, m, xs, ws, token_weights=tw, _output_tensor=out,
-                                       _scatter_add_indices=idx)
+    res = ref.grouped_gemm_fp8_rowwise(
+        xq, wq, m, xs, ws, token_weights=tw, _output_tensor=out, _scatter_add_indices=idx
+    )
     assert res is out
     check_against(out, to_t(base, T, N))
 
@@ -241,16 +241,37 @@ BAD_CALLS = [
     (lambda: ref.grouped_gemm(X, W, MS[None]), ValueError, "m_sizes"),
     (lambda: ref.grouped_gemm(X, W, MS, bias=torch.zeros(2, 7)), ValueError, "bias"),
     (lambda: ref.grouped_gemm(X, W, MS, token_weights=torch.ones(5)), ValueError, "token_weights"),
-    (lambda: ref.grouped_gemm(X, W, MS, _scatter_add_indices=torch.zeros(6, dtype=torch.int32)), ValueError,
-     "_scatter_add_indices"),
+    (
+        lambda: ref.grouped_gemm(X, W, MS, _scatter_add_indices=torch.zeros(6, dtype=torch.int32)),
+        ValueError,
+        "_scatter_add_indices",
+    ),
     (lambda: ref.grouped_gemm(X, W, MS, _output_tensor=torch.zeros(3, 8)), TypeError, "_scatter_add_indices"),
-    (lambda: ref.grouped_gemm(X, W, MS, _output_tensor=torch.zeros(3, 7),
-                              _scatter_add_indices=torch.zeros(6, dtype=torch.int32)), ValueError, "_output_tensor"),
-    (lambda: ref.grouped_gemm(X, W, MS, _output_tensor=torch.zeros(3, 8, dtype=torch.bfloat16),
-                              _scatter_add_indices=torch.zeros(6, dtype=torch.int32)), TypeError, "_output_tensor"),
-    (lambda: ref.grouped_gemm(X, W, MS, _output_tensor=torch.zeros(3, 8),
-                              _scatter_add_indices=torch.zeros(5, dtype=torch.int32)), ValueError,
-     "_scatter_add_indices"),
+    (
+        lambda: ref.grouped_gemm(
+            X, W, MS, _output_tensor=torch.zeros(3, 7), _scatter_add_indices=torch.zeros(6, dtype=torch.int32)
+        ),
+        ValueError,
+        "_output_tensor",
+    ),
+    (
+        lambda: ref.grouped_gemm(
+            X,
+            W,
+            MS,
+            _output_tensor=torch.zeros(3, 8, dtype=torch.bfloat16),
+            _scatter_add_indices=torch.zeros(6, dtype=torch.int32),
+        ),
+        TypeError,
+        "_output_tensor",
+    ),
+    (
+        lambda: ref.grouped_gemm(
+            X, W, MS, _output_tensor=torch.zeros(3, 8), _scatter_add_indices=torch.zeros(5, dtype=torch.int32)
+        ),
+        ValueError,
+        "_scatter_add_indices",
+    ),
     (lambda: ref.grouped_gemm_fp8_rowwise(X.bfloat16(), W.bfloat16(), MS, XS, WS), TypeError, "x"),
     (lambda: ref.grouped_gemm_fp8_rowwise(XQ, W, MS, XS, WS), TypeError, "w"),
     (lambda: ref.grouped_gemm_fp8_rowwise(XQ, WQ, MS, XS.bfloat16(), WS), TypeError, "x_scale"),

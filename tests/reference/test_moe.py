@@ -30,8 +30,14 @@ def naive_moe(x_TD, p, s: ModelShape, top_k, apply_on_input, use_shared=True):
     for x in xs:
         logits = [naive.dot(x, router_ED[e]) for e in range(len(router_ED))]
         (w,), (ids,) = naive.routing(
-            torch.tensor([logits], dtype=torch.float64), top_k, s.score_func, s.renormalize,
-            n_group=s.n_group, topk_group=s.topk_group, bias=bias, routed_scaling_factor=s.routed_scaling_factor,
+            torch.tensor([logits], dtype=torch.float64),
+            top_k,
+            s.score_func,
+            s.renormalize,
+            n_group=s.n_group,
+            topk_group=s.topk_group,
+            bias=bias,
+            routed_scaling_factor=s.routed_scaling_factor,
         )
         y = [0.0] * D
         for wk, e in zip(w, ids):
@@ -50,14 +56,29 @@ def naive_moe(x_TD, p, s: ModelShape, top_k, apply_on_input, use_shared=True):
 SMALL = dict(D=32, F=16)
 MODES = {
     # Llama 4: sigmoid top-1, weight on the expert input, shared expert
-    "llama4": (ModelShape("l4", E=6, top_k=1, shared_F=16, score_func="sigmoid", apply_router_weight_on_input=True,
-                          **SMALL), True),
+    "llama4": (
+        ModelShape("l4", E=6, top_k=1, shared_F=16, score_func="sigmoid", apply_router_weight_on_input=True, **SMALL),
+        True,
+    ),
     # Mixtral / Qwen3: softmax + renormalize, weight on the output, no shared expert
     "mixtral": (ModelShape("mx", E=6, top_k=2, score_func="softmax", renormalize=True, **SMALL), False),
     "topk_softmax": (ModelShape("ts", E=6, top_k=2, score_func="topk_softmax", **SMALL), False),
     # DeepSeek-V3: grouped sigmoid routing, selection bias, renormalize, scaling, shared expert
-    "deepseek": (ModelShape("ds", E=24, top_k=4, shared_F=16, score_func="sigmoid", renormalize=True, n_group=4,
-                            topk_group=2, routed_scaling_factor=2.5, **SMALL), False),
+    "deepseek": (
+        ModelShape(
+            "ds",
+            E=24,
+            top_k=4,
+            shared_F=16,
+            score_func="sigmoid",
+            renormalize=True,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            **SMALL,
+        ),
+        False,
+    ),
     # every expert for every token, weight on the input
     "k_equals_e": (ModelShape("ke", E=6, top_k=6, shared_F=8, score_func="softmax", **SMALL), True),
 }
@@ -65,9 +86,17 @@ MODES = {
 
 def call_oracle(x, p, s: ModelShape, apply_on_input, use_shared=True):
     return ref.moe_forward(
-        x, p["router_DE"], p["w13_e2FD"], p["w2_eDF"], top_k=s.top_k, score_func=s.score_func,
-        renormalize=s.renormalize, n_group=s.n_group, topk_group=s.topk_group,
-        e_score_correction_bias=p.get("e_score_correction_bias"), routed_scaling_factor=s.routed_scaling_factor,
+        x,
+        p["router_DE"],
+        p["w13_e2FD"],
+        p["w2_eDF"],
+        top_k=s.top_k,
+        score_func=s.score_func,
+        renormalize=s.renormalize,
+        n_group=s.n_group,
+        topk_group=s.topk_group,
+        e_score_correction_bias=p.get("e_score_correction_bias"),
+        routed_scaling_factor=s.routed_scaling_factor,
         apply_router_weight_on_input=apply_on_input,
         shared_w13_2FD=p.get("shared_w13_2FD") if use_shared else None,
         shared_w2_DF=p.get("shared_w2_DF") if use_shared else None,

@@ -115,7 +115,7 @@ def test_topk_finalize_matches_naive(M, K, rows, L, dtype):
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_rank_sum_is_float32_in_rank_order(R):
-    xs = [rand(5, 7, seed=r, dtype=torch.bfloat16, scale=10.0 ** r) for r in range(R)]
+    xs = [rand(5, 7, seed=r, dtype=torch.bfloat16, scale=10.0**r) for r in range(R)]
     s = ref.rank_sum(xs)
     want = [[0.0] * 7 for _ in range(5)]
     for r in range(R):  # sequential float32 accumulation, rank 0 first
@@ -207,14 +207,19 @@ def test_moe_tail_matches_per_token_loop(R, fp32_internal, M):
 
     # Without the tensor-parallel split the latent is the plain top-k combination.
     full = [[sum(w[t][k] * expert_out[t, k, d].item() for k in range(K)) for d in range(L)] for t in range(M)]
-    assert_close(torch.tensor(total, dtype=torch.float32).reshape(M, L),
-                 torch.tensor(full, dtype=torch.float32).reshape(M, L), dtype=torch.bfloat16)
+    assert_close(
+        torch.tensor(total, dtype=torch.float32).reshape(M, L),
+        torch.tensor(full, dtype=torch.float32).reshape(M, L),
+        dtype=torch.bfloat16,
+    )
 
     assert len(shards) == R
     width = H // R
     for r in range(R):
-        want_r = [[sum(naive.bf16(shared[q][t, r * width + j].item()) for q in range(R)) for j in range(width)]
-                  for t in range(M)]
+        want_r = [
+            [sum(naive.bf16(shared[q][t, r * width + j].item()) for q in range(R)) for j in range(width)]
+            for t in range(M)
+        ]
         assert_close(shards[r], torch.tensor(want_r, dtype=torch.float32).reshape(M, width), dtype=torch.float32)
 
 

@@ -104,7 +104,13 @@ def test_grouped_routing_matches_naive(T, E, n_group, topk_group, K, score_func,
     kw = dict(n_group=n_group, topk_group=topk_group, e_score_correction_bias=bias, routed_scaling_factor=scale)
     w, ids = ref.routing_weights(logits, K, score_func, renormalize, **kw)
     want_w, want_ids = naive.routing(
-        logits, K, score_func, renormalize, n_group=n_group, topk_group=topk_group, bias=bias,
+        logits,
+        K,
+        score_func,
+        renormalize,
+        n_group=n_group,
+        topk_group=topk_group,
+        bias=bias,
         routed_scaling_factor=scale,
     )
     assert_close(ids, as_ids(want_ids, K))

@@ -125,8 +125,9 @@ def test_combine_and_split_match_naive(EP, E, start, end, padded, kind, extra):
     assert torch.equal(rt.double(), local)
     total = want_counts[-1]
     y = rand(T, D, seed=T + 1)
-    rt2, _ = ref.combine_shuffling(ref.split_shuffling(y, c_t, start, end, is_padded=padded), c_t, start, end,
-                                   is_padded=padded)
+    rt2, _ = ref.combine_shuffling(
+        ref.split_shuffling(y, c_t, start, end, is_padded=padded), c_t, start, end, is_padded=padded
+    )
     assert torch.equal(rt2[:total], y[:total])
     assert (rt2[total:] == 0).all()
 
@@ -175,8 +176,9 @@ def run_local_experts(tokens: torch.Tensor, counts_out: torch.Tensor, first_expe
     return out
 
 
-@pytest.mark.parametrize("R,T,E,K,vtc", [(2, 5, 6, 1, None), (2, 7, 6, 2, 4), (4, 6, 24, 1, None),
-                                         (4, 5, 8, 3, None), (4, 3, 8, 8, 2)])
+@pytest.mark.parametrize(
+    "R,T,E,K,vtc", [(2, 5, 6, 1, None), (2, 7, 6, 2, 4), (4, 6, 24, 1, None), (4, 5, 8, 3, None), (4, 3, 8, 8, 2)]
+)
 def test_static_ep_round_trip(R, T, E, K, vtc):
     """MetaShuffling's static path: all-gather counts and tokens, padded combine, experts,
     padded split, all-to-all back, padded scatter-add."""
@@ -222,10 +224,12 @@ def test_dynamic_ep_round_trip(R, T, E, K):
         ranks.append(dict(x=x, scores=scores, tokens=tokens, send=send, c=c, seg=seg, sizes=sizes))
     back = [[None] * R for _ in range(R)]  # back[s][r]: rows rank r returns to rank s
     for r in range(R):
-        recv_counts = torch.tensor([[ranks[s]["c"][r * EG + i] for i in range(EG)] for s in range(R)],
-                                   dtype=torch.int32)
-        recv = torch.cat([ranks[s]["send"][ranks[s]["seg"][r] : ranks[s]["seg"][r] + ranks[s]["sizes"][r]]
-                          for s in range(R)])
+        recv_counts = torch.tensor(
+            [[ranks[s]["c"][r * EG + i] for i in range(EG)] for s in range(R)], dtype=torch.int32
+        )
+        recv = torch.cat(
+            [ranks[s]["send"][ranks[s]["seg"][r] : ranks[s]["seg"][r] + ranks[s]["sizes"][r]] for s in range(R)]
+        )
         packed, counts_out = ref.combine_shuffling(recv, recv_counts)
         assert counts_out[-1].item() == recv.shape[0]
         z = run_local_experts(packed, counts_out, r * EG)

@@ -124,8 +124,9 @@ def test_assert_close_fp8_tolerance():
 # ----------------------------------------------------------------------------- poison / assert_poisoned
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int32,
-                                   torch.int64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int32, torch.int64]
+)
 def test_poison_marks_every_element(dtype):
     t = torch.zeros(5, 3, dtype=dtype)
     assert poison(t) is t

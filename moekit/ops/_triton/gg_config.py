@@ -209,7 +209,6 @@ def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: 
     return GemmConfig("tiled", block_m, block_n, block_k, stages, 8, flatten=flatten)
 
 
-
 @settings.on_change
 def _settings_changed() -> None:
     global _TUNED

@@ -80,7 +80,10 @@ def _tma_ok(t: torch.Tensor, block: tuple[int, int]) -> bool:
         return False
     if not (t.is_cuda or interpreting()):
         return False
-    if t.is_cuda and _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) < 9:
+    if (
+        t.is_cuda
+        and _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) < 9
+    ):
         return False
     es = t.element_size()
     if t.stride(-1) != 1 or (t.stride(0) * es) % 16 or (t.storage_offset() * es) % 16:
@@ -170,9 +173,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     # helper (the epilogue) as written; an output passed twice then gets two functionalized
     # copies, and the untouched one is written back over the result.
     ph = torch.empty((1,), dtype=torch.int32, device=x.device)
-    optional = [
-        t if t is not None else ph for t in (m_sizes, x_scale, w_scale, bias, token_weights, scatter_indices)
-    ]
+    optional = [t if t is not None else ph for t in (m_sizes, x_scale, w_scale, bias, token_weights, scatter_indices)]
     if cfg.kind == "gemv":
         launch(_gg_gemv_kernel)[(M * cdiv(N, bn),)](
             x, w, y, *optional, M, N, K, G, out_rows, x.stride(0), w.stride(0), y.stride(0),

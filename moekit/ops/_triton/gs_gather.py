@@ -85,18 +85,24 @@ def _gather_scale_kernel(
 
 
 @triton.jit
-def _gather_row(x_ptr, scores_ptr, tok, exp, ok, d_lim, stride_x, stride_st, stride_se,
-                BLOCK_D: tl.constexpr, W_TAIL: tl.constexpr):
+def _gather_row(
+    x_ptr, scores_ptr, tok, exp, ok, d_lim, stride_x, stride_st, stride_se, BLOCK_D: tl.constexpr, W_TAIL: tl.constexpr
+):
     """The rows' ``BLOCK_D`` head and ``W_TAIL`` tail columns (raw dtype) and their scores."""
     s = tl.load(scores_ptr + tok * stride_st + exp * stride_se, mask=ok, other=0.0).to(tl.float32)
     x_row = x_ptr + (tok * (stride_x // 8) * 8)[:, None]
     cols = tl.arange(0, BLOCK_D)
-    v = tl.load(x_row + cols[None, :], mask=ok[:, None] & (cols < d_lim)[None, :], other=0.0,
-                eviction_policy="evict_first")
+    v = tl.load(
+        x_row + cols[None, :], mask=ok[:, None] & (cols < d_lim)[None, :], other=0.0, eviction_policy="evict_first"
+    )
     if W_TAIL > 0:
         tcols = BLOCK_D + tl.arange(0, W_TAIL)
-        tv = tl.load(x_row + tcols[None, :], mask=ok[:, None] & (tcols < d_lim)[None, :], other=0.0,
-                     eviction_policy="evict_first")
+        tv = tl.load(
+            x_row + tcols[None, :],
+            mask=ok[:, None] & (tcols < d_lim)[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
     else:
         tv = v
     return v, tv, s
@@ -145,16 +151,22 @@ def _gather_scale_stream_kernel(
     rows_n = rows + step
     tok_n, exp_n, ok_n = _gather_index(rows_n, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp)
     for _u in range(pid, n_units, nprog):
-        v_n, tv_n, s_n = _gather_row(x_ptr, scores_ptr, tok_n, exp_n, ok_n, d_lim, stride_x, stride_st, stride_se,
-                                     BLOCK_D, W_TAIL)
+        v_n, tv_n, s_n = _gather_row(
+            x_ptr, scores_ptr, tok_n, exp_n, ok_n, d_lim, stride_x, stride_st, stride_se, BLOCK_D, W_TAIL
+        )
         rows_nn = rows_n + step
         tok_nn, exp_nn, ok_nn = _gather_index(rows_nn, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp)
         o_row = out_ptr + (rows * (stride_out // 8) * 8)[:, None]
-        tl.store(o_row + cols[None, :], (v.to(tl.float32) * s[:, None]).to(odt), mask=ok[:, None] & (cols < d_lim)[None, :])
+        tl.store(
+            o_row + cols[None, :], (v.to(tl.float32) * s[:, None]).to(odt), mask=ok[:, None] & (cols < d_lim)[None, :]
+        )
         if W_TAIL > 0:
             tcols = BLOCK_D + tl.arange(0, W_TAIL)
-            tl.store(o_row + tcols[None, :], (tv.to(tl.float32) * s[:, None]).to(odt),
-                     mask=ok[:, None] & (tcols < d_lim)[None, :])
+            tl.store(
+                o_row + tcols[None, :],
+                (tv.to(tl.float32) * s[:, None]).to(odt),
+                mask=ok[:, None] & (tcols < d_lim)[None, :],
+            )
         rows, ok, v, tv, s = rows_n, ok_n, v_n, tv_n, s_n
         rows_n, tok_n, exp_n, ok_n = rows_nn, tok_nn, exp_nn, ok_nn
 
@@ -241,8 +253,9 @@ def gather_scale_dense_tokens(
         )
     else:
         grid = (cdiv(A, block_r) * n_db,)
-        launch(_gather_scale_kernel)[grid](*args, n_db, HAS_VALID=has_valid, BLOCK_R=block_r, BLOCK_D=block_d,
-                                           num_warps=warps)
+        launch(_gather_scale_kernel)[grid](
+            *args, n_db, HAS_VALID=has_valid, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps
+        )
     return out
 
 

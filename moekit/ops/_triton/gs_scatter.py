@@ -114,8 +114,9 @@ def _scatter_add_locked_kernel(
         for i in tl.static_range(N_CHUNKS):
             c = i * BLOCK_D + cols
             cur = tl.load(o_row + c, mask=c < d_lim, other=0.0, cache_modifier=".cg")
-            tl.store(o_row + c, (cur.to(tl.float32) + vs[i].to(tl.float32)).to(out_ptr.dtype.element_ty),
-                     mask=c < d_lim)
+            tl.store(
+                o_row + c, (cur.to(tl.float32) + vs[i].to(tl.float32)).to(out_ptr.dtype.element_ty), mask=c < d_lim
+            )
         tl.debug_barrier()
         tl.atomic_xchg(lock, 0, sem="release")
 
@@ -152,8 +153,7 @@ def _token_locks(out: torch.Tensor, T: int) -> Optional[torch.Tensor]:
             return None
         if buf is not None:
             _RETIRED_LOCKS.append(buf)
-        buf = torch.zeros(max(T, 2 * (0 if buf is None else buf.numel()), 4096), dtype=torch.int32,
-                          device=out.device)
+        buf = torch.zeros(max(T, 2 * (0 if buf is None else buf.numel()), 4096), dtype=torch.int32, device=out.device)
         _LOCKS[key] = buf
         if out.is_cuda:
             done = torch.cuda.Event()

@@ -94,8 +94,9 @@ def _scan_sum_kernel(
     m = (cnt > 0)[:, None] & cm
     o_ptr = out_ptr + (toks * (stride_out // 8) * 8)[:, None] + cols[None, :]
     o = tl.load(o_ptr, mask=m, other=0.0)
-    acc = _add_hits_in_order(tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), hit, 0, in_ptr, stride_in, cols, cm,
-                             BLOCK_A)
+    acc = _add_hits_in_order(
+        tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), hit, 0, in_ptr, stride_in, cols, cm, BLOCK_A
+    )
     tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -184,19 +185,35 @@ def _bucket_sum_kernel(
         h1 = k + 1 < n
         r0 = tl.sum(tl.where(slots[None, :] == k, bkt, 0), axis=1).to(tl.int64)
         r1 = tl.sum(tl.where(slots[None, :] == k + 1, bkt, 0), axis=1).to(tl.int64)
-        v0 = tl.load(in_ptr + (r0 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h0[:, None] & cm,
-                     other=0.0, eviction_policy="evict_first")
-        v1 = tl.load(in_ptr + (r1 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h1[:, None] & cm,
-                     other=0.0, eviction_policy="evict_first")
+        v0 = tl.load(
+            in_ptr + (r0 * (stride_in // 8) * 8)[:, None] + cols[None, :],
+            mask=h0[:, None] & cm,
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+        v1 = tl.load(
+            in_ptr + (r1 * (stride_in // 8) * 8)[:, None] + cols[None, :],
+            mask=h1[:, None] & cm,
+            other=0.0,
+            eviction_policy="evict_first",
+        )
         if STEP == 4:
             h2 = k + 2 < n
             h3 = k + 3 < n
             r2 = tl.sum(tl.where(slots[None, :] == k + 2, bkt, 0), axis=1).to(tl.int64)
             r3 = tl.sum(tl.where(slots[None, :] == k + 3, bkt, 0), axis=1).to(tl.int64)
-            v2 = tl.load(in_ptr + (r2 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h2[:, None] & cm,
-                         other=0.0, eviction_policy="evict_first")
-            v3 = tl.load(in_ptr + (r3 * (stride_in // 8) * 8)[:, None] + cols[None, :], mask=h3[:, None] & cm,
-                         other=0.0, eviction_policy="evict_first")
+            v2 = tl.load(
+                in_ptr + (r2 * (stride_in // 8) * 8)[:, None] + cols[None, :],
+                mask=h2[:, None] & cm,
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            v3 = tl.load(
+                in_ptr + (r3 * (stride_in // 8) * 8)[:, None] + cols[None, :],
+                mask=h3[:, None] & cm,
+                other=0.0,
+                eviction_policy="evict_first",
+            )
         acc += v0.to(tl.float32)
         acc += v1.to(tl.float32)
         if STEP == 4:

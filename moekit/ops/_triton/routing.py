@@ -276,13 +276,22 @@ def _route_blocks_kernel(
     # keys sit below every real expert's (ties go to the lower index), so no mask on the keys.
     rows = pid * ITERS * BT + tl.arange(0, BT)
     ld_ok = (rows < n_valid)[:, None]
-    n0 = tl.load(_score_ptrs(scores_ptr, rows, c0, stride_t, stride_e, COL64), mask=ld_ok & (c0 < E)[None, :],
-                 other=float("-inf"))
+    n0 = tl.load(
+        _score_ptrs(scores_ptr, rows, c0, stride_t, stride_e, COL64),
+        mask=ld_ok & (c0 < E)[None, :],
+        other=float("-inf"),
+    )
     if NCH == 3:
-        n1 = tl.load(_score_ptrs(scores_ptr, rows, c1, stride_t, stride_e, COL64), mask=ld_ok & (c1 < E)[None, :],
-                     other=float("-inf"))
-        n2 = tl.load(_score_ptrs(scores_ptr, rows, c2, stride_t, stride_e, COL64), mask=ld_ok & (c2 < E)[None, :],
-                     other=float("-inf"))
+        n1 = tl.load(
+            _score_ptrs(scores_ptr, rows, c1, stride_t, stride_e, COL64),
+            mask=ld_ok & (c1 < E)[None, :],
+            other=float("-inf"),
+        )
+        n2 = tl.load(
+            _score_ptrs(scores_ptr, rows, c2, stride_t, stride_e, COL64),
+            mask=ld_ok & (c2 < E)[None, :],
+            other=float("-inf"),
+        )
     for it in range(ITERS):
         rows = (pid * ITERS + it) * BT + tl.arange(0, BT)
         tok_ok = rows < n_valid
@@ -296,13 +305,22 @@ def _route_blocks_kernel(
         # Prefetch the next sub-tile: its load overlaps this one's top-k.
         ahead = rows + BT
         ld_ok = ((ahead < n_valid) & (it + 1 < ITERS))[:, None]
-        n0 = tl.load(_score_ptrs(scores_ptr, ahead, c0, stride_t, stride_e, COL64), mask=ld_ok & (c0 < E)[None, :],
-                     other=float("-inf"))
+        n0 = tl.load(
+            _score_ptrs(scores_ptr, ahead, c0, stride_t, stride_e, COL64),
+            mask=ld_ok & (c0 < E)[None, :],
+            other=float("-inf"),
+        )
         if NCH == 3:
-            n1 = tl.load(_score_ptrs(scores_ptr, ahead, c1, stride_t, stride_e, COL64),
-                         mask=ld_ok & (c1 < E)[None, :], other=float("-inf"))
-            n2 = tl.load(_score_ptrs(scores_ptr, ahead, c2, stride_t, stride_e, COL64),
-                         mask=ld_ok & (c2 < E)[None, :], other=float("-inf"))
+            n1 = tl.load(
+                _score_ptrs(scores_ptr, ahead, c1, stride_t, stride_e, COL64),
+                mask=ld_ok & (c1 < E)[None, :],
+                other=float("-inf"),
+            )
+            n2 = tl.load(
+                _score_ptrs(scores_ptr, ahead, c2, stride_t, stride_e, COL64),
+                mask=ld_ok & (c2 < E)[None, :],
+                other=float("-inf"),
+            )
         # K rounds of "largest key below the previous one"; slot s gets round s's expert.
         thr = _row_max(k0, k1, k2, NCH)
         ids = tl.where(slots[None, :] == 0, (65535 - (thr & 65535)).to(tl.int32)[:, None], 0)
@@ -348,9 +366,7 @@ def _route_blocks_kernel(
 
 
 @triton.jit(do_not_specialize=["NB"])
-def _scan_blocks_kernel(
-    hist_ptr, counts_ptr, NB, E, HS, EC: tl.constexpr, CB: tl.constexpr, USE_PDL: tl.constexpr = 0
-):
+def _scan_blocks_kernel(hist_ptr, counts_ptr, NB, E, HS, EC: tl.constexpr, CB: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """Column scan of the [NB, HS] histograms, in place, into exclusive per-program offsets;
     the column totals are the expert counts. (HS // EC programs.)"""
     pdl_prologue(USE_PDL)
@@ -395,8 +411,9 @@ def _place_kernel(
         pre = tl.zeros([BLOCK_E], dtype=tl.int32)
         for c0 in range(0, NB, CB):
             rows = c0 + tl.arange(0, CB)
-            h = tl.load(hist_ptr + rows[:, None] * HS + cols[None, :], mask=(rows < NB)[:, None] & col_ok[None, :],
-                        other=0)
+            h = tl.load(
+                hist_ptr + rows[:, None] * HS + cols[None, :], mask=(rows < NB)[:, None] & col_ok[None, :], other=0
+            )
             tot += tl.sum(h, axis=0)
             pre += tl.sum(tl.where((rows < pid)[:, None], h, 0), axis=0)
         if pid == 0:
