@@ -54,12 +54,34 @@ from __future__ import annotations
 
 import functools
 import types
-import warnings
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from moekit.integrations import _graphs
+from moekit.integrations._hf_common import (
+    _CACHE_ATTR,
+    _DET_ATTR,
+    _GRAPH_ATTR,
+    _ORIG_FWD_ATTR,
+    GRAPH_MAX_TOKENS,
+    IMPLEMENTATION,
+    _bias,
+    _is_silu,
+    _needs_autograd,
+    _warn_autograd_fallback,
+    _weight,
+    _where,
+    repack_count,
+)
+from moekit.integrations._llama4 import (
+    _install_llama4_dispatch,
+    _is_llama4_moe,
+    _llama4_moe_forward,
+    _llama4_own_forward,  # noqa: F401 (the model's own forward: tests and callers reach it here)
+    _llama4_weights,
+    _set_llama4_impl,
+)
 from moekit.integrations._topk_rows import _rows
 
 __all__ = [
@@ -75,25 +97,15 @@ __all__ = [
     "repack_count",
 ]
 
-IMPLEMENTATION = "moekit"
 
 #: Model families tested end to end (CPU reference tier; CUDA in the gpu tier). Any other
 #: ``@use_experts_implementation`` experts class with the standard attributes works too.
 SUPPORTED_MODELS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4 (text)", "inkling (text)")
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-_CACHE_ATTR = "_moekit_weight_cache"
-_DET_ATTR = "_moekit_deterministic"
-_GRAPH_ATTR = "_moekit_graph_tokens"
-#: Calls of at most this many tokens replay CUDA graphs (``enable(model, cuda_graphs=False)``: never).
-GRAPH_MAX_TOKENS = 32
 #: The bf16 decode pipeline's row bound in this integration (``moekit.layers.experts.choose_path``):
 #: twice the layers' GPU-measured 2048, as eager calls are paced by the host and that pipeline
 #: launches two kernels fewer (H200, Qwen3-30B 2-layer forward of 512 tokens: 8495 against 9362 µs).
 EAGER_DECODE_MAX_ROWS = 4096
-_ORIG_FWD_ATTR = "_moekit_original_forward"
-_DISPATCH_ATTR = "_moekit_dispatch_original"
-_repacks = [0]
 
 
 def _interface():
@@ -115,52 +127,6 @@ def register() -> None:
     _install_llama4_dispatch()
 
 
-def _install_llama4_dispatch() -> None:
-    """Wrap ``Llama4TextMoe.forward`` (idempotent): a block whose config's experts implementation
-    is ``"moekit"`` (``from_pretrained`` / ``from_config(..., experts_implementation="moekit")``)
-    runs ``_llama4_moe_forward``; any other value runs the model's own forward, unchanged."""
-    try:
-        from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
-    except ImportError:  # no Llama 4 in this transformers
-        return
-    orig = Llama4TextMoe.__dict__.get("forward")
-    if orig is None or hasattr(orig, _DISPATCH_ATTR):
-        return
-
-    @functools.wraps(orig)
-    def forward(self, hidden_states):
-        if _config_impl(self) == IMPLEMENTATION:
-            return _llama4_moe_forward(self, hidden_states)
-        return orig(self, hidden_states)
-
-    setattr(forward, _DISPATCH_ATTR, orig)
-    Llama4TextMoe.forward = forward
-
-
-def _block_config(module: torch.nn.Module) -> Any:
-    """The model config of an experts module or a Llama 4 MoE block (which holds none itself: its
-    shared expert does)."""
-    cfg = getattr(module, "config", None)
-    if cfg is None:
-        cfg = getattr(getattr(module, "shared_expert", None), "config", None)
-    return cfg
-
-
-def _config_impl(module: torch.nn.Module) -> Optional[str]:
-    return getattr(_block_config(module), "_experts_implementation", None)
-
-
-def _llama4_own_forward(module: torch.nn.Module):
-    """The model's own ``forward`` of a Llama 4 MoE block (under moekit's dispatch wrapper)."""
-    fwd = type(module).forward
-    return getattr(fwd, _DISPATCH_ATTR, fwd)
-
-
-def repack_count() -> int:
-    """How many expert weights were repacked (copied into moekit's layout) in this process."""
-    return _repacks[0]
-
-
 # ----------------------------------------------------------------------------------------------
 # Module inspection
 # ----------------------------------------------------------------------------------------------
@@ -170,11 +136,6 @@ def _uses_interface(module: torch.nn.Module) -> bool:
     """Experts classes decorated with ``@use_experts_implementation`` get these attributes."""
     attrs = ("has_gate", "is_transposed", "_is_expert_parallel", "config")
     return all(hasattr(module, a) for a in attrs)
-
-
-def _is_llama4_moe(module: torch.nn.Module) -> bool:
-    experts = getattr(module, "experts", None)
-    return type(module).__name__ == "Llama4TextMoe" and type(experts).__name__ == "Llama4TextExperts"
 
 
 def _looks_like_experts(module: torch.nn.Module) -> bool:
@@ -198,61 +159,6 @@ class _Plan(NamedTuple):
     F: int
     fast_swiglu: bool
     post_norm: bool
-
-
-def _where(module: torch.nn.Module) -> str:
-    return type(module).__name__
-
-
-def _weight(module: torch.nn.Module, attr: str, transposed: bool) -> torch.Tensor:
-    """``getattr(module, attr)`` ``[E, N, K]`` (``[E, K, N]`` when transposed) as a 2-D
-    ``[E * N, K]`` moekit weight: a view when the layout allows, else a cached repacked copy."""
-    p = getattr(module, attr)
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"{_where(module)}.{attr} must be a tensor of stacked expert weights, got {type(p).__name__}")
-    if p.dim() != 3:
-        raise ValueError(f"{_where(module)}.{attr} must be 3-D [experts, out, in], got shape {tuple(p.shape)}")
-    if p.dtype not in _FLOATS:
-        raise TypeError(
-            f"moekit's experts implementation supports bfloat16 / float16 / float32 expert weights, got "
-            f"{_where(module)}.{attr} of dtype {p.dtype} (quantized experts are not supported)"
-        )
-    t = p.detach()
-    if not transposed and t.is_contiguous():
-        return t.view(-1, t.shape[-1])
-    cache = module.__dict__.setdefault(_CACHE_ATTR, {})
-    hit = cache.get(attr)
-    if torch.compiler.is_compiling():
-        # Dynamo cannot trace the storage-pointer check: trust a copy made eagerly (``enable``
-        # makes them), else repack inside the graph (a copy per call: call ``enable`` first).
-        if hit is not None:
-            return hit[1]
-        src = t.transpose(1, 2) if transposed else t
-        return src.contiguous().view(-1, src.shape[-1])
-    key = (t.data_ptr(), p._version, tuple(t.shape), t.stride(), t.dtype, t.device)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    with torch.no_grad():
-        src = t.transpose(1, 2) if transposed else t
-        packed = src.contiguous().view(-1, src.shape[-1])
-    _repacks[0] += 1
-    cache[attr] = (key, packed)
-    return packed
-
-
-def _bias(module: torch.nn.Module, attr: str, E: int, N: int) -> Optional[torch.Tensor]:
-    b = getattr(module, attr, None)
-    if b is None:
-        return None
-    if tuple(b.shape) != (E, N):
-        raise ValueError(f"{_where(module)}.{attr} must have shape ({E}, {N}), got {tuple(b.shape)}")
-    return b.detach()
-
-
-def _is_silu(act: Any) -> bool:
-    if isinstance(act, torch.nn.SiLU):
-        return True
-    return type(act).__name__ == "SiLUActivation" and type(act).__module__.startswith("transformers")
 
 
 _PLAN_ATTR = "_moekit_plan"
@@ -346,24 +252,6 @@ def _make_plan(module: torch.nn.Module) -> _Plan:
 # ----------------------------------------------------------------------------------------------
 
 
-def _needs_autograd(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-        return True
-    return any(p.requires_grad for p in module.parameters())
-
-
-def _warn_autograd_fallback(what: str) -> None:
-    warnings.warn(
-        f"moekit experts are inference-only: grad mode is on and the input or the expert weights require "
-        f"grad, so this call runs {what}. Run under torch.no_grad() / torch.inference_mode() (generate "
-        "does) to use moekit.",
-        UserWarning,
-        stacklevel=3,
-    )
-
-
 def moekit_experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -447,82 +335,6 @@ def _experts_forward(self: torch.nn.Module, plan: _Plan, deterministic: bool, hi
     return out.to(hidden_states.dtype)
 
 
-def _llama4_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Validate a Llama 4 text MoE block; ``(w13 [E * 2F, D], w2 [E * D, F], E, F)`` in moekit's
-    layout (cached repacked copies). Errors name the block's and the experts' classes."""
-    ex = module.experts
-    where = f"{type(module).__name__}.experts ({type(ex).__name__})"
-    if not _is_silu(getattr(ex, "act_fn", None)):
-        raise TypeError(
-            f"{where}: moekit runs Llama 4 experts with SwiGLU (hidden_act='silu') only, got "
-            f"{type(getattr(ex, 'act_fn', None)).__name__}"
-        )
-    up, down = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
-    for attr, p in (("gate_up_proj", up), ("down_proj", down)):
-        if not isinstance(p, torch.Tensor) or p.dim() != 3:
-            got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
-            raise ValueError(f"{where}.{attr} must be a 3-D tensor of stacked expert weights, got {got}")
-        if p.dtype not in _FLOATS:
-            raise TypeError(
-                f"{where}.{attr}: moekit supports bfloat16 / float16 / float32 expert weights, got {p.dtype} "
-                "(quantized experts are not supported)"
-            )
-    E, D, F2 = up.shape
-    if F2 % 2 or tuple(down.shape) != (E, F2 // 2, D):
-        raise ValueError(
-            f"{where}: gate_up_proj {tuple(up.shape)} and down_proj {tuple(down.shape)} are not "
-            "[E, D, 2F] and [E, F, D]"
-        )
-    if down.dtype != up.dtype:
-        raise TypeError(f"{where}: gate_up_proj is {up.dtype} but down_proj is {down.dtype}; they must match")
-    if D % 8 or F2 % 16:
-        raise ValueError(f"{where}: moekit needs D and F multiples of 8, got D={D}, F={F2 // 2}")
-    w13 = _weight(ex, "gate_up_proj", transposed=True)  # [E * 2F, D]
-    w2 = _weight(ex, "down_proj", transposed=True)  # [E * D, F]
-    return w13, w2, E, F2 // 2
-
-
-def _llama4_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
-    """moekit replacement of ``Llama4TextMoe.forward``: the router's dense sigmoid scores (0 off
-    the top-k) both select the experts and scale their inputs, as in the model."""
-    if _needs_autograd(self, hidden_states):
-        _warn_autograd_fallback("the model's own Llama 4 MoE forward")
-        own = self.__dict__.get(_ORIG_FWD_ATTR)  # an instance forward ``enable`` replaced
-        return own(hidden_states) if own is not None else _llama4_own_forward(self)(self, hidden_states)
-    w13, w2, E, F = _llama4_weights(self)
-    deterministic = bool(getattr(self, _DET_ATTR, False))
-    rows = hidden_states.numel() // self.hidden_dim if hidden_states.dim() else 0
-    if _graphs.eligible((hidden_states,), rows, getattr(self, _GRAPH_ATTR, GRAPH_MAX_TOKENS)):
-        fwd = functools.partial(_llama4_block, self, w13, w2, E, F, deterministic)
-        return _graphs.call(self, fwd, (hidden_states,), extra=(w13, w2, deterministic))
-    return _llama4_block(self, w13, w2, E, F, deterministic, hidden_states)
-
-
-def _llama4_block(self: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, E: int, F: int, deterministic: bool,
-                  hidden_states: torch.Tensor):  # fmt: skip
-    """The moekit Llama 4 MoE block on validated weights (eager, or captured by ``_graphs``)."""
-    from moekit.ops import gather_scale_dense_tokens, grouped_gemm, index_shuffling, silu_mul
-
-    x = hidden_states.reshape(-1, self.hidden_dim)
-    router_scores, router_logits = self.router(x)
-    out = self.shared_expert(x)
-    T = x.shape[0]
-    if T == 0:
-        return out, router_logits
-    # A selected expert whose score underflowed to 0 may be swapped for another zero-score one:
-    # its input is then scaled to 0 and, with no biases, so is its output (the same result).
-    counts, expert_ids, token_ids = index_shuffling(router_scores, top_k=self.top_k)
-    xg = gather_scale_dense_tokens(_rows(x.to(w13.dtype)), token_ids, expert_ids, router_scores)
-    h = grouped_gemm(xg, w13, counts[:E])
-    z = silu_mul(h[:, :F], h[:, F:])
-    routed = torch.zeros((T, x.shape[1]), dtype=w13.dtype, device=x.device)
-    grouped_gemm(
-        z, w2, counts[:E], _output_tensor=routed, _scatter_add_indices=token_ids, deterministic=deterministic,
-    )  # fmt: skip
-    out.add_(routed.to(out.dtype))
-    return out, router_logits
-
-
 # ----------------------------------------------------------------------------------------------
 # Enabling on a model
 # ----------------------------------------------------------------------------------------------
@@ -534,16 +346,6 @@ def _set_impl(model: torch.nn.Module, mods: list[torch.nn.Module], impl: str) ->
     for m in mods:  # standalone experts modules, or sub-models the call above skipped
         if m.config._experts_implementation != impl:
             m.config._experts_implementation = impl
-
-
-def _set_llama4_impl(blocks: list[torch.nn.Module], impl: str) -> None:
-    """The experts implementation of Llama 4 blocks' config (``set_experts_implementation`` skips
-    these models: their experts are no ``ExpertsInterface`` class). Only ``"moekit"`` changes what
-    they run (``_install_llama4_dispatch``)."""
-    for m in blocks:
-        cfg = _block_config(m)
-        if cfg is not None and getattr(cfg, "_experts_implementation", None) != impl:
-            cfg._experts_implementation = impl
 
 
 def _foreign_experts(model: torch.nn.Module, found: list[tuple[str, torch.nn.Module]]) -> list[str]:
