@@ -64,6 +64,8 @@ def check_tensor(
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
+    if a == b:  # the common case, without building devices (hot: every op checks several tensors)
+        return True
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False

@@ -27,6 +27,19 @@ import torch
 
 from moekit import settings
 from moekit._validate import FP8_DTYPE, check_tensor
+from moekit.ops import (
+    combine_rows,
+    gather_scale_dense_tokens,
+    gather_scale_quant_dense_tokens,
+    grouped_gemm,
+    grouped_gemm_combine,
+    grouped_gemm_fp8_rowwise,
+    grouped_gemm_swiglu,
+    quantize_fp8_row,
+    silu_mul,
+    silu_mul_quant,
+)
+from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
 
 __all__ = ["run_experts", "choose_path", "down_sums_rows", "DECODE_ROWS_PER_EXPERT"]
 
@@ -47,8 +60,6 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
     """``"decode"`` or ``"sorted"`` for ``rows`` routed rows over ``experts`` local experts
     (``fp8``: FP8 expert weights; ``top_k``: rows per token; ``max_rows``: the bf16 decode
     pipeline's row bound, default ``settings.decode_max_rows``)."""
-    from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
-
     s = settings.get()
     path = path or s.moe_path
     if path not in ("auto", "decode", "sorted"):
@@ -94,8 +105,6 @@ def down_sums_rows(deterministic: bool = False) -> bool:
 def _combine_pays(rows: int, experts: int, top_k: int) -> bool:
     """Rows that rarely share an expert (the grouped GEMM's GEMV range), top-k of at least
     ``COMBINE_MIN_TOP_K``."""
-    from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
-
     return top_k >= COMBINE_MIN_TOP_K and use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
 
 
@@ -136,19 +145,6 @@ def run_experts(
     returned; without it the ``[N, D]`` output rows are returned (rows past ``sum(m_sizes)``
     unwritten).
     """
-    from moekit.ops import (
-        combine_rows,
-        gather_scale_dense_tokens,
-        gather_scale_quant_dense_tokens,
-        grouped_gemm,
-        grouped_gemm_combine,
-        grouped_gemm_fp8_rowwise,
-        grouped_gemm_swiglu,
-        quantize_fp8_row,
-        silu_mul,
-        silu_mul_quant,
-    )
-
     check_tensor("w13_e2FD", w13_e2FD, ndim=3)
     e, twoF, D = w13_e2FD.shape
     F = twoF // 2

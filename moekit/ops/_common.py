@@ -92,10 +92,11 @@ def _pdl_ok(args: tuple) -> bool:
         return False  # (ROCm: griddepcontrol is NVIDIA PTX)
     if not torch.cuda.is_current_stream_capturing():
         return False
-    from torch._subclasses.fake_tensor import is_fake
+    if type(t) is not torch.Tensor:  # subclasses (fake tensors under tracing) go without
+        from torch._subclasses.fake_tensor import is_fake
 
-    if is_fake(t):
-        return False
+        if is_fake(t):
+            return False
     return _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
 
 
@@ -185,13 +186,13 @@ def cdiv(a: int, b: int) -> int:
 # nothing else: plain tensors, no grad, no dispatch or function mode, not under tracing.
 
 
-def _plain(a: Any) -> bool:
+def _plain(a: Any, grad: bool) -> bool:
     if isinstance(a, torch.Tensor):
-        return (type(a) is torch.Tensor or type(a) is torch.nn.Parameter) and not (
-            a.requires_grad and torch.is_grad_enabled()
-        )
+        return (type(a) is torch.Tensor or type(a) is torch.nn.Parameter) and not (grad and a.requires_grad)
     if isinstance(a, (list, tuple)):
-        return all(_plain(b) for b in a)
+        for b in a:
+            if not _plain(b, grad):
+                return False
     return True
 
 
@@ -201,7 +202,14 @@ def direct_ok(args: tuple, kwargs: dict) -> bool:
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
-    return all(_plain(a) for a in args) and all(_plain(a) for a in kwargs.values())
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if not _plain(a, grad):
+            return False
+    for a in kwargs.values():
+        if not _plain(a, grad):
+            return False
+    return True
 
 
 def call_op(opdef: Any, *args: Any, **kwargs: Any) -> Any:

@@ -24,6 +24,7 @@ input) multiplies both accumulators before the SiLU.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Optional
 
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit._validate import FP8_DTYPE
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
@@ -237,10 +239,12 @@ def _swiglu_stream_kernel(
                           xs, ws_g, ws_u, rs, HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
 
 
+@functools.lru_cache(maxsize=4096)
 def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_elem: int = 0) -> GemmConfig:
     """The grouped GEMM's rules for an ``[M, F]`` output (GEMV when rows rarely share an expert,
     else streaming), with pipelines resized for two weight tiles per stage. ``elem``: bytes of the
-    MMA operands (x's), ``w_elem``: of the weights the GEMV streams (default ``elem``)."""
+    MMA operands (x's), ``w_elem``: of the weights the GEMV streams (default ``elem``). Cached per
+    shape (cleared when the settings change: ``settings.on_change``)."""
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     if use_gemv(M, hits):
         elem = w_elem or elem
@@ -310,3 +314,7 @@ def grouped_gemm_swiglu(
         BLOCK_K=cfg.block_k, STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
     )  # fmt: skip
     return z
+
+
+# Settings (GEMV bounds, knobs) feed swiglu_config: a change drops its cached choices.
+settings.on_change(swiglu_config.cache_clear)

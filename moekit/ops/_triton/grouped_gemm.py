@@ -76,8 +76,8 @@ def _tma_ok(t: torch.Tensor, block: tuple[int, int]) -> bool:
     """Host TMA descriptor usable for ``t`` (2-D, unit last stride, 16-byte aligned rows/base)?
     Never under tracing (torch.compile): non-dynamo tracing of ``wrap_triton`` does not capture
     descriptors, so traced graphs use the pointer path."""
-    if not settings.get().gg_tma or _is_fake(t):
-        return False
+    if not settings.get().gg_tma or (type(t) is not torch.Tensor and _is_fake(t)):
+        return False  # (a plain tensor is never fake: no import and call on the eager path)
     if not (t.is_cuda or interpreting()):
         return False
     if (
