@@ -396,6 +396,25 @@ def kernel_supports(T: int, E: int, top_k: int, n_group: Optional[int]) -> bool:
     return True
 
 
+def _outputs(E: int, N: int, dev: torch.device) -> tuple:
+    """``(counts [E + 2], expert, token, weight, selection rows [N], packed scratch, weight scratch)``."""
+    i32, f32 = torch.int32, torch.float32
+    return (torch.empty(E + 2, dtype=i32, device=dev), torch.empty(N, dtype=i32, device=dev),
+            torch.empty(N, dtype=i32, device=dev), torch.empty(N, dtype=f32, device=dev),
+            torch.empty(N, dtype=i32, device=dev), torch.empty(N, dtype=i32, device=dev),
+            torch.empty(N, dtype=f32, device=dev))  # fmt: skip
+
+
+def _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T: int, E: int, start: int, n_blocks: int, top_k: int,
+           tokens_per_block: int, block_e: int) -> None:  # fmt: skip
+    """The split path's second launch (``_route_place_kernel``), one program per token block."""
+    launch(_route_place_kernel)[(n_blocks,)](
+        bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_blocks,
+        K=top_k, BT=tokens_per_block, BLOCK_E=block_e, CB=max(1, min(next_pow2(n_blocks), 4096 // block_e)),
+        RB=min(1024, max(16, next_pow2(tokens_per_block * top_k))), num_warps=4,
+    )  # fmt: skip
+
+
 def route_and_shuffle(
     logits: torch.Tensor,
     bias: Optional[torch.Tensor],
@@ -413,13 +432,7 @@ def route_and_shuffle(
     T, E = (int(d) for d in logits.shape)
     dev = logits.device
     N = T * top_k
-    counts = torch.empty(E + 2, dtype=torch.int32, device=dev)
-    eidx = torch.empty(N, dtype=torch.int32, device=dev)
-    tidx = torch.empty(N, dtype=torch.int32, device=dev)
-    rw = torch.empty(N, dtype=torch.float32, device=dev)
-    srow = torch.empty(N, dtype=torch.int32, device=dev)
-    packed = torch.empty(N, dtype=torch.int32, device=dev)
-    pw = torch.empty(N, dtype=torch.float32, device=dev)
+    counts, eidx, tidx, rw, srow, packed, pw = _outputs(E, N, dev)
     block_e = max(16, next_pow2(E))
     k_pad = next_pow2(top_k)
     split = T > settings.get().route_fused_max_t
@@ -440,12 +453,7 @@ def route_and_shuffle(
         num_warps=max(1, min(8, bt * block_e // 256)),
     )  # fmt: skip
     if split:
-        rows = bt * top_k
-        launch(_route_place_kernel)[(n_route,)](
-            bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_route,
-            K=top_k, BT=bt, BLOCK_E=block_e, CB=max(1, min(next_pow2(n_route), 4096 // block_e)),
-            RB=min(1024, max(16, next_pow2(rows))), num_warps=4,
-        )  # fmt: skip
+        _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_route, top_k, bt, block_e)
     return counts, eidx, tidx, rw, srow
 
 
@@ -489,13 +497,7 @@ def shuffle_top_k(
     T, top_k = (int(d) for d in ids.shape)
     dev = ids.device
     N = T * top_k
-    counts = torch.empty(E + 2, dtype=torch.int32, device=dev)
-    eidx = torch.empty(N, dtype=torch.int32, device=dev)
-    tidx = torch.empty(N, dtype=torch.int32, device=dev)
-    rw = torch.empty(N, dtype=torch.float32, device=dev)
-    srow = torch.empty(N, dtype=torch.int32, device=dev)
-    packed = torch.empty(N, dtype=torch.int32, device=dev)
-    pw = torch.empty(N, dtype=torch.float32, device=dev)
+    counts, eidx, tidx, rw, srow, packed, pw = _outputs(E, N, dev)
     block_e = max(16, next_pow2(E))
     bt, split, tpb, n_route = _topk_rows_plan(T, E, top_k)
     bcounts = torch.empty((n_route, E) if split else (1,), dtype=torch.int32, device=dev)
@@ -508,10 +510,5 @@ def shuffle_top_k(
         num_warps=max(1, min(8, bt * block_e // 256)),
     )  # fmt: skip
     if split:
-        rows = tpb * top_k
-        launch(_route_place_kernel)[(n_route,)](
-            bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_route,
-            K=top_k, BT=tpb, BLOCK_E=block_e, CB=max(1, min(next_pow2(n_route), 4096 // block_e)),
-            RB=min(1024, max(16, next_pow2(rows))), num_warps=4,
-        )  # fmt: skip
+        _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_route, top_k, tpb, block_e)
     return counts, eidx, tidx, rw, srow
