@@ -158,9 +158,22 @@ def _num_sms(device_type: str, index: int) -> int:
     return 4  # the interpreter: a small "machine" keeps grids (and test time) small
 
 
+_SMS: dict = {}
+
+
 def num_sms(device: torch.device) -> int:
-    """Multiprocessor count of ``device`` (cached: no per-call device query)."""
-    device = torch.device(device)
+    """Multiprocessor count of ``device`` (cached: no per-call device query; a tensor's device, which
+    names its index, is one dict lookup)."""
+    n = _SMS.get(device)
+    if n is not None:
+        return n
+    if isinstance(device, torch.device) and (device.type != "cuda" or device.index is not None):
+        n = _SMS[device] = _num_sms_of(device)
+        return n
+    return _num_sms_of(torch.device(device))
+
+
+def _num_sms_of(device: torch.device) -> int:
     if device.type == "cuda":
         return _num_sms("cuda", device.index if device.index is not None else torch.cuda.current_device())
     return _num_sms(device.type, 0)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from moekit._validate import FP8_DTYPE, FP8_MAX
-from moekit.ops._common import interpreting, launch, next_pow2
+from moekit.ops._common import cdiv, interpreting, launch, next_pow2
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
 from moekit.ops._triton.quantize import (
     MAX_GRID,
@@ -78,14 +78,14 @@ def tile_config(T: int, F: int, elem_bytes: int, device: torch.device) -> TileCo
     # The widest power-of-two column block that wastes at most 1/8 of its lanes on F's tail;
     # else one masked block covering F (tiny or awkward F).
     for cand in (tile, tile // 2, tile // 4, tile // 8, tile // 16, tile // 32, tile // 64):
-        if cand >= vec and triton.cdiv(F, cand) * cand * 8 <= F * 9:
+        if cand >= vec and cdiv(F, cand) * cand * 8 <= F * 9:
             block_f = cand
             break
     else:
         block_f = min(max(next_pow2(F), vec), tile)
     block_t = max(1, min(tile // block_f, next_pow2(max(T, 1))))
     warps = int(min(4, prev_pow2(max(1, (block_t * block_f) // (32 * vec)))))
-    n_tiles = triton.cdiv(T, block_t) * triton.cdiv(F, block_f)
+    n_tiles = cdiv(T, block_t) * cdiv(F, block_f)
     return TileConfig(block_t, block_f, warps, 1, max(1, min(n_tiles, MAX_GRID)))
 
 

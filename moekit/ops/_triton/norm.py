@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit.ops._common import launch
+from moekit.ops._common import cdiv, launch
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.quantize import MAX_ROWS, row_config, row_offsets, rows_of
 
@@ -108,7 +108,7 @@ def rms_norm(
         residual, rl = rows_of(residual)
     elem = max(x.element_size(), residual.element_size() if has_res else 1)
     cfg = row_config(R, H, elem, x.device)
-    launch(_rms_norm_kernel)[(triton.cdiv(R, cfg.block_t),)](
+    launch(_rms_norm_kernel)[(cdiv(R, cfg.block_t),)](
         y,
         x,
         gamma,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from moekit._validate import FP8_DTYPE, FP8_MAX
-from moekit.ops._common import launch, next_pow2, num_sms
+from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
 from moekit.ops._triton._pdl import pdl_prologue
 
@@ -102,7 +102,7 @@ def row_config(
     if full * elem_bytes <= ONE_PASS_BYTES:
         block_c, one_pass = full, True
         block_t = max(1, tile_bytes // (full * elem_bytes))
-        enough = max(1, prev_pow2(triton.cdiv(max(n_rows, 1), 2 * num_sms(device))))
+        enough = max(1, prev_pow2(cdiv(max(n_rows, 1), 2 * num_sms(device))))
         block_t = min(block_t, enough, next_pow2(max(n_rows, 1)))
     else:
         block_c, one_pass, block_t = TWO_PASS_CHUNK_BYTES // elem_bytes, False, 1
@@ -150,7 +150,7 @@ MAX_GRID = 1 << 22
 
 
 def _grid(n_rows: int, block_t: int) -> int:
-    return max(1, min(triton.cdiv(max(n_rows, 1), block_t), MAX_GRID))
+    return max(1, min(cdiv(max(n_rows, 1), block_t), MAX_GRID))
 
 
 def pipe_row_config(
@@ -176,19 +176,19 @@ def pipe_row_config(
     plan = pipe_stages(row_smem) if row_smem <= PIPE_MAX_STAGE_BYTES else None
     if plan is None:
         cfg = row_config(n_rows, n_cols, elem_bytes, device, tile_bytes=ROW_TILE_BYTES // n_inputs)
-        return PipeConfig(cfg.block_t, cfg.block_c, cfg.one_pass, 1, cfg.num_warps, triton.cdiv(rows, cfg.block_t))
+        return PipeConfig(cfg.block_t, cfg.block_c, cfg.one_pass, 1, cfg.num_warps, cdiv(rows, cfg.block_t))
     block_t = prev_pow2(max(1, PIPE_STAGE_BYTES // row_smem))
     # Keep every SM busy when rows are few: at most ceil(rows / SMs) rows per block.
-    block_t = min(block_t, prev_pow2(triton.cdiv(rows, sms)), next_pow2(rows))
+    block_t = min(block_t, prev_pow2(cdiv(rows, sms)), next_pow2(rows))
     stages, progs = pipe_stages(block_t * row_smem)
     # Fewer than 4 row blocks per program (the whole problem is in flight at once): halve the
     # blocks, down to 8 KB stages, so the last block's math after the last bytes land is short.
-    while block_t > 1 and block_t * row_smem > 8192 and triton.cdiv(rows, block_t) < 4 * progs * sms:
+    while block_t > 1 and block_t * row_smem > 8192 and cdiv(rows, block_t) < 4 * progs * sms:
         block_t //= 2
         stages, progs = pipe_stages(block_t * row_smem)
     vectors = block_t * (c1 + c2) // vec  # 16-byte vectors per input and row block
     warps = min(16, max(prev_pow2(max(1, vectors // (32 * 4))), min(4, prev_pow2(max(1, vectors // 32)))))
-    return PipeConfig(block_t, c1, True, stages, warps, min(triton.cdiv(rows, block_t), progs * sms), c2)
+    return PipeConfig(block_t, c1, True, stages, warps, min(cdiv(rows, block_t), progs * sms), c2)
 
 
 class RowLayout(NamedTuple):
