@@ -30,6 +30,7 @@ needs no launch of its own.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -463,6 +464,7 @@ TOPK_ROWS_FUSED_TILES = 4
 _PACKED_RANK_LIMIT = 1 << 15
 
 
+@functools.lru_cache(maxsize=1024)
 def _topk_rows_plan(T: int, E: int, top_k: int) -> tuple[int, bool, int, int]:
     """(sub-tile tokens, split, tokens per block, blocks) of ``shuffle_top_k`` for ``[T, top_k]``
     ids over ``E`` experts. Sub-tiles hold about ``ROUTE_TILE`` (token, expert) counts and at most
