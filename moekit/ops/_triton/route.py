@@ -123,6 +123,33 @@ def _place_rows(packed_ptr, pw_ptr, eidx_ptr, tidx_ptr, rw_ptr, srow_ptr, off, r
         tl.store(rw_ptr + r, 0.0, mask=tail)
 
 
+@triton.jit
+def _zero_chunk(zero_ptr, chunk, zero_numel, ZB: tl.constexpr):
+    """Zero elements ``[chunk * ZB, (chunk + 1) * ZB)`` of ``zero_ptr`` (the programs past the
+    routing ones: the routed output's memset rides along)."""
+    offs = chunk.to(tl.int64) * ZB + tl.arange(0, ZB)
+    tl.store(zero_ptr + offs, tl.zeros([ZB], dtype=zero_ptr.dtype.element_ty), mask=offs < zero_numel)
+
+
+@triton.jit
+def _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_ptr, pw_ptr, eidx_ptr, tidx_ptr,
+                    rw_ptr, srow_ptr, T, E, start, SPLIT: tl.constexpr, K: tl.constexpr, RB: tl.constexpr):  # fmt: skip
+    """After a routing program's tokens: ``SPLIT``, its expert counts ``carry`` as row ``pid`` of
+    ``bcounts`` (``_route_place_kernel`` places the rows); else (one program for every token) the
+    counts, then every row placed at its expert's base plus its rank."""
+    if SPLIT:
+        tl.store(bcounts_ptr + pid.to(tl.int64) * E + cols, carry, mask=col_ok)
+    else:
+        n_rows = tl.sum(carry, axis=0)
+        tl.store(counts_ptr + cols, carry, mask=col_ok)
+        tl.store(counts_ptr + E, T)
+        tl.store(counts_ptr + E + 1, n_rows)
+        base = tl.cumsum(carry, axis=0) - carry
+        tl.debug_barrier()  # every scratch row written before any is read back
+        _place_rows(packed_ptr, pw_ptr, eidx_ptr, tidx_ptr, rw_ptr, srow_ptr, base, 0, T * K, T * K, n_rows,
+                    start, K, RB)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["T", "start", "end", "zero_numel", "n_route"])
 def _route_fused_kernel(
     logits_ptr,
@@ -167,8 +194,7 @@ def _route_fused_kernel(
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     if HAS_ZERO and pid >= n_route:
-        offs = (pid - n_route).to(tl.int64) * ZB + tl.arange(0, ZB)
-        tl.store(zero_ptr + offs, tl.zeros([ZB], dtype=zero_ptr.dtype.element_ty), mask=offs < zero_numel)
+        _zero_chunk(zero_ptr, pid - n_route, zero_numel, ZB)
     if pid < n_route:
         cols = tl.arange(0, BLOCK_E)
         col_ok = cols < E
@@ -220,17 +246,8 @@ def _route_fused_kernel(
             tl.store(packed_ptr + r, tl.where(valid, (rank << 16) | ids, -1), mask=ok)
             tl.store(pw_ptr + r, w, mask=ok)
             carry += tl.sum(one, axis=0)
-        if SPLIT:
-            tl.store(bcounts_ptr + pid.to(tl.int64) * E + cols, carry, mask=col_ok)
-        else:
-            n_rows = tl.sum(carry, axis=0)
-            tl.store(counts_ptr + cols, carry, mask=col_ok)
-            tl.store(counts_ptr + E, T)
-            tl.store(counts_ptr + E + 1, n_rows)
-            base = tl.cumsum(carry, axis=0) - carry
-            tl.debug_barrier()  # every scratch row written before any is read back
-            _place_rows(packed_ptr, pw_ptr, eidx_ptr, tidx_ptr, rw_ptr, srow_ptr, base, 0, T * K, T * K, n_rows,
-                        start, K, RB)  # fmt: skip
+        _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_ptr, pw_ptr, eidx_ptr, tidx_ptr,
+                        rw_ptr, srow_ptr, T, E, start, SPLIT, K, RB)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "start", "n_blocks"])
@@ -326,8 +343,7 @@ def _topk_rows_kernel(
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     if HAS_ZERO and pid >= n_route:
-        offs = (pid - n_route).to(tl.int64) * ZB + tl.arange(0, ZB)
-        tl.store(zero_ptr + offs, tl.zeros([ZB], dtype=zero_ptr.dtype.element_ty), mask=offs < zero_numel)
+        _zero_chunk(zero_ptr, pid - n_route, zero_numel, ZB)
     if pid < n_route:
         cols = tl.arange(0, BLOCK_E)
         col_ok = cols < E
@@ -362,17 +378,8 @@ def _topk_rows_kernel(
             tl.store(packed_ptr + r, tl.where(valid, (rank << 16) | ids, -1), mask=ok)
             tl.store(pw_ptr + r, w.to(tl.float32), mask=ok)
             carry += tl.sum(cnt, axis=0)
-        if SPLIT:
-            tl.store(bcounts_ptr + pid.to(tl.int64) * E + cols, carry, mask=col_ok)
-        else:
-            n_rows = tl.sum(carry, axis=0)
-            tl.store(counts_ptr + cols, carry, mask=col_ok)
-            tl.store(counts_ptr + E, T)
-            tl.store(counts_ptr + E + 1, n_rows)
-            base = tl.cumsum(carry, axis=0) - carry
-            tl.debug_barrier()  # every scratch row written before any is read back
-            _place_rows(packed_ptr, pw_ptr, eidx_ptr, tidx_ptr, rw_ptr, srow_ptr, base, 0, T * K, T * K, n_rows,
-                        start, K, RB)  # fmt: skip
+        _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_ptr, pw_ptr, eidx_ptr, tidx_ptr,
+                        rw_ptr, srow_ptr, T, E, start, SPLIT, K, RB)  # fmt: skip
 
 
 def _blocks(T: int, E: int) -> tuple[int, int]:
