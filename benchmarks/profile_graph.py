@@ -12,23 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import torch  # noqa: E402
-
-
-def _host(fn, n: int, sync: bool) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-        if sync:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+from profile_hf import _time as _host  # noqa: E402  (host time per call, queued or synced)
 
 
 def _span(fn, n: int) -> float:
