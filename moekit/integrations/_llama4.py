@@ -21,10 +21,10 @@ from moekit.integrations._hf_common import (
     IMPLEMENTATION,
     _is_silu,
     _needs_autograd,
+    _rows,
     _warn_autograd_fallback,
     _weight,
 )
-from moekit.integrations._topk_rows import _rows
 
 
 def _install_llama4_dispatch() -> None:

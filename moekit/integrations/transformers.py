@@ -69,6 +69,7 @@ from moekit.integrations._hf_common import (
     _bias,
     _is_silu,
     _needs_autograd,
+    _rows,
     _warn_autograd_fallback,
     _weight,
     _where,
@@ -82,7 +83,6 @@ from moekit.integrations._llama4 import (
     _llama4_weights,
     _set_llama4_impl,
 )
-from moekit.integrations._topk_rows import _rows
 
 __all__ = [
     "GRAPH_MAX_TOKENS",

@@ -17,8 +17,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
-from moekit._validate import INDEX_DTYPES as _INDEX_DTYPES
-from moekit._validate import check_int, check_optional_count, check_tensor, expert_range
+from moekit._validate import INDEX_DTYPES, check_int, check_optional_count, check_tensor, expert_range
 from moekit.ops._common import call_op, use_triton
 from moekit.reference import routing as _ref
 from moekit.reference.routing import SCORE_FUNCS
@@ -385,7 +384,7 @@ def shuffle_top_k(
     tensors are served by the PyTorch reference (``moekit.reference.shuffle_top_k``, sync-free),
     with a ``UserWarning`` once per process. No host synchronization; CUDA-graph capturable.
     """
-    check_tensor("top_k_index", top_k_index, dtype=_INDEX_DTYPES, ndim=2)
+    check_tensor("top_k_index", top_k_index, dtype=INDEX_DTYPES, ndim=2)
     T, K = top_k_index.shape
     check_tensor("top_k_weights", top_k_weights, dtype=SCORE_DTYPES, shape=(T, K), device=top_k_index.device)
     check_int("num_experts", num_experts, lo=1)
