@@ -3,6 +3,7 @@
 side by side in one process.
 
     python benchmarks/bench_routing.py [--quick] [--paths]
+    python benchmarks/bench_routing.py --op shuffle_top_k [--quick]
 
 Scores are ``[T, E]`` bf16 (tie-free random permutations, exact in bf16). Times are medians of
 CUDA-graph replays (``moekit.benchmarking.bench_us``), inputs rotated past the L2 when one set
@@ -13,6 +14,13 @@ as "launch-bound" rather than "bandwidth-bound"). "vs MSLK" / "vs torch" are spe
 top_k in {1, 2, 4}: other cells read "refused" (not called); "error" when a call fails.
 torch = ``topk`` + stable ``argsort`` of the expert ids + per-expert counts (``scatter_add_``:
 ``bincount`` sizes its output on the host and cannot be captured in a CUDA graph).
+
+``--op shuffle_top_k`` times ``moekit.ops.shuffle_top_k`` instead: a routing choice made elsewhere
+(``top_k_index`` / ``top_k_weights [T, K]``, what transformers' routers return) turned into the sorted
+rows, their weights and the inverse map, the output zeroed on the side (D=2048 bf16, as the
+integration asks). torch = what transformers' ``grouped_mm`` experts path runs for the same layout
+(``argsort`` of the flat ids, per-expert counts, the gathered weights, the inverse map, the zeroed
+output). Every output is checked against ``moekit.reference.shuffle_top_k`` first.
 
 ``--paths`` adds a table that times every configuration of moekit's launcher per cell (single
 program, 2 or 3 launches, pairwise or gather ranks) to tune the constants at the top of
@@ -128,6 +136,45 @@ def bench_cell(T, E, K, has_mslk, rows, path_rows):
         path_rows.append(prow)
 
 
+def torch_shuffle_top_k(ids: torch.Tensor, w: torch.Tensor, E: int, out: torch.Tensor):
+    """The rows of a given top-k choice in plain PyTorch (graph-capturable)."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
+    out.zero_()
+    return counts, flat[order], order // ids.shape[1], w.reshape(-1)[order].float(), inv
+
+
+def bench_shuffle_top_k_cell(T, E, K, rows, D: int = 2048):
+    from moekit import reference as ref
+    from moekit.ops.routing import shuffle_top_k
+
+    g = torch.Generator(device="cuda").manual_seed(T * 1000 + E + K)
+    nbytes = T * K * (4 + 2) + (E + 2 + 4 * T * K) * 4 + T * D * 2
+    sets = []
+    for i in range(rotations(nbytes)):
+        ids = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :K].to(torch.int64)
+        w = torch.rand(T, K, device="cuda", generator=g).to(torch.bfloat16)
+        sets.append((ids, w, torch.empty(T, D, device="cuda", dtype=torch.bfloat16)))
+    ids, w, out = sets[0]
+    got = shuffle_top_k(ids, w, E, zero_buffer=out)
+    want = ref.shuffle_top_k(ids.cpu(), w.cpu(), E)
+    ok = all(torch.equal(a.cpu(), b) for a, b in zip(got, want)) and bool((out == 0).all())
+    if not ok:
+        print(f"  WARNING: shuffle_top_k disagrees with the reference at T={T} E={E} K={K}")
+    ours = _time(lambda s: lambda: shuffle_top_k(s[0], s[1], E, zero_buffer=s[2]), sets)
+    t_torch = _time(lambda s: lambda: torch_shuffle_top_k(s[0], s[1], E, s[2]), sets)
+    row = {"T": T, "E": E, "top_k": K, "exact": ok, "moekit µs": ours, "floor µs": floor_us(nbytes)}
+    if _num(ours):
+        row["% floor"] = 100.0 * row["floor µs"] / ours
+    row["torch µs"] = t_torch
+    if _num(ours) and _num(t_torch):
+        row["vs torch"] = t_torch / ours
+    rows.append(row)
+    print(f"  T={T:6d} E={E:4d} K={K:2d}: moekit {ours} µs, torch {t_torch}", flush=True)
+
+
 def summary(rows) -> list[str]:
     out = []
     by = {(r["T"], r["E"], r["top_k"]): r for r in rows}
@@ -153,11 +200,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer cells (about a minute with compilation)")
     ap.add_argument("--paths", action="store_true", help="also time every moekit path per cell (tuning)")
+    ap.add_argument("--op", choices=("index_shuffling", "shuffle_top_k"), default="index_shuffling")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_routing: needs a CUDA GPU; nothing to do on this machine.")
         return 0
     t0 = time.time()
+    if args.op == "shuffle_top_k":
+        rows = []
+        cells = [(128, 8), (8, 2), (256, 8), (128, 4)] if not args.quick else [(128, 8), (8, 2)]
+        for E, K in cells:
+            for T in (1, 16, 128, 512, 2048, 16384):
+                bench_shuffle_top_k_cell(T, E, K, rows)
+        print(f"\nshuffle_top_k (+ zeroing a [T, 2048] bf16 output), one GPU; floor = bytes / {COPY_TBPS} TB/s")
+        print(markdown_table(rows))
+        path = save_rows("bench_shuffle_top_k", rows, {**environment(), "quick": args.quick})
+        print(f"\n{len(rows)} rows in {time.time() - t0:.0f} s" + (f"; saved to {path}" if path else ""))
+        return 0
     has_mslk = try_import_mslk() is not None and hasattr(torch.ops.mslk, "index_shuffling")
     print(f"MSLK index_shuffling: {'available' if has_mslk else 'not importable'}")
     Ts = [1, 128, 2048, 16384]

@@ -14,8 +14,12 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _CACHE_ATTR = "_moekit_weight_cache"
 _DET_ATTR = "_moekit_deterministic"
 _GRAPH_ATTR = "_moekit_graph_tokens"
-#: Calls of at most this many tokens replay CUDA graphs (``enable(model, cuda_graphs=False)``: never).
-GRAPH_MAX_TOKENS = 32
+#: Eager experts calls of at most this many tokens replay CUDA graphs (``enable(model,
+#: cuda_graphs=False)``: never); above ``GRAPH_EXACT_TOKENS`` padded to a bucket of sizes
+#: (``moekit.integrations._graphs.bucket``), up to it one graph per size. Llama 4 blocks (whose
+#: router runs inside the graph) take graphs up to ``GRAPH_EXACT_TOKENS`` only.
+GRAPH_MAX_TOKENS = 2048
+GRAPH_EXACT_TOKENS = 32
 _ORIG_FWD_ATTR = "_moekit_original_forward"
 _DISPATCH_ATTR = "_moekit_dispatch_original"
 _repacks = [0]

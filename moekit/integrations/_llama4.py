@@ -17,6 +17,7 @@ from moekit.integrations._hf_common import (
     _FLOATS,
     _GRAPH_ATTR,
     _ORIG_FWD_ATTR,
+    GRAPH_EXACT_TOKENS,
     GRAPH_MAX_TOKENS,
     IMPLEMENTATION,
     _is_silu,
@@ -118,9 +119,11 @@ def _llama4_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     w13, w2, E, F = _llama4_weights(self)
     deterministic = bool(getattr(self, _DET_ATTR, False))
     rows = hidden_states.numel() // self.hidden_dim if hidden_states.dim() else 0
-    if _graphs.eligible((hidden_states,), rows, getattr(self, _GRAPH_ATTR, GRAPH_MAX_TOKENS)):
+    # No padding for these blocks: their router reads every row (padding rows would make rows).
+    limit = min(getattr(self, _GRAPH_ATTR, GRAPH_MAX_TOKENS), GRAPH_EXACT_TOKENS)
+    if _graphs.eligible((hidden_states,), rows, limit):
         fwd = functools.partial(_llama4_block, self, w13, w2, E, F, deterministic)
-        return _graphs.call(self, fwd, (hidden_states,), extra=(w13, w2, deterministic))
+        return _graphs.call(self, fwd, (hidden_states,), extra=(w13, w2, deterministic), exact=GRAPH_EXACT_TOKENS)
     return _llama4_block(self, w13, w2, E, F, deterministic, hidden_states)
 
 

@@ -47,7 +47,9 @@ Not supported (clear ``TypeError``/``ValueError``): expert parallelism (``_is_ex
 quantized (e.g. FP8) expert weights, ``D`` or ``F`` not multiples of 8.
 
 Eager calls of at most ``GRAPH_MAX_TOKENS`` tokens on CUDA replay CUDA graphs of this forward
-(``moekit.integrations._graphs``; ``enable(model, cuda_graphs=False)``: never).
+(``moekit.integrations._graphs``; ``enable(model, cuda_graphs=False)``: never): one per size up
+to ``GRAPH_EXACT_TOKENS`` (decode steps), prompts padded to a bucket of sizes beyond (expert id -1
+on the padding rows: they make no row).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from moekit.integrations._hf_common import (
     _DET_ATTR,
     _GRAPH_ATTR,
     _ORIG_FWD_ATTR,
+    GRAPH_EXACT_TOKENS,
     GRAPH_MAX_TOKENS,
     IMPLEMENTATION,
     _bias,
@@ -85,6 +88,7 @@ from moekit.integrations._llama4 import (
 )
 
 __all__ = [
+    "GRAPH_EXACT_TOKENS",
     "GRAPH_MAX_TOKENS",
     "IMPLEMENTATION",
     "SUPPORTED_MODELS",
@@ -102,9 +106,10 @@ __all__ = [
 #: ``@use_experts_implementation`` experts class with the standard attributes works too.
 SUPPORTED_MODELS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4 (text)", "inkling (text)")
 
-#: The bf16 decode pipeline's row bound in this integration (``moekit.layers.experts.choose_path``):
-#: twice the layers' GPU-measured 2048, as eager calls are paced by the host and that pipeline
-#: launches two kernels fewer (H200, Qwen3-30B 2-layer forward of 512 tokens: 8495 against 9362 µs).
+#: The bf16 decode pipeline's row bound for this integration's calls that run eagerly
+#: (``moekit.layers.experts.choose_path``): twice the layers' GPU-measured 2048, as eager calls are
+#: paced by the host and that pipeline launches two kernels fewer (H200, Qwen3-30B 2-layer forward of
+#: 512 tokens: 8495 against 9362 µs). Graphed calls, paced by the GPU, keep the layers' bound.
 EAGER_DECODE_MAX_ROWS = 4096
 
 
@@ -280,14 +285,20 @@ def moekit_experts_forward(
     deterministic = bool(getattr(self, _DET_ATTR, False))
     inputs = (hidden_states, top_k_index, top_k_weights)
     if _graphs.eligible(inputs, T, getattr(self, _GRAPH_ATTR, GRAPH_MAX_TOKENS)):
-        fwd = functools.partial(_experts_forward, self, plan, deterministic)
-        return _graphs.call(self, fwd, inputs, extra=(plan.w13, plan.w2, plan.b13, plan.b2, deterministic))
-    return _experts_forward(self, plan, deterministic, *inputs)
+        fwd = functools.partial(_experts_forward, self, plan, deterministic, None)
+        # Prompts are padded to a bucket of sizes with expert id -1 (no row, no GEMM work).
+        return _graphs.call(
+            self, fwd, inputs, extra=(plan.w13, plan.w2, plan.b13, plan.b2, deterministic),
+            exact=GRAPH_EXACT_TOKENS, pad=(None, -1, 0),
+        )  # fmt: skip
+    return _experts_forward(self, plan, deterministic, EAGER_DECODE_MAX_ROWS, *inputs)
 
 
-def _experts_forward(self: torch.nn.Module, plan: _Plan, deterministic: bool, hidden_states: torch.Tensor,
-                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """The moekit experts forward on validated inputs (eager, or captured by ``_graphs``)."""
+def _experts_forward(self: torch.nn.Module, plan: _Plan, deterministic: bool, max_rows: Optional[int],
+                     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                     ) -> torch.Tensor:  # fmt: skip
+    """The moekit experts forward on validated inputs (eager, or captured by ``_graphs``);
+    ``max_rows``: the decode pipeline's row bound (``choose_path``; ``None``: the layers')."""
     from moekit.layers.experts import choose_path, run_experts
     from moekit.ops import gather_scale_dense_tokens, grouped_gemm, scatter_add_dense_tokens, shuffle_top_k, silu_mul
 
@@ -305,7 +316,7 @@ def _experts_forward(self: torch.nn.Module, plan: _Plan, deterministic: bool, hi
     if plan.fast_swiglu and plan.b13 is None and plan.b2 is None and not post_norm:
         # The standard SwiGLU experts: moekit's one experts pipeline (the fused decode kernels at
         # small batches).
-        path = choose_path(token_ids.shape[0], E, top_k=top_k_index.shape[1], max_rows=EAGER_DECODE_MAX_ROWS)
+        path = choose_path(token_ids.shape[0], E, top_k=top_k_index.shape[1], max_rows=max_rows)
         run_experts(
             x, plan.w13.view(E, 2 * F, plan.D), plan.w2.view(E, plan.D, F), m_sizes, token_ids=token_ids,
             expert_ids=expert_ids, row_weights=token_weights, selection_rows=sel_rows, out=out,
@@ -370,8 +381,9 @@ def enable(model: torch.nn.Module, *, deterministic: bool = False, cuda_graphs: 
     ``ValueError`` that names what is unsupported), switches ``ExpertsInterface`` experts to
     ``"moekit"`` and patches Llama 4 text MoE blocks. ``deterministic=True`` uses the
     atomics-free scatter-add (bitwise reproducible). ``cuda_graphs`` (default on): eager calls of
-    at most ``GRAPH_MAX_TOKENS`` tokens on CUDA (decode steps) replay a CUDA graph of the moekit
-    forward, captured the second time an input signature is seen (see ``moekit.integrations._graphs``;
+    at most ``GRAPH_MAX_TOKENS`` tokens on CUDA (decode steps and prompts; Llama 4 blocks: up to
+    ``GRAPH_EXACT_TOKENS``) replay a CUDA graph of the moekit forward (prompts padded to a bucket of
+    sizes), captured the second time an input signature is seen (see ``moekit.integrations._graphs``;
     never while torch.compile traces or a capture is running). Works on a whole model or a single
     experts / MoE module.
     """

@@ -707,6 +707,134 @@ def test_cpu_calls_never_take_graphs():
     assert not _graphs.eligible((x,), 2, 0)
 
 
+@pytest.mark.reference
+def test_graph_buckets():
+    """Exact sizes up to ``exact``; beyond, powers of two and 1.5x powers of two, so at most a
+    third of a bucket is padding."""
+    from moekit.integrations._graphs import bucket
+
+    assert [bucket(t, 32) for t in (1, 7, 32)] == [1, 7, 32]
+    assert [bucket(t, 32) for t in (33, 48, 49, 64, 65, 96, 97, 500, 512, 513, 2047)] == [
+        48, 48, 64, 64, 96, 96, 128, 512, 512, 768, 2048,
+    ]  # fmt: skip
+    assert bucket(5, 4) == 6 and bucket(7, 4) == 8 and bucket(3, 0) == 3 and bucket(1, 0) == 1
+    for t in range(33, 3000):
+        b = bucket(t, 32)
+        assert t <= b < 1.5 * t + 1 and b > 32
+
+
+def _padded_forward(experts, x, idx, w, Tb: int, path=None):
+    """The integration's forward on inputs padded to ``Tb`` rows as its graphs pad them (stale
+    hidden rows, expert id -1, weight 0): the first rows; the padding rows must come out 0 (they
+    made no row)."""
+    from moekit import settings
+
+    T = x.shape[0]
+    xp = torch.cat([x, torch.randn(Tb - T, x.shape[1], dtype=x.dtype, device=x.device)])
+    ip = torch.cat([idx, torch.full((Tb - T, idx.shape[1]), -1, dtype=idx.dtype, device=idx.device)])
+    wp = torch.cat([w, torch.zeros(Tb - T, w.shape[1], dtype=w.dtype, device=w.device)])
+    plan = mt._plan(experts)
+    with torch.no_grad(), settings.override(**({"moe_path": path} if path else {})):
+        out = mt._experts_forward(experts, plan, False, None, xp, ip, wp).float()
+    assert out.shape == (Tb, x.shape[1]) and torch.equal(out[T:], torch.zeros_like(out[T:]))
+    return out[:T]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_padded_rows_change_nothing(family):
+    """What the prompt graphs rely on: padding rows with expert id -1 make no row, so the first
+    rows of a padded call equal the unpadded call's (stale hidden rows are never read)."""
+    model = _model(family)
+    mt.register()
+    experts = _first_experts(model)
+    E, D = experts.gate_up_proj.shape[0], model.config.hidden_size
+    T = 37
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(5))
+    idx, w = _routing(T, E, 2, seed=5)
+    ref = _call(experts, "moekit", x, idx, w)
+    assert rel_error(_padded_forward(experts, x, idx, w, 48), ref) < 1e-6
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+def test_padded_rows_change_nothing_kernels_interpreted(path, monkeypatch):
+    """The same on the Triton kernels (CPU interpreter), both pipelines."""
+    import importlib
+
+    for fam in ("routing", "gather_scatter", "grouped_gemm", "activation"):
+        monkeypatch.setattr(importlib.import_module(f"moekit.ops.{fam}"), "use_triton", lambda t: True)
+    model = _model("qwen3_moe")
+    mt.register()
+    experts = _first_experts(model)
+    E, D = experts.gate_up_proj.shape[0], model.config.hidden_size
+    T = 9
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(6))
+    idx, w = _dup_routing(T, E, 2, seed=6)
+    ref = _call(experts, "eager", x, idx, w)
+    assert rel_error(_padded_forward(experts, x, idx, w, 12, path=path), ref) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("T", [40, 300])
+def test_prompt_calls_replay_padded_cuda_graphs(family, T):
+    """Prompt-sized eager calls: padded to a bucket, captured the second time, replayed after with
+    new routing and new sizes of the same bucket; two layers replaying in turn share the static
+    tensors and pool and stay right."""
+    from moekit.integrations import _graphs
+
+    model = _model(family, dtype=torch.bfloat16, device="cuda")
+    mt.enable(model)
+    layers = [m for _, m in mt.experts_modules(model)]
+    assert len(layers) == 2
+    D = model.config.hidden_size
+    E = layers[0].gate_up_proj.shape[0]
+    K = model.config.num_experts_per_tok
+    with torch.no_grad():
+        for i, t in enumerate([T, T, T, T - 3, T - 1]):
+            outs, refs = [], []
+            for j, ex in enumerate(layers):
+                x = torch.randn(t, D, device="cuda", dtype=torch.bfloat16)
+                idx, w = _routing(t, E, K, seed=100 * i + j, device="cuda", dtype=torch.bfloat16)
+                outs.append(_call(ex, "moekit", x, idx, w))
+                ex.__dict__[mt._GRAPH_ATTR] = 0
+                refs.append(_call(ex, "moekit", x, idx, w))
+                ex.__dict__[mt._GRAPH_ATTR] = mt.GRAPH_MAX_TOKENS
+            for j, (out, ref) in enumerate(zip(outs, refs)):
+                assert out.shape == ref.shape
+                assert rel_error(out, ref) < 1e-2, f"call {i} layer {j}"
+            assert [_graphs.count(ex) for ex in layers] == [1 if i >= 1 else 0] * 2
+    mt.enable(model, cuda_graphs=False)
+    assert [_graphs.count(ex) for ex in layers] == [0, 0]
+
+
+@pytest.mark.gpu
+def test_prompt_graphs_take_the_bound():
+    """Calls past ``GRAPH_MAX_TOKENS`` stay eager; Llama 4 blocks take graphs up to
+    ``GRAPH_EXACT_TOKENS`` only (their router reads every row)."""
+    from moekit.integrations import _graphs
+
+    model = _model("llama4", dtype=torch.bfloat16, device="cuda")
+    mt.enable(model)
+    block = _first_experts_block(model)
+    D = model.config.hidden_size
+    with torch.no_grad():
+        for _ in range(3):
+            block(torch.randn(mt.GRAPH_EXACT_TOKENS + 1, D, device="cuda", dtype=torch.bfloat16))
+    assert _graphs.count(block) == 0
+    model = _model("qwen3_moe", dtype=torch.bfloat16, device="cuda")
+    mt.enable(model)
+    ex = _first_experts(model)
+    T = mt.GRAPH_MAX_TOKENS + 1
+    E, K = ex.gate_up_proj.shape[0], model.config.num_experts_per_tok
+    x = torch.randn(T, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    idx, w = _routing(T, E, K, seed=0, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        _call(ex, "moekit", x, idx, w)
+    assert _graphs.count(ex) == 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Interpreter tier: the Triton kernels of the whole pipeline on CPU tensors (float32)
 # ----------------------------------------------------------------------------------------------
