@@ -22,7 +22,8 @@ output tensors (every replay fills them first), so the layers of a model add gra
 
 What a graph is keyed on: every input's padded shape and dtype, the device, the pointers of the
 module's parameters and buffers and of any extra tensors the forward reads (e.g. repacked weight
-copies), and the caller's option values. Weights updated in place keep their pointers, so the
+copies; or, from a caller that knows them, only the pointers of the weights it reads), and the
+caller's option values. Weights updated in place keep their pointers, so the
 graph reads the new values; a new tensor (a load, ``.to()``) is a new key.
 
 Limits (documented in the integration): graphs only when nothing else is capturing and nothing
@@ -39,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 _ATTR = "_moekit_graphs"
-_POOLS: dict = {}  # device -> graph memory pool shared by every moekit graph on it
+_POOLS: dict = {}  # device -> (pool handle, anchor graph) shared by every moekit graph on it
 _STATIC: dict = {}  # (device, role, index, shape, dtype) -> static tensor shared by graphs of that signature
 _SIDE: dict = {}  # device -> capture stream
 
@@ -85,22 +86,27 @@ def _shared(device: torch.device, role: str, i: int, shape: tuple, dtype: torch.
 
 
 def call(module: torch.nn.Module, forward: Callable[..., Any], inputs: tuple[torch.Tensor, ...],
-         extra: tuple = (), *, exact: int, pad: Optional[tuple] = None) -> Any:  # fmt: skip
+         extra: tuple = (), *, exact: int, pad: Optional[tuple] = None, params: bool = True) -> Any:  # fmt: skip
     """``forward(*inputs)`` (each input ``[rows, ...]``; a tensor or a tuple of ``[rows, ...]``
     tensors returned), through ``module``'s graph cache (see the module docstring). ``exact``:
     calls of at most this many rows get a graph of their size; larger ones are padded to
     ``bucket(rows)`` when ``pad`` gives each input's padding value (``None``: the padding rows keep
     whatever they held, for inputs whose padding rows no output row reads), else run eagerly.
-    ``extra``: hashable values (and tensors, keyed by pointer) the result also depends on."""
+    ``extra``: hashable values (and tensors, keyed by pointer) the result also depends on;
+    ``params=False``: the caller's ``extra`` already stands for the pointers of every parameter and
+    buffer the forward reads (saves walking the module on every call)."""
     rows = inputs[0].shape[0]
     if rows > exact and pad is None:
         return forward(*inputs)
     padded = bucket(rows, exact)
-    cache = module.__dict__.setdefault(_ATTR, {})
-    params = tuple(p.data_ptr() for p in module.parameters()) + tuple(b.data_ptr() for b in module.buffers())
-    ext = tuple(e.data_ptr() if isinstance(e, torch.Tensor) else e for e in extra)
-    sig = tuple(((padded,) + tuple(t.shape[1:]), t.dtype) for t in inputs)
-    key = (sig, inputs[0].device, params, ext)
+    cache = module.__dict__.get(_ATTR)
+    if cache is None:
+        cache = module.__dict__[_ATTR] = {}
+    if params:
+        ptrs = tuple(p.data_ptr() for p in module.parameters()) + tuple(b.data_ptr() for b in module.buffers())
+        extra = ptrs + tuple(e.data_ptr() if isinstance(e, torch.Tensor) else e for e in extra)
+    sig = tuple(((padded, *t.shape[1:]), t.dtype) for t in inputs)
+    key = (sig, inputs[0].device, extra)
     e = cache.get(key)
     if e is None:
         e = cache[key] = _Entry()
@@ -139,14 +145,32 @@ def _fill(static: tuple, inputs: tuple, pad: Optional[tuple]) -> None:
             dst[n:].fill_(pad[i])
 
 
+def _pool(dev: torch.device, side: torch.cuda.Stream) -> tuple:
+    """The device's shared pool. A private pool is freed when the last graph using it is (and a
+    capture naming a freed pool's handle fails an allocator assertion), so a one-kernel *anchor*
+    graph captured into it holds it for as long as ``_POOLS`` does."""
+    p = _POOLS.get(dev)
+    if p is None:
+        handle = torch.cuda.graph_pool_handle()
+        anchor, t = torch.cuda.CUDAGraph(), torch.zeros(1, device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            anchor.capture_begin(pool=handle)
+            try:
+                t.add_(1)
+            finally:
+                anchor.capture_end()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        p = _POOLS[dev] = (handle, anchor, t)
+    return p[0]
+
+
 def _capture(e: _Entry, forward: Callable[..., Any], inputs: tuple, sig: tuple, pad: Optional[tuple]) -> None:
     dev = inputs[0].device
-    pool = _POOLS.get(dev)
-    if pool is None:
-        pool = _POOLS[dev] = torch.cuda.graph_pool_handle()
     side = _SIDE.get(dev)
     if side is None:
         side = _SIDE[dev] = torch.cuda.Stream(dev)
+    pool = _pool(dev, side)
     static = tuple(_shared(dev, "in", i, shape, dtype) for i, (shape, dtype) in enumerate(sig))
     _fill(static, inputs, pad)
     cur = torch.cuda.current_stream(dev)
@@ -177,8 +201,10 @@ def clear(module: torch.nn.Module) -> None:
 
 
 def release_shared() -> None:
-    """Forget the shared static tensors (graphs still held keep theirs; new graphs make new ones)."""
+    """Forget the shared static tensors and pools (graphs still held keep theirs and their pool
+    alive; new graphs make new ones)."""
     _STATIC.clear()
+    _POOLS.clear()
 
 
 def count(module: torch.nn.Module) -> int:

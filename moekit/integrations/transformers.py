@@ -164,6 +164,7 @@ class _Plan(NamedTuple):
     F: int
     fast_swiglu: bool
     post_norm: bool
+    ptrs: tuple  # the weights' storage pointers (what a CUDA graph of this plan reads)
 
 
 _PLAN_ATTR = "_moekit_plan"
@@ -180,16 +181,22 @@ _PLAN_FLAGS = (
 
 def _plan_key(module: torch.nn.Module) -> tuple:
     """What ``_plan`` depends on: the weights (object, storage, in-place version), the flags and the
-    activation; cheaper to build than the plan (every call on the eager path checks it)."""
+    activation; cheaper to build than the plan (every eager call checks it: instance attributes
+    are read from the module's ``__dict__``, class ones from its type, no ``nn.Module.__getattr__``)."""
     d = module.__dict__
     params = d.get("_parameters", {})
     key: list = []
     for name in _PLAN_TENSORS:
-        t = params.get(name, d.get(name))
+        t = params.get(name)
+        if t is None:
+            t = d.get(name)
         key.append(None if t is None else (id(t), t.data_ptr(), t._version))
-    key.extend(getattr(module, f, None) for f in _PLAN_FLAGS)
-    key.append(id(getattr(module, "act_fn", None)))
-    key.append(getattr(type(module), "_apply_gate", None))
+    cls = type(module)
+    for f in _PLAN_FLAGS:
+        key.append(d[f] if f in d else getattr(cls, f, None))
+    act = d.get("_modules", {}).get("act_fn", d.get("act_fn"))
+    key.append(id(act))
+    key.append(getattr(cls, "_apply_gate", None))
     return tuple(key)
 
 
@@ -249,7 +256,8 @@ def _make_plan(module: torch.nn.Module) -> _Plan:
 
         default_gate = getattr(_hf_moe, "_default_apply_gate", None)
         fast = default_gate is not None and getattr(type(module), "_apply_gate", None) is default_gate
-    return _Plan(w13, b13, w2, b2, E, D, F, fast, post_norm)
+    ptrs = tuple(None if t is None else t.data_ptr() for t in (w13, b13, w2, b2))
+    return _Plan(w13, b13, w2, b2, E, D, F, fast, post_norm, ptrs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,9 +295,10 @@ def moekit_experts_forward(
     if _graphs.eligible(inputs, T, getattr(self, _GRAPH_ATTR, GRAPH_MAX_TOKENS)):
         fwd = functools.partial(_experts_forward, self, plan, deterministic, None)
         # Prompts are padded to a bucket of sizes with expert id -1 (no row, no GEMM work).
+        # The plan's pointers stand for the module's parameters (``params=False``: no traversal).
         return _graphs.call(
-            self, fwd, inputs, extra=(plan.w13, plan.w2, plan.b13, plan.b2, deterministic),
-            exact=GRAPH_EXACT_TOKENS, pad=(None, -1, 0),
+            self, fwd, inputs, extra=(plan.ptrs, deterministic), exact=GRAPH_EXACT_TOKENS,
+            pad=(None, -1, 0), params=False,
         )  # fmt: skip
     return _experts_forward(self, plan, deterministic, EAGER_DECODE_MAX_ROWS, *inputs)
 
@@ -456,8 +465,11 @@ def disable(model: torch.nn.Module, experts_implementation: str = "grouped_mm", 
 
 def release_cache(model: torch.nn.Module) -> None:
     """Drop the repacked weight copies and the CUDA graphs held by ``model``'s experts modules
-    (rebuilt on demand)."""
+    (rebuilt on demand), and moekit's hold on the graphs' shared pool and static tensors (other
+    models' graphs keep theirs; their next captures make new ones), so the memory goes once the
+    model's graphs do."""
     for m in model.modules():
         m.__dict__.pop(_CACHE_ATTR, None)
         m.__dict__.pop(_PLAN_ATTR, None)
         _graphs.clear(m)
+    _graphs.release_shared()

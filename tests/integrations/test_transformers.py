@@ -895,3 +895,45 @@ def test_experts_compile_fullgraph(family):
         out = torch.compile(experts, fullgraph=True, backend="aot_eager")(x, idx, w)
     assert mt.repack_count() == before
     assert rel_error(out.float(), ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_graphs_capture_again_after_every_graph_is_gone():
+    """The shared pool outlives its graphs: dropping every graph (``enable`` with new options,
+    ``release_cache``, a deleted model) and capturing again works, and the CUDA generator is left
+    usable (a failed capture once left it mid-capture: every later ``randn`` raised)."""
+    from moekit.integrations import _graphs
+
+    for round_ in range(3):
+        model = _model("qwen3_moe", dtype=torch.bfloat16, device="cuda", seed=round_)
+        mt.enable(model)
+        ex = _first_experts(model)
+        E, D, K = ex.gate_up_proj.shape[0], model.config.hidden_size, model.config.num_experts_per_tok
+        with torch.no_grad(), _no_warning():  # a failed capture warns
+            for T in (1, 1, 1, 40, 40, 40):
+                x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+                _call(ex, "moekit", x, *_routing(T, E, K, seed=T, device="cuda", dtype=torch.bfloat16))
+        assert _graphs.count(ex) == 2
+        if round_ == 0:
+            mt.enable(model, deterministic=True)  # new options: graphs dropped, pool kept
+            assert _graphs.count(ex) == 0
+        else:
+            mt.release_cache(model)
+        del model, ex
+        torch.cuda.synchronize()
+        torch.randn(4, device="cuda")
+
+
+def _no_warning():
+    import warnings
+
+    class _Ctx:
+        def __enter__(self):
+            self.c = warnings.catch_warnings()
+            self.c.__enter__()
+            warnings.simplefilter("error", UserWarning)
+
+        def __exit__(self, *a):
+            return self.c.__exit__(*a)
+
+    return _Ctx()
