@@ -67,7 +67,22 @@ class Settings:
     f8_dense: str = "auto"
     comm_host_errors: bool = True
     bench_dir: Optional[str] = None
-    # Not from the environment: kernel-choice knobs that tests pin to reach every path.
+    # Not from the environment: kernel-choice knobs that tests pin to reach every path. Each
+    # overrides the module constant of the same name (a leading underscore dropped), the default
+    # when unpinned; modules are under moekit.ops._triton:
+    #   PIPE_MIN_BYTES_SILU               activation (silu_mul_quant persistent kernel)  256 MiB
+    #   PIPE_MIN_BYTES                    quantize (quantize_fp8_row persistent kernel)   64 MiB
+    #   SCAN_CB                           routing (histogram scan tile, programs)           1024
+    #   MAX_KERNEL_E                      routing (read by moekit.ops.routing)              4096
+    #   SPLIT_MAX_BLOCKS                  route (route_and_shuffle, shuffle_top_k blocks)    128
+    #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
+    #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
+    #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
+    #   ONE_PASS_MAX_D                    gs_gather (+ gs_scatter's locked path), columns   8192
+    #   LOCKED_MIN_ROWS                   gs_scatter (locked scatter-add from, rows)        1024
+    #   SCAN_MAX_ROWS                     gs_scatter_det (+ gs_scatter's choice), rows      1024
+    #   UNROLL_MAX                        shuffling (rows held whole, main chunks)             4
+    #   PIPELINE                          shuffling (next unit loaded before stores)        True
     knobs: dict = field(default_factory=dict)
 
     def knob(self, name: str, default: Any) -> Any:

@@ -7,6 +7,7 @@
 - ``gpu`` / ``multigpu``: need one / two CUDA GPUs, skipped otherwise.
 """
 
+import contextlib
 import os
 
 import torch
@@ -36,3 +37,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cuda():
     return torch.device("cuda")
+
+
+@pytest.fixture
+def pin_knobs():
+    """``pin_knobs(NAME=value, ...)`` pins tuning knobs (``moekit.settings``, ``override(knobs=...)``)
+    until the test ends: the launchers read them instead of their module constants."""
+    from moekit import settings
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **knobs: stack.enter_context(settings.override(knobs=knobs))

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
+from moekit import settings
 from moekit._validate import INDEX_DTYPES, check_int, check_optional_count, check_tensor, expert_range
 from moekit.ops._common import call_op, use_triton
 from moekit.reference import routing as _ref
@@ -144,9 +145,10 @@ def _index_shuffling_op(
     if use_triton(routing_scores):
         from moekit.ops._triton import routing as _tri
 
-        if routing_scores.shape[1] <= _tri.MAX_KERNEL_E:
+        max_e = settings.get().knob("MAX_KERNEL_E", _tri.MAX_KERNEL_E)
+        if routing_scores.shape[1] <= max_e:
             return _tri.index_shuffling(routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k)
-        _warn_reference_e("index_shuffling", routing_scores.shape[1], _tri.MAX_KERNEL_E)
+        _warn_reference_e("index_shuffling", routing_scores.shape[1], max_e)
     return _ref.index_shuffling(routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k)
 
 
@@ -239,10 +241,11 @@ def _route_and_shuffle_op(
             logits_TE, top_k, score_func, renormalize, n_group, topk_group, e_score_correction_bias,
             routed_scaling_factor,
         )  # fmt: skip
-        if E <= _tri.MAX_KERNEL_E:
+        max_e = settings.get().knob("MAX_KERNEL_E", _tri.MAX_KERNEL_E)
+        if E <= max_e:
             counts, eidx, tidx = _tri.index_shuffling(sel, expert_index_start, expert_index_end, None, top_k)
         else:
-            _warn_reference_e("route_and_shuffle", E, _tri.MAX_KERNEL_E)
+            _warn_reference_e("route_and_shuffle", E, max_e)
             counts, eidx, tidx = _ref.index_shuffling(sel, expert_index_start, expert_index_end, None, top_k)
         ok = tidx >= 0
         rw = weights[tidx.clamp(min=0).long(), (eidx.clamp(min=0) + expert_index_start).long()]

@@ -338,12 +338,12 @@ def test_silu_mul_quant_nan_row_gpu(T, F, cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,F,n", [(3000, 8192, 2999), (600, 4096, 600)])
-def test_silu_mul_quant_persistent_gpu(T, F, n, cuda, monkeypatch):
+def test_silu_mul_quant_persistent_gpu(T, F, n, cuda, pin_knobs):
     """The persistent cp.async-pipelined silu_mul_quant (long rows of problems over 256 MB take
     it; forced here on smaller ones): values, scales, the valid count, poisoned tails."""
     from moekit.ops._triton import activation as tri
 
-    monkeypatch.setattr(tri, "PIPE_MIN_BYTES_SILU", 0)
+    pin_knobs(PIPE_MIN_BYTES_SILU=0)
     cfg = tri.silu_mul_quant_config(T, F, 2, torch.device(cuda))
     assert cfg.stages > 1 and cfg.grid < -(-T // cfg.block_t)
     x0, x1 = _inputs(T, F, torch.bfloat16, cuda, seed=F, pad=8)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moekit import reference as ref
+from moekit import settings
 from moekit.ops import gather_scatter as ops
 from moekit.reference.gather_scatter import row_mask
 from moekit.testing import assert_close, assert_fp8_close, assert_poisoned, poison, tie_free_scores
@@ -112,11 +113,11 @@ def test_gather_scale_interpreter(T, E, K, D):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("whole_row", [0, 1], ids=["column_blocks", "whole_rows"])
-def test_gather_scale_interpreter_both_tilings(monkeypatch, whole_row):
+def test_gather_scale_interpreter_both_tilings(pin_knobs, whole_row):
     """Column-block tiles and whole rows (the streamed kernel, head + masked tail: D = 2880 is
     2048 + 832 of a 1024 tail) give the same rows, and the same as the reference."""
     tri = _tri()
-    monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", whole_row)
+    pin_knobs(GATHER_WHOLE_ROW_MIN_ROWS_PER_SM=whole_row)
     T, E, K, D = 9, 16, 2, 2880
     assert tri._gather_tiles(T * K, D, torch.device("cpu"))[3] == (1 if whole_row else 3)
     s, _, eidx, tidx = routing(T, E, K, start=1, end=E, seed=5)
@@ -131,13 +132,12 @@ def test_gather_scale_interpreter_both_tilings(monkeypatch, whole_row):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("D,valid", [(2880, 13), (8, 18), (5120, 0)])
-def test_gather_scale_interpreter_stream(monkeypatch, D, valid):
+def test_gather_scale_interpreter_stream(pin_knobs, D, valid):
     """The persistent pipelined whole-row gather (each program loops over several units: 18 rows
     on 4 programs), with a tail chunk (2880 = 2048 + a masked 1024), without one (8), and with
     nothing valid: the reference's rows, untouched rows still poisoned."""
     tri = _tri()
-    monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", 1)
-    monkeypatch.setattr(tri, "_GATHER_STREAM_PROGRAMS_PER_SM", 1)
+    pin_knobs(GATHER_WHOLE_ROW_MIN_ROWS_PER_SM=1, GATHER_STREAM_PROGRAMS_PER_SM=1)
     T, E, K = 9, 16, 2
     assert tri._gather_tiles(T * K, D, torch.device("cpu"))[3] == 1
     s, _, eidx, tidx = routing(T, E, K, start=1, end=E, seed=6)
@@ -202,14 +202,13 @@ def _out_of_range_indices(T: int, E: int, idt: torch.dtype):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("idt", [torch.int32, torch.int64])
 @pytest.mark.parametrize("whole_row", [0, 1], ids=["column_blocks", "whole_rows"])
-def test_gather_interpreter_out_of_range_indices_match_reference(monkeypatch, idt, whole_row):
+def test_gather_interpreter_out_of_range_indices_match_reference(pin_knobs, idt, whole_row):
     """Negative and out-of-range token / expert indices: the kernels skip those rows (they stay
     poisoned), and the reference (the CPU path of the public ops) leaves them zero instead of
     clamping the index to the last token / expert; written rows are bitwise the reference's
     (issue 16)."""
     tri = _tri()
-    monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", whole_row)
-    monkeypatch.setattr(tri, "_GATHER_STREAM_PROGRAMS_PER_SM", 1)
+    pin_knobs(GATHER_WHOLE_ROW_MIN_ROWS_PER_SM=whole_row, GATHER_STREAM_PROGRAMS_PER_SM=1)
     T, E, D = 4, 3, 16
     tok, exp, w = _out_of_range_indices(T, E, idt)
     A = tok.shape[0]
@@ -279,11 +278,12 @@ def test_quant_chunk_widths():
 
 
 @pytest.mark.interpreter
-def test_gather_scale_quant_interpreter_two_pass(monkeypatch):
+def test_gather_scale_quant_interpreter_two_pass(pin_knobs):
     """Rows wider than the one-pass limit take the two-pass (amax, then quantize) path."""
     tri = _tri()
-    monkeypatch.setattr(tri, "_ONE_PASS_MAX_D", 64)
+    pin_knobs(ONE_PASS_MAX_D=64)
     T, E, K, D = 5, 6, 2, 200
+    assert not tri._quant_tiles(T * K, D, torch.device("cpu"))[3]  # two passes
     s, _, eidx, tidx = routing(T, E, K, seed=5)
     x = randn(T, D, dtype=torch.float16, seed=5)
     q, sc = tri.gather_scale_quant_dense_tokens(x, tidx, eidx, s, torch.tensor([0.5]))
@@ -293,13 +293,14 @@ def test_gather_scale_quant_interpreter_two_pass(monkeypatch):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("one_pass", [True, False])
-def test_gather_scale_quant_interpreter_nan_row(monkeypatch, one_pass):
+def test_gather_scale_quant_interpreter_nan_row(pin_knobs, one_pass):
     """A row holding a NaN quantizes to a NaN scale and NaN values on both paths, as the
     reference (torch.amax propagates it); the two-pass path's running max once dropped it."""
     tri = _tri()
     if not one_pass:
-        monkeypatch.setattr(tri, "_ONE_PASS_MAX_D", 64)
+        pin_knobs(ONE_PASS_MAX_D=64)
     T, E, K, D = 6, 4, 1, 200
+    assert tri._quant_tiles(T * K, D, torch.device("cpu"))[3] == one_pass
     s, _, eidx, tidx = routing(T, E, K, seed=12)
     x = randn(T, D, dtype=torch.bfloat16, seed=12)
     x[3, 150] = float("nan")  # in the second column block of the two-pass path
@@ -366,11 +367,9 @@ def det_paths(tri, monkeypatch, out0, rows, tidx, v):
     a random order and stale garbage past its count (as GPU atomics may leave them): the
     sum kernel must sort the slots and ignore what lies past the count."""
     scan = out0.clone()
-    with monkeypatch.context() as mp:
-        mp.setattr(tri, "_SCAN_MAX_ROWS", 1 << 20)
+    with settings.override(knobs={"SCAN_MAX_ROWS": 1 << 20}):
         tri.scatter_add_dense_tokens_deterministic(scan, rows, tidx, v)
-    with monkeypatch.context() as mp:
-        mp.setattr(tri, "_SCAN_MAX_ROWS", 0)
+    with monkeypatch.context() as mp, settings.override(knobs={"SCAN_MAX_ROWS": 0}):
         bucket = out0.clone()
         tri.scatter_add_dense_tokens_deterministic(bucket, rows, tidx, v)
         build = tri._build_buckets
@@ -449,8 +448,7 @@ def test_scatter_add_deterministic_interpreter_bitwise(monkeypatch, T, A, D, mod
                 assert torch.equal(_bits(got[hit]), _bits(want[hit])), f"{name} path is not the reference's bits"
             else:
                 assert_close(got[hit], want[hit], msg=name)
-    with monkeypatch.context() as mp:
-        mp.setattr(tri, "_SCAN_MAX_ROWS", 0)
+    with settings.override(knobs={"SCAN_MAX_ROWS": 0}):
         again = out0.clone()
         tri.scatter_add_dense_tokens_deterministic(again, rows, tidx, v)
     assert torch.equal(_bits(again), _bits(bucket)), "bucket path not reproducible"
@@ -640,11 +638,11 @@ class _NoAtomics:
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dup", [False, True], ids=["unique", "duplicates"])
 @pytest.mark.parametrize("dtype,D", [(torch.float32, 2880), (torch.bfloat16, 24)])
-def test_scatter_add_locked_interpreter(monkeypatch, dup, dtype, D):
+def test_scatter_add_locked_interpreter(monkeypatch, pin_knobs, dup, dtype, D):
     """The locked read-add-write (top-1-like fan-ins): a permutation with a -1 tail and a short
     valid count, or tokens hit twice; untouched tokens keep their bits; every lock is free after."""
     tri = _tri()
-    monkeypatch.setattr(tri, "_LOCKED_MIN_ROWS", 4)
+    pin_knobs(LOCKED_MIN_ROWS=4)
     monkeypatch.setattr(tri, "_LOCKS", {})
     real_launch = tri.launch
     monkeypatch.setattr(tri, "launch", lambda k: _NoAtomics() if k is tri._scatter_add_kernel else real_launch(k))
@@ -867,13 +865,13 @@ def test_gather_scale_gpu(T, E, K, D, cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,K,D", GPU_CASES)
-def test_gather_scale_stream_gpu(monkeypatch, T, E, K, D, cuda):
+def test_gather_scale_stream_gpu(pin_knobs, T, E, K, D, cuda):
     """The persistent pipelined whole-row gather at every size (one program per SM: each loops
     over many units), with and without a valid count."""
     tri = _tri()
-    monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", 1)
-    monkeypatch.setattr(tri, "_GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", 1 << 30)
-    monkeypatch.setattr(tri, "_GATHER_STREAM_PROGRAMS_PER_SM", 1)
+    pin_knobs(
+        GATHER_WHOLE_ROW_MIN_ROWS_PER_SM=1, GATHER_WHOLE_ROW_MAX_ROWS_PER_SM=1 << 30, GATHER_STREAM_PROGRAMS_PER_SM=1
+    )
     s, _, eidx, tidx = routing(T, E, K, start=1, end=E, column_major=True, seed=T, device=cuda)
     x = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=2)
     for v in (None, vtc(T * K // 2, cuda)):
@@ -999,7 +997,7 @@ def test_scatter_add_locked_gpu(cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,K", [(128, 4), (256, 4)])
-def test_scatter_add_deterministic_gpu_paths_agree(monkeypatch, T, K, cuda):
+def test_scatter_add_deterministic_gpu_paths_agree(T, K, cuda):
     """The one-launch scan (few rows) and the bucket path (forced) give the same bits, also
     with a token that receives more rows than its bucket holds."""
     tri = _tri()
@@ -1012,8 +1010,7 @@ def test_scatter_add_deterministic_gpu_paths_agree(monkeypatch, T, K, cuda):
         v = vtc(T * K - 9, cuda)
         scan = out0.clone()
         tri.scatter_add_dense_tokens_deterministic(scan, rows, tidx, v)
-        with monkeypatch.context() as mp:
-            mp.setattr(tri, "_SCAN_MAX_ROWS", 0)
+        with settings.override(knobs={"SCAN_MAX_ROWS": 0}):
             bucket = out0.clone()
             tri.scatter_add_dense_tokens_deterministic(bucket, rows, tidx, v)
         assert torch.equal(_bits(scan), _bits(bucket))
@@ -1247,7 +1244,7 @@ def test_torch_compile_fullgraph_gpu_bucket_path(cuda):
 
 
 @pytest.mark.gpu
-def test_offsets_past_2_pow_31_gpu(monkeypatch, cuda):
+def test_offsets_past_2_pow_31_gpu(cuda):
     """Rows whose element offset exceeds 2**31 (x and out of about 4.3 GB each)."""
     D = 4096
     T = 2**31 // D + 64
@@ -1269,7 +1266,6 @@ def test_offsets_past_2_pow_31_gpu(monkeypatch, cuda):
         assert torch.equal(out[-40:], got[:40])
     # The deterministic bucket path (forced: 48 rows would take the scan) on the same tokens.
     out[-40:].zero_()
-    with monkeypatch.context() as mp:
-        mp.setattr(_tri(), "_SCAN_MAX_ROWS", 0)
+    with settings.override(knobs={"SCAN_MAX_ROWS": 0}):
         ops.scatter_add_dense_tokens_deterministic(out, got, tidx)
     assert torch.equal(out[-40:], got[:40])

@@ -234,14 +234,17 @@ def test_interp_scatter_add(kind, deterministic):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "bucket"])
-def test_interp_deterministic_scatter_bitwise_order(monkeypatch, scan):
+def test_interp_deterministic_scatter_bitwise_order(monkeypatch, pin_knobs, scan):
     """The deterministic reduction sums each token's computed rows (``r < sum(m_sizes)``) in
     ascending row order in float32 from zero, then adds the sum to the output once; both
     paths of the deterministic scatter-add (one-launch scan, bucketed inverse map)."""
     from moekit.ops._triton import gather_scatter as gs
 
     if not scan:
-        monkeypatch.setattr(gs, "_SCAN_MAX_ROWS", 0)
+        pin_knobs(SCAN_MAX_ROWS=0)
+    buckets = []  # calls of the bucket path's first launch
+    build = gs._build_buckets
+    monkeypatch.setattr(gs, "_build_buckets", lambda *a: buckets.append(1) or build(*a))
     M, G, N, K, T = 24, 2, 16, 16, 3
     x, w, _, _ = _inputs(M, G, N, K, torch.float16, seed=1)
     ms = torch.tensor([10, 11], dtype=torch.int32)  # rows 21..23 are not computed, not added
@@ -254,6 +257,7 @@ def test_interp_deterministic_scatter_bitwise_order(monkeypatch, scan):
     want = (out.float() + acc).to(torch.float16)
     _tri().grouped_gemm(x, w, ms, out=out, scatter_indices=idx, deterministic=True, config=_cfg("stream"))
     assert torch.equal(out, want)
+    assert bool(buckets) != scan, "the deterministic scatter took the other path"
 
 
 @pytest.mark.interpreter

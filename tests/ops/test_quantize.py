@@ -95,15 +95,16 @@ def test_strided_rows_interpreter():
 
 
 @pytest.mark.interpreter
-def test_persistent_loop_interpreter(monkeypatch):
+def test_persistent_loop_interpreter(pin_knobs):
     """More row blocks than programs (4 interpreter SMs x programs per SM): each program walks
     several, jagged groups and strided rows included (the persistent path, which inputs over
     ``PIPE_MIN_BYTES`` take, forced here on small ones)."""
     from moekit.ops._triton import quantize as tri
 
-    monkeypatch.setattr(tri, "PIPE_MIN_BYTES", 0)
+    pin_knobs(PIPE_MIN_BYTES=0)
     cfg = tri.pipe_row_config(40, 4096, 2, 1, torch.device("cpu"))
     assert cfg.one_pass and cfg.stages > 1 and cfg.grid < 40
+    assert tri.quantize_config(40, 4096, 2, torch.device("cpu")).stages > 1  # the launcher's plan: persistent
     a = _rand((40, 4096), torch.bfloat16, seed=5)
     a[17].zero_()
     _check(tri.quantize_fp8_row(a, torch.tensor([2.0])), _expected(a, torch.tensor([2.0])))
@@ -118,15 +119,16 @@ def test_persistent_loop_interpreter(monkeypatch):
 
 
 @pytest.mark.interpreter
-def test_split_row_tiles_interpreter(monkeypatch):
+def test_split_row_tiles_interpreter(pin_knobs):
     """Rows covered by two power-of-two tiles (2880 = 2048 + 1024 with a masked tail; 5000
     padded to 5120 = 4096 + 1024, the padding in the second tile): the persistent path's."""
     from moekit.ops._triton import quantize as tri
 
-    monkeypatch.setattr(tri, "PIPE_MIN_BYTES", 0)
+    pin_knobs(PIPE_MIN_BYTES=0)
     cpu = torch.device("cpu")
     cfg = tri.pipe_row_config(6, 2880, 2, 1, cpu, split=True)
     assert (cfg.block_c, cfg.block_c2, cfg.one_pass) == (2048, 1024, True) and cfg.stages > 1
+    assert tri.quantize_config(6, 2880, 2, cpu) == cfg  # the launcher's plan
     a = _rand((6, 2880), torch.bfloat16, seed=8)
     a[2, 2100:].mul_(50.0)  # the row max in the tail tile
     _check(tri.quantize_fp8_row(a), _expected(a))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moekit import reference as ref
+from moekit import settings
 from moekit.ops import route_and_shuffle
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -166,9 +167,10 @@ def test_interp_public_op_uses_kernel_and_composite(monkeypatch):
     real = R.route_and_shuffle
     monkeypatch.setattr(R, "route_and_shuffle", lambda *a: calls.append(1) or real(*a))
     for T, blocks in ((5, 64), (37, 64), (37, 36)):
-        monkeypatch.setattr(R, "SPLIT_MAX_BLOCKS", blocks)
         logits, k, sf, renorm, kw = _inputs(ROUTINGS[1], T, seed=T)
-        check(route_and_shuffle(logits, k, sf, renorm, **kw), ref.route_and_shuffle(logits, k, sf, renorm, **kw))
+        with settings.override(knobs={"SPLIT_MAX_BLOCKS": blocks}):
+            got = route_and_shuffle(logits, k, sf, renorm, **kw)
+        check(got, ref.route_and_shuffle(logits, k, sf, renorm, **kw))
     assert calls == [1, 1]
 
 
@@ -324,17 +326,16 @@ def test_gpu_cuda_graph_replays_new_routing(T, cuda):
 
 
 @pytest.mark.reference
-def test_fallbacks_are_said_once(monkeypatch):
+def test_fallbacks_are_said_once(monkeypatch, pin_knobs):
     """Silent fallbacks are explicit (issue 16): E past the kernels on CUDA, CUDA without Triton."""
     import warnings
 
     from moekit.ops import _common
     from moekit.ops import routing as ops_routing
-    from moekit.ops._triton import routing as tri
 
     monkeypatch.setattr(_common, "_WARNED", set())
     monkeypatch.setattr(ops_routing, "use_triton", lambda t: True)  # the CUDA branch, on CPU tensors
-    monkeypatch.setattr(tri, "MAX_KERNEL_E", 8)
+    pin_knobs(MAX_KERNEL_E=8)
     s = torch.rand(3, 16)
     with pytest.warns(UserWarning, match="PyTorch reference serves it"):
         ops_routing.index_shuffling(s, top_k=2)

@@ -127,12 +127,12 @@ def test_interp_paths(force, bt, pw, dtype, T, E, K, start, end, vtc):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("vtc", [None, 45])
-def test_interp_scan_in_several_passes(monkeypatch, vtc):
+def test_interp_scan_in_several_passes(pin_knobs, vtc):
     """The histogram scan of the 3-launch path over more programs than one scan tile holds
     (24 programs in tiles of 16 rows, the second one partial): the running sum carried between
     passes gives the same offsets and counts as the reference."""
     tri = _interp()
-    monkeypatch.setattr(tri, "SCAN_CB", 16)
+    pin_knobs(SCAN_CB=16)
     T, E, K = 70, 6, 2
     assert tri.plan(T, E, K, torch.bfloat16, 4, force="multi3", block_tokens=1).programs == 24
     s = tie_free_scores(T, E, dtype=torch.bfloat16, seed=70)
@@ -704,13 +704,12 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(_common, "_WARNED", set())
 
 
-def _past_kernel_e(monkeypatch, limit: int = 8):
+def _past_kernel_e(monkeypatch, pin_knobs, limit: int = 8):
     pytest.importorskip("triton")
     import moekit.ops.routing as ops_routing
-    from moekit.ops._triton import routing as tri
 
     monkeypatch.setattr(ops_routing, "use_triton", lambda t: True)  # the CUDA branch
-    monkeypatch.setattr(tri, "MAX_KERNEL_E", limit)
+    pin_knobs(MAX_KERNEL_E=limit)
 
 
 def _no_warning(fn):
@@ -722,8 +721,8 @@ def _no_warning(fn):
 
 
 @pytest.mark.reference
-def test_index_shuffling_past_kernel_e_warns_once(monkeypatch, fresh_warnings):
-    _past_kernel_e(monkeypatch)
+def test_index_shuffling_past_kernel_e_warns_once(monkeypatch, pin_knobs, fresh_warnings):
+    _past_kernel_e(monkeypatch, pin_knobs)
     s = tie_free_scores(5, 16, seed=3)
     with pytest.warns(UserWarning, match=r"index_shuffling: E=16 experts is past .* limit of 8; the PyTorch "
                                          r"reference serves it on CUDA"):  # fmt: skip
@@ -733,21 +732,21 @@ def test_index_shuffling_past_kernel_e_warns_once(monkeypatch, fresh_warnings):
 
 
 @pytest.mark.interpreter
-def test_index_shuffling_within_kernel_e_does_not_warn(monkeypatch, fresh_warnings):
+def test_index_shuffling_within_kernel_e_does_not_warn(monkeypatch, pin_knobs, fresh_warnings):
     """E at the limit takes the kernel (in the interpreter here), silently."""
-    _past_kernel_e(monkeypatch, limit=16)
+    _past_kernel_e(monkeypatch, pin_knobs, limit=16)
     s = tie_free_scores(5, 16, seed=3)
     assert_same(_no_warning(lambda: index_shuffling(s, top_k=2)), ref.index_shuffling(s, top_k=2))
 
 
 @pytest.mark.reference
-def test_route_and_shuffle_composite_past_kernel_e_warns_once(monkeypatch, fresh_warnings):
+def test_route_and_shuffle_composite_past_kernel_e_warns_once(monkeypatch, pin_knobs, fresh_warnings):
     """The composite path (batches past the one-launch kernel) of route_and_shuffle also hands
     index_shuffling past the limit to the reference: said once."""
     from moekit.ops import route_and_shuffle
     from moekit.ops._triton import route as R
 
-    _past_kernel_e(monkeypatch)
+    _past_kernel_e(monkeypatch, pin_knobs)
     monkeypatch.setattr(R, "kernel_supports", lambda *a: False)  # the composite
     p = torch.argsort(torch.rand(6, 16, generator=torch.Generator().manual_seed(1)), dim=1).float()
     logits = (p - 8) / 16

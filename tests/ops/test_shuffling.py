@@ -163,20 +163,20 @@ def test_shuffling_interpreter(EP, E, rng, Tr, K, D, padded, dtype):
         (4, 16, (0, 16), 0, 1, 8, False),  # nothing moves
     ],
 )
-def test_shuffling_interpreter_walks(monkeypatch, pipeline, EP, E, rng, Tr, K, D, padded):
+def test_shuffling_interpreter_walks(pin_knobs, pipeline, EP, E, rng, Tr, K, D, padded):
     """Rows held whole, the next unit's loaded after this unit's stores or before them
     (pipelined), with programs looping over several units, give the reference's rows."""
-    monkeypatch.setattr(_tri(), "_PIPELINE", pipeline)
+    pin_knobs(PIPELINE=pipeline)
     tokens, counts = make_case(EP, E, Tr, K, D, padded, seed=EP * 7 + D)
     check_combine_split(tokens, counts, rng[0], rng[1], padded, launcher_combine, launcher_split)
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("unroll", [0, 4], ids=["loop", "unrolled"])
-def test_shuffling_interpreter_long_rows(monkeypatch, unroll):
+def test_shuffling_interpreter_long_rows(pin_knobs, unroll):
     """Rows of several main chunks (D = 5120 bf16: 2 x 2048 + 1024): loaded whole before they are
     stored (unrolled), or chunk by chunk (the loop taken past ``_UNROLL_MAX`` chunks)."""
-    monkeypatch.setattr(_tri(), "_UNROLL_MAX", unroll)
+    pin_knobs(UNROLL_MAX=unroll)
     tokens, counts = make_case(2, 16, 3, 2, 5120, True, seed=7)
     check_combine_split(tokens, counts, 4, 12, True, launcher_combine, launcher_split)
 

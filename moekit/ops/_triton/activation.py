@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit._validate import FP8_DTYPE, FP8_MAX
 from moekit.ops._common import cdiv, interpreting, launch, next_pow2
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
@@ -49,7 +50,7 @@ from moekit.reference.quantize import FUSED_EPS
 
 # silu_mul_quant rows at least this long, on inputs (both halves) over this many bytes, take the
 # persistent kernel ([16384, 8192], 512 MB: 168 µs vs 181; [2048, 8192], 64 MB, stays one row per
-# program: 20.9 µs vs 25.2).
+# program: 20.9 µs vs 25.2). Tests pin it as the knob ``PIPE_MIN_BYTES_SILU`` (``moekit.settings``).
 PIPE_MIN_ROW = 4096
 PIPE_MIN_BYTES_SILU = 256 * 1024 * 1024
 
@@ -219,7 +220,8 @@ def silu_mul_quant_config(T: int, F: int, elem_bytes: int, device: torch.device)
     program, except long rows of large problems, which take the persistent pipelined kernel
     when a pipeline stage fits (measured [16384, 8192]: 168 µs vs 181 for one row per program;
     at F = 2048 one row per program wins at any T)."""
-    if F >= PIPE_MIN_ROW and 2 * T * F * elem_bytes > PIPE_MIN_BYTES_SILU:
+    min_bytes = settings.get().knob("PIPE_MIN_BYTES_SILU", PIPE_MIN_BYTES_SILU)
+    if F >= PIPE_MIN_ROW and 2 * T * F * elem_bytes > min_bytes:
         cfg = pipe_row_config(T, F, elem_bytes, 2, device)
         if cfg.stages > 1:
             return cfg

@@ -7,10 +7,12 @@ deterministic), one module per family:
 - ``gs_scatter_det``: ``scatter_add_dense_tokens_deterministic``.
 
 This module is the one namespace over them (``moekit.ops.gather_scatter`` and tests use it): it
-holds every name of the families, private ones included, and setting one here (tests and tools
-tune ``_SCAN_MAX_ROWS``, ``_GATHER_STREAM_PROGRAMS_PER_SM``, replace ``launch``, ...) sets it in
+holds every name of the families, private ones included, and setting one here (tools tune
+``_SCAN_MAX_ROWS``, ``_GATHER_STREAM_PROGRAMS_PER_SM``, tests replace ``launch``, ...) sets it in
 every family module that holds it, as when they were one module. (Set them here, not on a family
-module, or this namespace keeps the old value.)
+module, or this namespace keeps the old value.) Tests pin the tuning constants as knobs instead
+(``settings.override(knobs={"SCAN_MAX_ROWS": 0})``: the names without the leading underscore;
+``moekit.settings`` lists them).
 """
 
 from __future__ import annotations

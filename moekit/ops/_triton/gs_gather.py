@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit._validate import FP8_DTYPE, FP8_MAX
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
@@ -175,7 +176,8 @@ def _gather_scale_stream_kernel(
 # SM; below, column-block tiles spread a few rows over more programs, and above, column blocks
 # measured faster too (H200, D = 5120 bf16, run 24: T = 16384 83.3 µs column blocks vs 89.7 for
 # the best streamed whole rows). Set _MIN (or the programs per SM below) to 0 to always use
-# column blocks.
+# column blocks. Tests pin these three as the knobs ``GATHER_WHOLE_ROW_MIN_ROWS_PER_SM``,
+# ``GATHER_WHOLE_ROW_MAX_ROWS_PER_SM``, ``GATHER_STREAM_PROGRAMS_PER_SM`` (``moekit.settings``).
 _GATHER_WHOLE_ROW_MIN_ROWS_PER_SM = 8
 _GATHER_WHOLE_ROW_MAX_ROWS_PER_SM = 64
 # Whole rows run on a persistent, software-pipelined grid of this many programs per SM, 4 warps
@@ -188,13 +190,15 @@ def _gather_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, in
     for the bf16/fp16/fp32 gather. Whole rows (the FP8 gather's head + tail split) on the
     persistent pipelined kernel from 8 to 64 rows per SM; one column-block tile per program
     otherwise (streamed programs per SM: 0). Measured; see the constants above."""
+    s = settings.get()
+    min_rows = s.knob("GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", _GATHER_WHOLE_ROW_MIN_ROWS_PER_SM)
+    max_rows = s.knob("GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", _GATHER_WHOLE_ROW_MAX_ROWS_PER_SM)
+    stream = s.knob("GATHER_STREAM_PROGRAMS_PER_SM", _GATHER_STREAM_PROGRAMS_PER_SM)
     if (
-        _GATHER_WHOLE_ROW_MIN_ROWS_PER_SM
-        and _GATHER_STREAM_PROGRAMS_PER_SM
-        and D <= _ONE_PASS_MAX_D
-        and _GATHER_WHOLE_ROW_MIN_ROWS_PER_SM * num_sms(device)
-        <= rows
-        < _GATHER_WHOLE_ROW_MAX_ROWS_PER_SM * num_sms(device)
+        min_rows
+        and stream
+        and D <= s.knob("ONE_PASS_MAX_D", _ONE_PASS_MAX_D)
+        and min_rows * num_sms(device) <= rows < max_rows * num_sms(device)
     ):
         block_d = _pow2_floor(max(D, 8))
         rem = D - block_d
@@ -205,7 +209,7 @@ def _gather_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, in
         while block_r > 1 and cdiv(rows, block_r) < target:
             block_r //= 2
         warps = _pow2_floor(max(1, min(8, block_r * width // 1024)))
-        return block_r, block_d, w_tail, 1, warps, _GATHER_STREAM_PROGRAMS_PER_SM
+        return block_r, block_d, w_tail, 1, warps, stream
     block_r, block_d, n_db, warps = _tiles(rows, D, device)
     return block_r, block_d, 0, n_db, warps, 0
 
@@ -410,7 +414,8 @@ def _gather_scale_quant_kernel(
 # The FP8 conversion saturates on its own on CUDA (``cvt.rn.satfinite.e4m3x2.f32``, sm_89+); the
 # interpreter's emulation and other backends get an explicit clamp.
 _CLAMP_FP8 = EMULATE_FP8 or torch.version.hip is not None
-# Rows up to this many elements are quantized from registers in one pass.
+# Rows up to this many elements are quantized from registers in one pass (also the bf16 gather's
+# whole-row and the locked scatter-add's limit). Tests pin it as the knob ``ONE_PASS_MAX_D``.
 _ONE_PASS_MAX_D = 8192
 # Elements of x one quant program holds at most (several rows when D is small).
 _QUANT_TILE = 8192
@@ -436,7 +441,7 @@ def _quant_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int
     4096-column blocks above ``_ONE_PASS_MAX_D``. (A persistent pipelined variant, as the bf16
     gather's, measured 4-10% slower at T = 2048 / 4096: 95-136 registers for two rows in flight
     per program against 64 for one; RESULTS.md run 26.)"""
-    one_pass = D <= _ONE_PASS_MAX_D
+    one_pass = D <= settings.get().knob("ONE_PASS_MAX_D", _ONE_PASS_MAX_D)
     if one_pass:
         block_d = _quant_chunk(D)
         n_chunks = max(1, cdiv(D, block_d))  # D = 0: one masked chunk (the rows get the eps scale)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gs_common import _MIN_PROGRAMS_PER_SM, _TILE, _pow2_floor, _row_count, _tiles, _warps
@@ -133,7 +134,7 @@ _RETIRED_LOCKS: list = []
 _LOCKS_ZEROED: dict = {}
 # The locked scatter-add from this many rows (H200, D = 5120 bf16, top-1: T = 2048 18.6 vs 19.1-19.5
 # µs atomic, T = 4096 34.6 vs 37.7-38.2, T = 16384 129 vs 144; below, the compare-and-swap round
-# trip is not hidden and atomics stay).
+# trip is not hidden and atomics stay). Tests pin it as the knob ``LOCKED_MIN_ROWS`` (``moekit.settings``).
 _LOCKED_MIN_ROWS = 1024
 
 
@@ -175,7 +176,8 @@ def _prefer_locked(A: int, T: int, D: int) -> bool:
     fit the one-pass register budget: the locked read-add-write instead of atomics. A token hit by
     many rows would serialize them on its lock; two per token on average at most keeps that rare
     (top-1 routing gives each token one row)."""
-    return _LOCKED_MIN_ROWS <= A < 2 * T and D <= _ONE_PASS_MAX_D
+    s = settings.get()
+    return s.knob("LOCKED_MIN_ROWS", _LOCKED_MIN_ROWS) <= A < 2 * T and D <= s.knob("ONE_PASS_MAX_D", _ONE_PASS_MAX_D)
 
 
 def scatter_add_dense_tokens(
@@ -254,7 +256,7 @@ def _prefer_bucket_sum(A: int, T: int) -> bool:
     45.4 µs; T = 16384, top-4: 250 vs 558 µs). Top-1 keeps the atomics (19.7 vs 22.4 µs), and
     so do fan-ins above 64 rows per token on average (a few tokens with thousands of rows: the
     overflow scan would serialize them)."""
-    return _SCAN_MAX_ROWS < A < 2**31 - 1 and 2 * T <= A <= 64 * T
+    return settings.get().knob("SCAN_MAX_ROWS", _SCAN_MAX_ROWS) < A < 2**31 - 1 and 2 * T <= A <= 64 * T
 
 
 # ----------------------------------------------------------------------------------------------

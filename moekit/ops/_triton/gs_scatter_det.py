@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gs_common import _MIN_PROGRAMS_PER_SM, _row_count, _tiles
@@ -231,7 +232,8 @@ def _bucket_sum_kernel(
 
 
 # Up to this many rows the deterministic scatter-add is one launch (``_scan_sum_kernel``, which
-# holds all the indices at once); above it, a memset, the bucket kernel and the bucket sum.
+# holds all the indices at once); above it, a memset, the bucket kernel and the bucket sum. Tests
+# pin it as the knob ``SCAN_MAX_ROWS`` (``moekit.settings``; the default scatter-add reads it too).
 _SCAN_MAX_ROWS = 1024
 # Bucket-sum tile: 1024 elements (one token's 1024 columns at D >= 1024), 16 per lane (two
 # 16-byte bf16 vectors per row: 2 warps, ~96 registers), so about ten programs are resident per
@@ -285,7 +287,7 @@ def scatter_add_dense_tokens_deterministic(
     device = in_tokens.device
     has_valid = valid_token_count is not None
     valid = valid_token_count if has_valid else token_indices  # unused placeholder when absent
-    if A <= _SCAN_MAX_ROWS:
+    if A <= settings.get().knob("SCAN_MAX_ROWS", _SCAN_MAX_ROWS):
         block_t, block_d, n_db, warps = _tiles(T, D, device)
         launch(_scan_sum_kernel)[(cdiv(T, block_t) * n_db,)](
             out_tokens,

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit._validate import FP8_DTYPE, FP8_MAX
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._fp8 import EMULATE_FP8, to_fp8
@@ -47,7 +48,8 @@ PIPE_STAGE_BYTES = 16384
 PIPE_MAX_PROGS = 4
 # Inputs up to this many bytes take one row block per program, no pipelining (``np_row_config``):
 # at these sizes the persistent kernel's ramp (every program filling its pipeline before the
-# first store) costs more than it saves ([2048, 5120] fp8 quantization: 9.1 vs 11.2 µs).
+# first store) costs more than it saves ([2048, 5120] fp8 quantization: 9.1 vs 11.2 µs). Tests pin
+# it as the knob ``PIPE_MIN_BYTES`` (``moekit.settings``).
 PIPE_MIN_BYTES = 64 * 1024 * 1024
 # Rows index in int32 inside the kernels (offsets are int64).
 MAX_ROWS = 2**31 - 2**16
@@ -375,7 +377,7 @@ def quantize_config(R: int, C: int, elem_bytes: int, device: torch.device) -> Pi
     """Launch of ``quantize_fp8_row`` over ``R`` rows of ``C`` output columns (a cheap shape
     bucket): one row block per program up to ``PIPE_MIN_BYTES`` of input, else the persistent
     pipelined kernel with split row tiles."""
-    if R * C * elem_bytes <= PIPE_MIN_BYTES:
+    if R * C * elem_bytes <= settings.get().knob("PIPE_MIN_BYTES", PIPE_MIN_BYTES):
         return np_row_config(R, C, elem_bytes, 1, 2048, device)
     return pipe_row_config(R, C, elem_bytes, 1, device, split=True)
 

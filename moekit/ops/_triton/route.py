@@ -44,7 +44,8 @@ from moekit.ops._triton.routing import _row_below, _score_keys
 
 # Largest expert count / top-k the kernels take, and the most token blocks of the split path (the
 # launcher falls back to the multi-launch composite beyond: dense scores with torch ops, then
-# ``index_shuffling``). ``SPLIT_TARGET``: programs the split path aims at.
+# ``index_shuffling``). ``SPLIT_TARGET``: programs the split path aims at. Tests pin
+# SPLIT_MAX_BLOCKS as the knob ``SPLIT_MAX_BLOCKS`` (``moekit.settings``).
 ROUTE_MAX_E = 512
 ROUTE_MAX_K = 16
 SPLIT_MAX_BLOCKS = 128
@@ -397,7 +398,8 @@ def kernel_supports(T: int, E: int, top_k: int, n_group: Optional[int]) -> bool:
     ``SPLIT_MAX_BLOCKS`` of them (the placing programs each read every block's counts)."""
     if E > ROUTE_MAX_E or top_k > ROUTE_MAX_K:
         return False
-    if T > settings.get().route_fused_max_t and _blocks(T, E)[1] > SPLIT_MAX_BLOCKS:
+    s = settings.get()
+    if T > s.route_fused_max_t and _blocks(T, E)[1] > s.knob("SPLIT_MAX_BLOCKS", SPLIT_MAX_BLOCKS):
         return False
     if n_group is not None and n_group > 1:
         return E >= 16 and E == next_pow2(E) and n_group == next_pow2(n_group) and n_group <= E
@@ -491,7 +493,7 @@ def topk_rows_supported(T: int, E: int, top_k: int) -> bool:
     if E > ROUTE_MAX_E or top_k > ROUTE_MAX_K or T * top_k == 0:
         return False
     _, split, tpb, n = _topk_rows_plan(T, E, top_k)
-    return (tpb * top_k < _PACKED_RANK_LIMIT) and n <= SPLIT_MAX_BLOCKS
+    return (tpb * top_k < _PACKED_RANK_LIMIT) and n <= settings.get().knob("SPLIT_MAX_BLOCKS", SPLIT_MAX_BLOCKS)
 
 
 def shuffle_top_k(

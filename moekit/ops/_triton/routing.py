@@ -51,11 +51,13 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 
 # Largest E the kernels take (the key holds the expert in 16 bits; a tile row must fit the
-# registers). Larger E falls back to the (sync-free) PyTorch reference.
+# registers). Larger E falls back to the (sync-free) PyTorch reference. Tests pin it as the knob
+# ``MAX_KERNEL_E`` (``moekit.settings``; ``moekit.ops.routing`` reads it).
 MAX_KERNEL_E = 4096
 # Elements of one [tokens, experts] tile (halved for int64 keys): the single-program path; the
 # multi-program sub-tile (pairwise ranks: one warp, more elements per thread for wide rows; the
@@ -85,6 +87,7 @@ MAX_HIST = 3 << 18
 # carried sum between passes) x SCAN_EC experts. H200 (RESULTS.md session 6): 4 x 1024 against
 # 8 x 512 takes T = 16384 top-8 from 23.4 to 21.3 µs at E = 256 and 27.4 to 26.3 at E = 384, and
 # E = 128 top-4 from 14.2 to 12.7; at T = 2048 (512 programs) 4 x 512 gives 7.7 against 8.5.
+# Tests pin SCAN_CB as the knob ``SCAN_CB`` (``moekit.settings``).
 SCAN_EC = 4
 SCAN_CB = 1024
 # Ranks are packed into the top 15 bits of an int32 next to the 16-bit expert.
@@ -590,8 +593,9 @@ def index_shuffling(
         PAIRWISE=p.pairwise, NCH=p.chunks, BLOCK_C=p.block_c, num_warps=p.num_warps,
     )  # fmt: skip
     if not p.fused_scan:
+        cb = min(settings.get().knob("SCAN_CB", SCAN_CB), max(16, next_pow2(p.programs)))
         launch(_scan_blocks_kernel)[(p.hs // SCAN_EC,)](
-            hist, counts, p.programs, E, p.hs, EC=SCAN_EC, CB=min(SCAN_CB, max(16, next_pow2(p.programs))), num_warps=4
+            hist, counts, p.programs, E, p.hs, EC=SCAN_EC, CB=cb, num_warps=4
         )
     rows_per_prog = p.iters * p.bt * top_k
     launch(_place_kernel)[(p.programs,)](

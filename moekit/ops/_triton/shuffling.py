@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 
@@ -65,6 +66,7 @@ _MAX_PROGRAMS_PER_SM = 16
 _UNROLL_MAX = 4
 # Rows held whole: the next unit's loads go out before this unit's stores (two units in flight
 # per program) rather than after them. Pipelined measured 1-6% faster at T = 4096 (run 22).
+# Tests pin these two as the knobs ``UNROLL_MAX`` and ``PIPELINE`` (``moekit.settings``).
 _PIPELINE = True
 
 
@@ -348,7 +350,8 @@ def _run(
         src, dst = tokens.view(int_dtype), out.view(int_dtype)
     block_ep, block_eg = next_pow2(EP), next_pow2(max(EG, 1))
     block_r, w_main, w_tail, programs, warps = _config(T, D, tokens.element_size(), block_ep * block_eg, device)
-    n_main = D // w_main if D // w_main <= _UNROLL_MAX else 0
+    s = settings.get()
+    n_main = D // w_main if D // w_main <= s.knob("UNROLL_MAX", _UNROLL_MAX) else 0
     launch(_shuffle_kernel)[(programs,)](
         dst,
         src,
@@ -376,7 +379,7 @@ def _run(
         W_TAIL=w_tail,
         N_MAIN=n_main,
         ALL_EXPERTS=start == 0 and end == E,
-        PIPELINE=_PIPELINE,
+        PIPELINE=s.knob("PIPELINE", _PIPELINE),
         num_warps=warps,
     )
     return out, counts_out

@@ -1,0 +1,55 @@
+"""moekit.settings: tuning knobs pinned with ``override(knobs=...)`` steer the launchers' plans for
+the ``with`` block only (issue 17: tests pin choices without monkeypatching module globals)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit import settings
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.reference
+def test_knob_is_seen_by_plans_and_restored():
+    pytest.importorskip("triton")
+    from moekit.ops._triton import gather_scatter as gs
+    from moekit.ops._triton import quantize as q
+    from moekit.ops._triton import route as R
+
+    default_q, default_g = q.quantize_config(40, 4096, 2, CPU), gs._gather_tiles(18, 2880, CPU)
+    assert default_q.stages == 1 and default_g[5] == 0  # one row block per program; column blocks
+    assert R.kernel_supports(37, 16, 2, None)
+    with settings.override(knobs={"PIPE_MIN_BYTES": 0, "SPLIT_MAX_BLOCKS": 36}) as s:
+        assert s.knob("PIPE_MIN_BYTES", q.PIPE_MIN_BYTES) == 0
+        assert q.quantize_config(40, 4096, 2, CPU).stages > 1  # the persistent kernel
+        assert not R.kernel_supports(37, 16, 2, None)  # 37 blocks of one token: the composite
+        with settings.override(knobs={"GATHER_WHOLE_ROW_MIN_ROWS_PER_SM": 1, "GATHER_STREAM_PROGRAMS_PER_SM": 1}):
+            assert gs._gather_tiles(18, 2880, CPU)[5] == 1  # whole rows, streamed
+            assert q.quantize_config(40, 4096, 2, CPU).stages > 1  # the outer pin still holds
+        assert gs._gather_tiles(18, 2880, CPU) == default_g
+    assert settings.get().knobs == {}
+    assert q.quantize_config(40, 4096, 2, CPU) == default_q
+    assert R.kernel_supports(37, 16, 2, None)
+
+
+@pytest.mark.reference
+def test_knob_override_runs_change_listeners():
+    """Cached plans that read knobs clear themselves through ``on_change``: pinning and
+    unpinning a knob both call the listeners."""
+    calls = []
+    fn = settings.on_change(lambda: calls.append(settings.get().knob("SCAN_CB", None)))
+    try:
+        with settings.override(knobs={"SCAN_CB": 16}):
+            assert calls == [16]
+        assert calls == [16, None]
+    finally:
+        settings._listeners.remove(fn)
+
+
+@pytest.mark.reference
+def test_pin_knobs_fixture(pin_knobs):
+    pin_knobs(SCAN_CB=16)
+    pin_knobs(UNROLL_MAX=0)
+    assert settings.get().knobs == {"SCAN_CB": 16, "UNROLL_MAX": 0}
