@@ -90,6 +90,14 @@ class Settings:
         return self.knobs.get(name, default)
 
 
+#: Every knob name ``override(knobs=...)`` accepts (the list in ``Settings``' comment).
+KNOBS = (
+    "PIPE_MIN_BYTES_SILU", "PIPE_MIN_BYTES", "SCAN_CB", "MAX_KERNEL_E", "SPLIT_MAX_BLOCKS",
+    "GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", "GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", "GATHER_STREAM_PROGRAMS_PER_SM",
+    "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
+)  # fmt: skip
+
+
 def _flag(env: dict, name: str, default: bool) -> bool:
     v = env.get(name)
     if v is None or v == "":
@@ -193,6 +201,9 @@ def override(**changes: Any) -> Iterator[Settings]:
         raise ValueError(f"down_sum must be one of {DOWN_SUMS}, got {changes['down_sum']!r}")
     before = get()
     if "knobs" in changes:
+        unknown = sorted(set(changes["knobs"]) - set(KNOBS))
+        if unknown:
+            raise TypeError(f"override: unknown knob(s) {unknown}; knobs are {list(KNOBS)}")
         changes["knobs"] = {**before.knobs, **changes["knobs"]}
     _set(dataclasses.replace(before, **changes))
     try:

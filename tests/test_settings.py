@@ -53,3 +53,23 @@ def test_pin_knobs_fixture(pin_knobs):
     pin_knobs(SCAN_CB=16)
     pin_knobs(UNROLL_MAX=0)
     assert settings.get().knobs == {"SCAN_CB": 16, "UNROLL_MAX": 0}
+
+
+@pytest.mark.reference
+def test_unknown_knob_is_refused():
+    with pytest.raises(TypeError, match="unknown knob"):
+        with settings.override(knobs={"SCAN_CBB": 1}):
+            pass
+
+
+@pytest.mark.reference
+def test_every_knob_read_in_moekit_is_listed():
+    """The names the launchers read with ``knob("NAME", ...)`` are exactly ``settings.KNOBS``."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(settings.__file__).parent
+    read = set()
+    for f in root.rglob("*.py"):
+        read |= set(re.findall(r'knob\("([A-Z_0-9]+)"', f.read_text()))
+    assert read == set(settings.KNOBS)
