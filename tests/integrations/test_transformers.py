@@ -902,6 +902,8 @@ def test_graphs_capture_again_after_every_graph_is_gone():
     """The shared pool outlives its graphs: dropping every graph (``enable`` with new options,
     ``release_cache``, a deleted model) and capturing again works, and the CUDA generator is left
     usable (a failed capture once left it mid-capture: every later ``randn`` raised)."""
+    import warnings
+
     from moekit.integrations import _graphs
 
     for round_ in range(3):
@@ -909,7 +911,8 @@ def test_graphs_capture_again_after_every_graph_is_gone():
         mt.enable(model)
         ex = _first_experts(model)
         E, D, K = ex.gate_up_proj.shape[0], model.config.hidden_size, model.config.num_experts_per_tok
-        with torch.no_grad(), _no_warning():  # a failed capture warns
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # a failed capture warns
             for T in (1, 1, 1, 40, 40, 40):
                 x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
                 _call(ex, "moekit", x, *_routing(T, E, K, seed=T, device="cuda", dtype=torch.bfloat16))
@@ -922,18 +925,3 @@ def test_graphs_capture_again_after_every_graph_is_gone():
         del model, ex
         torch.cuda.synchronize()
         torch.randn(4, device="cuda")
-
-
-def _no_warning():
-    import warnings
-
-    class _Ctx:
-        def __enter__(self):
-            self.c = warnings.catch_warnings()
-            self.c.__enter__()
-            warnings.simplefilter("error", UserWarning)
-
-        def __exit__(self, *a):
-            return self.c.__exit__(*a)
-
-    return _Ctx()
