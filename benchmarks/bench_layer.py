@@ -54,8 +54,7 @@ def main() -> int:
                 wrong.append(f"{m} {dt}: {exc}")
             except Exception as exc:  # keep the other models' rows
                 print(f"   {m} {dt} failed: {type(exc).__name__}: {exc}")
-    cols = ["model", "T", "dtype", "path", "floor_us", "moekit_us", "fused_us", "nopf_us", "decode_us", "sorted_us", "det_us",
-            "vllm_us", "torch_us",
+    cols = ["model", "T", "dtype", "path", "floor_us", "moekit_us", "decode_us", "sorted_us", "det_us", "vllm_us", "torch_us",
             "mslk_us", "floor/moekit", "moekit/vllm", "moekit/mslk", "moekit/torch"]  # fmt: skip
     print(markdown_table(rows, cols))
     save_rows("bench_layer", rows)

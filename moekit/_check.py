@@ -301,23 +301,6 @@ def _grouped_gemm_combine(device: torch.device) -> float:
     return _close(got.float(), want.float(), "out", dtype=dt)
 
 
-@check("route_swiglu")
-def _route_swiglu(device: torch.device) -> float:
-    from moekit.ops import route_swiglu
-
-    dt = _dt(device)
-    x, w13, w2, *_ = _decode_inputs(dt)
-    T, E = x.shape[0], 16
-    logits = torch.argsort(torch.rand(T, E, generator=torch.Generator().manual_seed(8)), dim=1).float() / 4
-    got = route_swiglu(x.to(device), logits.to(device), w13.to(device), 4, "softmax", True,
-                       prefetch=w2.to(device))  # fmt: skip
-    want = ref.route_swiglu(x, logits, w13, 4, "softmax", True)
-    if not torch.equal(got[1].cpu(), want[1]):
-        raise AssertionError(f"expert ids {got[1].tolist()} != the reference's {want[1].tolist()}")
-    _close(got[2], want[2], "weights", tol=1e-6)
-    return _close(got[0].float(), want[0].float(), "z", dtype=dt)
-
-
 @check("combine_rows")
 def _combine_rows(device: torch.device) -> float:
     from moekit.ops import combine_rows

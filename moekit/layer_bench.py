@@ -216,19 +216,16 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
                 deterministic=det, path=path,
             )  # fmt: skip
 
-        row["path"] = pipeline(s, T, fp8, x0)
+        from moekit.layers.experts import choose_path
+
+        row["path"] = choose_path(T * s.top_k, s.E, fp8=fp8, top_k=s.top_k)
         row["moekit_err"] = _check("moekit", ours(sets[0]), ref0, tol)
         row["moekit_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
-        if cuda and T <= 256:  # the other pipelines on the same rows
-            for alt, pins in PIPELINES.items():
-                if alt == row["path"] or (alt == "fused" and T * s.top_k > FUSED_BENCH_MAX_ROWS):
-                    continue
-                with settings.override(**pins(T * s.top_k)):
-                    _check(f"moekit {alt}", ours(sets[0]), ref0, tol)
-                    row[f"{alt}_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
-            if row["path"] == "fused" or "fused_us" in row:  # the fused kernels without the L2 prefetch
-                with settings.override(l2_prefetch_mb=0, **PIPELINES["fused"](T * s.top_k)):
-                    row["nopf_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
+        if cuda and T <= 256:  # the other pipeline on the same rows
+            alt = "sorted" if row["path"] == "decode" else "decode"
+            with settings.override(moe_path=alt):
+                _check(f"moekit {alt}", ours(sets[0]), ref0, tol)
+                row[f"{alt}_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
         if cuda and s.top_k > 1 and not quick:
             row["det_us"] = bench_us([lambda st=st: ours(st, det=True) for st in sets], replays=reps)
         if vllm is not None and not on_input:
@@ -268,7 +265,7 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
                 row["mslk_us"] = None
                 row["mslk_error"] = f"{type(exc).__name__}: {exc}"[:80]
         row["floor/moekit"] = row["floor_us"] / row["moekit_us"]
-        for peer in ("vllm", "torch", "mslk", "sorted", "decode", "fused"):
+        for peer in ("vllm", "torch", "mslk", "sorted", "decode"):
             if row.get(f"{peer}_us"):
                 row[f"moekit/{peer}"] = row["moekit_us"] / row[f"{peer}_us"]
         rows.append(row)
@@ -276,28 +273,6 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
         print(f"  T={T}: moekit {row['moekit_us']:.1f} us ({row['path']}; floor {row['floor_us']:.1f}{extra})",
               flush=True)  # fmt: skip
     return rows
-
-
-# The three pipelines of ``moe_forward`` (settings that pin each for ``rows`` routed rows), timed
-# side by side up to T = 256; the fused one up to ``FUSED_BENCH_MAX_ROWS`` rows (one GEMV program per
-# row and column slice: beyond it the weights of experts shared by several rows are read once per row).
-PIPELINES = {
-    "fused": lambda rows: dict(moe_path="auto", fused_decode_max_rows=max(rows, 1)),
-    "decode": lambda rows: dict(moe_path="decode", fused_decode_max_rows=0),
-    "sorted": lambda rows: dict(moe_path="sorted"),
-}
-FUSED_BENCH_MAX_ROWS = 64
-
-
-def pipeline(s: ModelShape, T: int, fp8: bool, x: torch.Tensor) -> str:
-    """The pipeline ``moe_forward`` picks for ``T`` tokens of model ``s``: ``fused``, ``decode`` or
-    ``sorted``."""
-    from moekit.layers.experts import choose_path
-    from moekit.layers.functional import fused_decode_ok
-
-    if fused_decode_ok(T * s.top_k, s.E, s.routing_config, x.is_cuda):
-        return "fused"
-    return choose_path(T * s.top_k, s.E, fp8=fp8, top_k=s.top_k)
 
 
 def torch_routed(x: torch.Tensor, logits: torch.Tensor, w: dict, cfg: RoutingConfig) -> torch.Tensor:
@@ -357,8 +332,7 @@ def main(args: argparse.Namespace) -> int:
     where = "CUDA" if cuda else "CPU (reference path; times are not representative)"
     print(f"moekit bench: model={model} tokens={tokens} dtype={args.dtype} on {where}")
     rows = run(model, tokens, fp8, args.quick)
-    cols = ["model", "T", "dtype", "path", "floor_us", "moekit_us", "fused_us", "nopf_us", "decode_us", "sorted_us", "vllm_us",
-            "torch_us", "mslk_us",
+    cols = ["model", "T", "dtype", "path", "floor_us", "moekit_us", "decode_us", "sorted_us", "vllm_us", "torch_us", "mslk_us",
             "floor/moekit", "moekit/vllm", "moekit/torch", "moekit/mslk"]  # fmt: skip
     print(markdown_table(rows, [c for c in cols if any(c in r for r in rows)]))
     save_rows(f"layer_{model}_{args.dtype}", rows)

@@ -17,8 +17,6 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
 | ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 2048 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k; see ``moekit.layers.experts.choose_path``) |
 | ``MOEKIT_ROUTE_FUSED_MAX_T`` | ``route_fused_max_t`` | 8 | ``route_and_shuffle`` routes up to this many tokens in one program (one launch); more take a program per block of tokens and a placing launch |
-| ``MOEKIT_FUSED_DECODE_MAX_ROWS`` | ``fused_decode_max_rows`` | 8 | ``moe_forward`` routes inside the gate/up GEMV kernel (``route_swiglu``, then ``grouped_gemm_combine``: two launches from router logits) up to this many routed rows (0: never) |
-| ``MOEKIT_L2_PREFETCH_MB`` | ``l2_prefetch_mb`` | 24 | the decode gate/up GEMV kernels prefetch up to this many MB of the down projection's weights into L2 (0: off) |
 | ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True``) |
 | ``MOEKIT_GG_TUNED`` | ``gg_tuned`` | none | JSON table of grouped-GEMM configurations (``benchmarks/tune_gemm.py`` writes it) |
 | ``MOEKIT_GG_GEMV_MAX_M`` | ``gg_gemv_max_m`` | 4 | grouped GEMMs of at most this many rows run the GEMV kernel (0: never) |
@@ -59,8 +57,6 @@ class Settings:
     moe_path: str = "auto"
     decode_max_rows: int = 2048
     route_fused_max_t: int = 8
-    fused_decode_max_rows: int = 8
-    l2_prefetch_mb: int = 24
     down_sum: str = "auto"
     gg_tuned: Optional[str] = None
     gg_gemv_max_m: int = 4
@@ -148,8 +144,6 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         moe_path=_choice(env, "MOEKIT_MOE_PATH", "auto", MOE_PATHS),
         decode_max_rows=_int(env, "MOEKIT_DECODE_MAX_ROWS", 2048),
         route_fused_max_t=_int(env, "MOEKIT_ROUTE_FUSED_MAX_T", 8),
-        fused_decode_max_rows=_int(env, "MOEKIT_FUSED_DECODE_MAX_ROWS", 8),
-        l2_prefetch_mb=_int(env, "MOEKIT_L2_PREFETCH_MB", 24),
         down_sum=_choice(env, "MOEKIT_DOWN_SUM", "auto", DOWN_SUMS),
         gg_tuned=env.get("MOEKIT_GG_TUNED") or None,
         gg_gemv_max_m=_int(env, "MOEKIT_GG_GEMV_MAX_M", 4),

@@ -14,7 +14,6 @@ import torch
 
 from moekit.layers.base import MoEBase
 from moekit.layers.experts import choose_path
-from moekit.layers.functional import fused_decode_ok
 from moekit.reference.quantize import DEFAULT_EPS, FUSED_EPS, quantize_rows
 from moekit.reference.routing import routing_weights
 
@@ -82,12 +81,8 @@ class BaselineMoE(MoEBase):
         if a.apply_router_weight_on_input:
             xs = xs.float() * w_N.unsqueeze(1)  # FP8 quantizes the scaled float32 rows directly
         re = self.routed_experts
-        # MetaShufflingMoE's decode pipelines (fused and not) use FP8 weights weight-only (16-bit
-        # activations).
-        weight_only = re.is_fp8_rowwise and (
-            choose_path(T * K, E, fp8=True) == "decode"
-            or (x_TD.dtype == torch.bfloat16 and fused_decode_ok(T * K, E, self.cfg, x_TD.is_cuda))
-        )
+        # MetaShufflingMoE's decode pipeline uses FP8 weights weight-only (16-bit activations).
+        weight_only = re.is_fp8_rowwise and choose_path(T * K, E, fp8=True) == "decode"
         if not re.is_fp8_rowwise:
             xs = xs.to(x_TD.dtype)
         if weight_only:

@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 
-from moekit import settings
 from moekit._validate import FP8_DTYPE, check_tensor
 from moekit.layers.config import RoutingConfig
 from moekit.ops.routing import SCORE_DTYPES, dense_route
@@ -123,17 +122,6 @@ def moe_forward(
     out_dtype = torch.bfloat16 if fp8 else x_TD.dtype
     if shared_out_TD is not None:
         check_tensor("shared_out_TD", shared_out_TD, shape=(T, D), dtype=out_dtype, device=dev)
-    # The fused decode path writes z in x's dtype and adds into contiguous output rows.
-    rows_ok = shared_out_TD is None or (shared_out_TD.stride(-1) == 1 and 0 not in shared_out_TD.stride())
-    if (
-        x_TD.dtype == out_dtype
-        and w2_eDF.is_contiguous()
-        and rows_ok
-        and fused_decode_ok(T * cfg.top_k, E, cfg, x_TD.is_cuda, path)
-    ):
-        return _fused_decode(x_TD, logits_TE, w13_e2FD, w2_eDF, cfg, e_score_correction_bias, shared_out_TD,
-                             w13_scale_e2F, w2_scale_eD)  # fmt: skip
-    if shared_out_TD is not None:
         out = shared_out_TD
     else:
         out = torch.empty((T, D), dtype=out_dtype, device=dev)  # zeroed by the routing launch
@@ -147,42 +135,4 @@ def moe_forward(
         selection_rows=selection_rows,
         weight_on_input=cfg.apply_router_weight_on_input, w13_scale=w13_scale_e2F, w2_scale=w2_scale_eD, out=out,
         deterministic=deterministic, use_fast_accum=use_fast_accum, path=path,
-    )  # fmt: skip
-
-
-def fused_decode_ok(rows: int, num_experts: int, cfg: RoutingConfig, cuda: bool, path: Optional[str] = None) -> bool:
-    """Whether ``moe_forward`` takes the fused decode path (``route_swiglu``, then
-    ``grouped_gemm_combine`` per token: two launches from router logits) for ``rows`` routed rows
-    (tokens x top-k): at most ``settings.fused_decode_max_rows`` of them, ``path`` not
-    ``"sorted"`` and, on CUDA, a routing the kernel takes (``E <= 512``, ``top_k <= 16``)."""
-    s = settings.get()
-    if (path or s.moe_path) == "sorted" or not 0 < rows <= s.fused_decode_max_rows:
-        return False
-    if cuda:
-        from moekit.ops._triton.route import routing_supported
-
-        return routing_supported(num_experts, cfg.top_k, cfg.n_group)
-    return True
-
-
-def _fused_decode(x_TD, logits_TE, w13_e2FD, w2_eDF, cfg, bias, shared_out_TD, w13_scale, w2_scale):
-    """``moe_forward``'s decode batches in two launches: ``route_swiglu`` (each program routes its
-    token and computes one choice's SwiGLU slice, prefetching that expert's down weights into
-    L2), then ``grouped_gemm_combine`` over the token-major rows (per token, no atomics; it
-    overwrites the output, or adds into ``shared_out_TD``)."""
-    from moekit.ops import grouped_gemm_combine, route_swiglu
-
-    T, D = x_TD.shape
-    F = w2_eDF.shape[2]
-    w2 = w2_eDF.view(-1, F)
-    on_input = cfg.apply_router_weight_on_input
-    z, expert_ids, row_weights = route_swiglu(
-        x_TD, logits_TE, w13_e2FD.reshape(-1, D), cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group,
-        topk_group=cfg.topk_group, e_score_correction_bias=bias, routed_scaling_factor=cfg.routed_scaling_factor,
-        weight_on_input=on_input, w_scale=None if w13_scale is None else w13_scale.reshape(-1), prefetch=w2,
-    )  # fmt: skip
-    out = shared_out_TD if shared_out_TD is not None else torch.empty((T, D), dtype=x_TD.dtype, device=x_TD.device)
-    return grouped_gemm_combine(
-        z, w2, expert_ids, None, out, row_weights=None if on_input else row_weights,
-        w_scale=None if w2_scale is None else w2_scale.reshape(-1), accumulate=shared_out_TD is not None,
     )  # fmt: skip

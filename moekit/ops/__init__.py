@@ -2,7 +2,6 @@
 op: Triton kernels on CUDA tensors, float32 references on CPU tensors."""
 
 from moekit.ops.activation import silu_mul, silu_mul_quant
-from moekit.ops.decode import route_swiglu
 from moekit.ops.gather_scatter import (
     gather_scale_dense_tokens,
     gather_scale_quant_dense_tokens,
@@ -37,7 +36,6 @@ __all__ = [
     "quantize_fp8_row",
     "rms_norm",
     "route_and_shuffle",
-    "route_swiglu",
     "scatter_add_dense_tokens",
     "scatter_add_dense_tokens_deterministic",
     "scatter_add_padded_tokens",

@@ -256,20 +256,17 @@ def _grouped_gemm_combine_op(
     z: torch.Tensor,
     w: torch.Tensor,
     expert_indices: torch.Tensor,
-    selection_rows: Optional[torch.Tensor],
+    selection_rows: torch.Tensor,
     out: torch.Tensor,
     row_weights: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
-    accumulate: bool = True,
 ) -> None:
     if use_triton(z):
         from moekit.ops._triton import gg_combine as _cb
 
-        _cb.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights, _flat(w_scale),
-                                 accumulate=accumulate)  # fmt: skip
+        _cb.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights, _flat(w_scale))
         return
-    _ref.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights=row_weights, w_scale=w_scale,
-                              accumulate=accumulate)  # fmt: skip
+    _ref.grouped_gemm_combine(z, w, expert_indices, selection_rows, out, row_weights=row_weights, w_scale=w_scale)
 
 
 @triton_op("moekit::combine_rows", mutates_args=("out",))
@@ -485,20 +482,17 @@ def grouped_gemm_combine(
     z: torch.Tensor,
     w: torch.Tensor,
     expert_indices: torch.Tensor,
-    selection_rows: Optional[torch.Tensor],
+    selection_rows: torch.Tensor,
     out: torch.Tensor,
     *,
     row_weights: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
-    accumulate: bool = True,
 ) -> torch.Tensor:
     """The down projection of a decode batch, combined per token (no atomics): ``out[t] += sum_j
     row_weights[r] * (z[r] @ w_e.T)`` over token t's K choices, ``r = selection_rows[t * K + j]``
     (``route_and_shuffle``'s token-major inverse map; negative: skipped), ``e =
-    expert_indices[r]``; ``selection_rows=None``: the rows are token-major, ``r = t * K + j`` with
-    ``K = len(expert_indices) // T`` (``route_swiglu``'s layout). ``accumulate=False``: ``out[t] =
-    ...`` (out's contents are never read: no zeroing needed). The K terms are summed in float32
-    in slot order and added to ``out`` with one store per element: bitwise reproducible. ``z [M, F]`` bf16 / fp16 / fp32, ``w [G * N, F]``
+    expert_indices[r]``. The K terms are summed in float32 in slot order and added to ``out`` with
+    one store per element: bitwise reproducible. ``z [M, F]`` bf16 / fp16 / fp32, ``w [G * N, F]``
     of z's dtype or FP8 e4m3fn with ``w_scale [G * N]`` (weight-only FP8), ``out [T, N]`` of z's
     dtype (contiguous rows), ``row_weights [M]``. Reads each choice's weight slice once per token:
     for a few tokens whose choices rarely share an expert. Returns ``out``.
@@ -516,17 +510,10 @@ def grouped_gemm_combine(
     if w.shape[1] != F or N == 0 or w.shape[0] % N:
         raise ValueError(f"w must have shape [G * N, F] = [G * {N}, {F}] (N = out.shape[1]), got {tuple(w.shape)}")
     check_tensor("expert_indices", expert_indices, shape=(M,), dtype=INDEX_DTYPES, device=dev)
-    check_bool("accumulate", accumulate)
-    if selection_rows is not None:
-        check_tensor("selection_rows", selection_rows, ndim=1, dtype=INDEX_DTYPES, device=dev)
-        if T and selection_rows.shape[0] % T:
-            raise ValueError(
-                f"selection_rows must have T * K entries for out's T={T} tokens, got {selection_rows.shape[0]}"
-            )
-    elif T and M % T:
+    check_tensor("selection_rows", selection_rows, ndim=1, dtype=INDEX_DTYPES, device=dev)
+    if T and selection_rows.shape[0] % T:
         raise ValueError(
-            f"without selection_rows z and expert_indices must hold T * K token-major rows for out's T={T} tokens, "
-            f"got {M}"
+            f"selection_rows must have T * K entries for out's T={T} tokens, got {selection_rows.shape[0]}"
         )
     if row_weights is not None:
         check_tensor("row_weights", row_weights, shape=(M,), dtype=_FLOATS, device=dev)
@@ -534,10 +521,8 @@ def grouped_gemm_combine(
         if w_scale.numel() != w.shape[0]:
             raise ValueError(f"w_scale must have {w.shape[0]} elements (one per row of w), got {tuple(w_scale.shape)}")
     if M == 0 or T == 0:  # no row to add / no token to add into (the CPU reference indexed empty rows)
-        if not accumulate:
-            out.zero_()
         return out
-    call_op(_grouped_gemm_combine_op, z, w, expert_indices, selection_rows, out, row_weights, w_scale, accumulate)
+    call_op(_grouped_gemm_combine_op, z, w, expert_indices, selection_rows, out, row_weights, w_scale)
     return out
 
 

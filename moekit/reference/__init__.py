@@ -12,7 +12,6 @@ from moekit.reference.gather_scatter import (
     scatter_add_dense_tokens_deterministic,
     scatter_add_padded_tokens,
 )
-from moekit.reference.decode import route_swiglu
 from moekit.reference.grouped_gemm import (
     f8f8bf16_rowwise,
     grouped_gemm,
@@ -64,7 +63,6 @@ __all__ = [
     "reduce_scatter_hidden",
     "rms_norm",
     "route_and_shuffle",
-    "route_swiglu",
     "routing_weights",
     "scatter_add_dense_tokens",
     "scatter_add_dense_tokens_deterministic",

@@ -216,19 +216,16 @@ def grouped_gemm_combine(
     z: torch.Tensor,
     w: torch.Tensor,
     expert_indices: torch.Tensor,
-    selection_rows: Optional[torch.Tensor],
+    selection_rows: torch.Tensor,
     out: torch.Tensor,
     *,
     row_weights: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
-    accumulate: bool = True,
 ) -> torch.Tensor:
     """The down projection combined per token: ``out[t] += sum_j rw[r] * (z[r] @ w_e.T)`` over
     token t's choices ``j < K`` (``K = len(selection_rows) // T``), with ``r =
-    selection_rows[t * K + j]`` (skipped when negative or ``>= len(z)``; ``selection_rows=None``:
-    ``r = t * K + j``, ``K = len(expert_indices) // T``) and ``e = expert_indices[r]``; the K
-    terms summed in float32 in slot order, added to ``out`` once (``accumulate=False``: ``out``
-    set to the sum, its contents not read).
+    selection_rows[t * K + j]`` (skipped when negative or ``>= len(z)``) and ``e =
+    expert_indices[r]``; the K terms summed in float32 in slot order, added to ``out`` once.
     ``w [G * N, F]`` (x's dtype, or FP8 with ``w_scale [G * N]``), ``z [M, F]``, ``out [T, N]``.
     Returns ``out``."""
     check_tensor("out", out, ndim=2, dtype=_FLOATS)
@@ -240,9 +237,7 @@ def grouped_gemm_combine(
         raise ValueError(f"w must have shape [G * {N}, {F}], got {tuple(w.shape)}")
     G = w.shape[0] // max(N, 1)
     if T == 0 or M == 0:  # no token to add into / no row to add
-        return out if accumulate else out.zero_()
-    if selection_rows is None:
-        selection_rows = torch.arange(expert_indices.numel() // T * T, device=out.device)
+        return out
     K = selection_rows.numel() // T
     rows = selection_rows.long().view(T, K)
     ok = (rows >= 0) & (rows < M)
@@ -259,7 +254,7 @@ def grouped_gemm_combine(
         if row_weights is not None:
             y = y * row_weights.float()[rs[:, j]].unsqueeze(-1)
         acc = acc + torch.where(ok[:, j : j + 1], y, 0.0)
-    out.copy_(((out.float() + acc) if accumulate else acc).to(out.dtype))
+    out.copy_((out.float() + acc).to(out.dtype))
     return out
 
 

@@ -45,8 +45,6 @@ def _combine_kernel(
     stride_om,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
-    HAS_SROW: tl.constexpr,
-    ACC: tl.constexpr,
     HAS_RW: tl.constexpr,
     HAS_WS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -60,10 +58,7 @@ def _combine_kernel(
     t = pid % T
     nb = pid // T
     slots = tl.arange(0, K_PAD)
-    if HAS_SROW:
-        rows = tl.load(srow_ptr + t.to(tl.int64) * K + slots, mask=slots < K, other=-1)
-    else:  # token-major rows (``route_swiglu``'s): token t's choice j is row t * K + j
-        rows = tl.where(slots < K, t * K + slots, -1)
+    rows = tl.load(srow_ptr + t.to(tl.int64) * K + slots, mask=slots < K, other=-1)
     r_ok = (rows >= 0) & (rows < M)
     rows = tl.where(r_ok, rows, 0)
     e = tl.load(eidx_ptr + rows, mask=r_ok, other=0)
@@ -80,27 +75,18 @@ def _combine_kernel(
     if HAS_RW:
         post = post * tl.load(rw_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
     o_ptrs = out_ptr + t.to(tl.int64) * stride_om + offs_n
-    prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if ACC:
-        prev = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    prev = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     w_rows = w_ptr + (col * stride_wn)[:, :, None]
     z_rows = z_ptr + (rows.to(tl.int64) * stride_zm)[:, None]
     acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_F), dtype=tl.float32)
     for f0 in tl.range(0, F, BLOCK_F, num_stages=STAGES):
         offs_f = f0 + tl.arange(0, BLOCK_F)
         if EVEN_F:
-            wt = tl.load(
-                w_rows + offs_f[None, None, :], mask=cmask[:, :, None], other=0.0, eviction_policy="evict_first"
-            )
+            wt = tl.load(w_rows + offs_f[None, None, :], mask=cmask[:, :, None], other=0.0)
             zt = tl.load(z_rows + offs_f[None, :], mask=r_ok[:, None], other=0.0)
         else:
             f_ok = offs_f < F
-            wt = tl.load(
-                w_rows + offs_f[None, None, :],
-                mask=cmask[:, :, None] & f_ok[None, None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            wt = tl.load(w_rows + offs_f[None, None, :], mask=cmask[:, :, None] & f_ok[None, None, :], other=0.0)
             zt = tl.load(z_rows + offs_f[None, :], mask=r_ok[:, None] & f_ok[None, :], other=0.0)
         acc += wt.to(tl.float32) * zt.to(tl.float32)[:, None, :]
     y = tl.sum(tl.sum(acc, axis=2) * post, axis=0)
@@ -129,22 +115,19 @@ def grouped_gemm_combine(
     z: torch.Tensor,
     w: torch.Tensor,
     expert_indices: torch.Tensor,
-    selection_rows: Optional[torch.Tensor],
+    selection_rows: torch.Tensor,
     out: torch.Tensor,
     row_weights: Optional[torch.Tensor],
     w_scale: Optional[torch.Tensor],
     config: Optional[tuple[int, int, int]] = None,
-    accumulate: bool = True,
 ) -> None:
     """Launcher (validated arguments): ``out[t] += sum_j rw[r] * (z[r] @ w_e.T)`` for the rows
-    ``r = selection_rows[t * K + j]`` (skipped when negative; without ``selection_rows`` ``r = t
-    * K + j``, ``K = len(expert_indices) // T``), ``e = expert_indices[r]``; ``accumulate``
-    False: ``out[t] = ...`` (out's previous contents never read)."""
+    ``r = selection_rows[t * K + j]`` (skipped when negative), ``e = expert_indices[r]``."""
     T, N = (int(d) for d in out.shape)
     M, F = (int(d) for d in z.shape)
     if T == 0 or N == 0:
         return
-    K = int((selection_rows if selection_rows is not None else expert_indices).shape[0]) // T
+    K = int(selection_rows.shape[0]) // T
     k_pad = max(1, next_pow2(K))
     G = int(w.shape[0]) // N
     if G * N >= 2**31:
@@ -152,10 +135,9 @@ def grouped_gemm_combine(
     bn, bf, stages = config or combine_config(T, N, F, k_pad, w.element_size(), num_sms(z.device))
     ph = torch.empty((1,), dtype=torch.float32, device=z.device)
     launch(_combine_kernel)[(T * cdiv(N, bn),)](
-        z, w, out, selection_rows if selection_rows is not None else ph, expert_indices,
-        row_weights if row_weights is not None else ph, w_scale if w_scale is not None else ph, T, N, F, M, G,
-        z.stride(0), w.stride(0), out.stride(0), K=K, K_PAD=k_pad, HAS_SROW=selection_rows is not None,
-        ACC=bool(accumulate), HAS_RW=row_weights is not None, HAS_WS=w_scale is not None,
+        z, w, out, selection_rows, expert_indices, row_weights if row_weights is not None else ph,
+        w_scale if w_scale is not None else ph, T, N, F, M, G, z.stride(0), w.stride(0), out.stride(0),
+        K=K, K_PAD=k_pad, HAS_RW=row_weights is not None, HAS_WS=w_scale is not None,
         BLOCK_N=bn, BLOCK_F=bf, EVEN_F=F % bf == 0, STAGES=stages, num_warps=4, num_stages=stages,
     )  # fmt: skip
 

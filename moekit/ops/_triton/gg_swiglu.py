@@ -45,8 +45,6 @@ from moekit.ops._triton.gg_config import (
     use_gemv,
 )
 from moekit.ops._triton.gg_kernels import _group_table, _pick
-from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok, _unit_last
-from moekit.ops._triton.route import SCORE_CODES, _top_k_tile
 
 
 @triton.jit
@@ -68,70 +66,6 @@ def _swiglu_store(g_acc, u_acc, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at ``ptrs`` (no registers filled, nothing waited for),
-    marked to stay until read (``evict_last``; the reader loads them ``evict_first``)."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _prefetch_slab(pf_ptr, g, nb, pf_slab, pf_chunk, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr):
-    """Program ``nb``'s share of expert ``g``'s down-projection weights (elements ``[nb *
-    pf_chunk, (nb + 1) * pf_chunk)`` of its ``pf_slab``-element slab) into L2, ``PF_LINES`` lines
-    of ``PF_STEP`` elements at a time: the down GEMM that follows reads them from L2 while this
-    kernel's own weight stream keeps HBM busy."""
-    if PF_LINES > 0:
-        begin = nb.to(tl.int64) * pf_chunk
-        end = tl.minimum(begin + pf_chunk, pf_slab)
-        base = pf_ptr + g.to(tl.int64) * pf_slab
-        for i0 in range(begin, end, PF_LINES * PF_STEP):
-            offs = tl.minimum(i0 + tl.arange(0, PF_LINES).to(tl.int64) * PF_STEP, end - 1)
-            _prefetch_l2(base + offs)
-
-
-@triton.jit
-def _swiglu_gemv_row(x_row, w_ptr, z_ptr, g, m, nb, F, K, stride_wn, stride_zm, xs, ws_ptr, rs,
-                     HAS_XS: tl.constexpr, HAS_WS: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    """Row ``m`` of z, columns ``[nb * BLOCK_N, ...)``: expert ``g``'s gate and up slices against
-    the token row at ``x_row`` (scales ``xs`` / ``rs`` already loaded, ``[1]``), SwiGLU, store."""
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < F
-    gate = g.to(tl.int64) * 2 * F + offs_n
-    up = gate + F
-    wg_rows = w_ptr + gate[:, None] * stride_wn
-    wu_rows = w_ptr + up[:, None] * stride_wn
-    # Epilogue operands first: their latency hides under the weight stream.
-    ws_g = tl.full((BLOCK_N,), 1.0, tl.float32)
-    ws_u = ws_g
-    if HAS_WS:
-        ws_g = tl.load(ws_ptr + gate, mask=n_mask, other=0.0)
-        ws_u = tl.load(ws_ptr + up, mask=n_mask, other=0.0)
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-            wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-            xv = tl.load(x_row + offs_k)
-        else:
-            k_mask = offs_k < K
-            wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-        xf = xv.to(tl.float32)[None, :]
-        acc_g += wg.to(tl.float32) * xf
-        acc_u += wu.to(tl.float32) * xf
-    hg = tl.sum(acc_g, axis=1)[None, :]
-    hu = tl.sum(acc_u, axis=1)[None, :]
-    offs_m = m + tl.zeros((1,), tl.int32)
-    _swiglu_store(hg, hu, offs_m, offs_m >= 0, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
-                  HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
-
-
-@triton.jit
 def _swiglu_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -141,7 +75,6 @@ def _swiglu_gemv_kernel(
     xs_ptr,
     ws_ptr,
     rs_ptr,
-    pf_ptr,
     M,
     F,
     K,
@@ -150,8 +83,6 @@ def _swiglu_gemv_kernel(
     stride_xm,
     stride_wn,
     stride_zm,
-    pf_slab,
-    pf_chunk,
     GATHER: tl.constexpr,
     HAS_XS: tl.constexpr,
     HAS_WS: tl.constexpr,
@@ -161,8 +92,6 @@ def _swiglu_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
-    PF_LINES: tl.constexpr,
-    PF_STEP: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
@@ -175,91 +104,46 @@ def _swiglu_gemv_kernel(
     if GATHER:
         src = tl.load(gather_ptr + m)
     if (g >= 0) & (src >= 0) & (src < T_IN):
-        _prefetch_slab(pf_ptr, g, nb, pf_slab, pf_chunk, PF_LINES, PF_STEP)
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < F
+        gate = g.to(tl.int64) * 2 * F + offs_n
+        up = gate + F
+        wg_rows = w_ptr + gate[:, None] * stride_wn
+        wu_rows = w_ptr + up[:, None] * stride_wn
+        x_row = x_ptr + src.to(tl.int64) * stride_xm
+        # Epilogue operands first: their latency hides under the weight stream.
         xs = tl.full((1,), 1.0, tl.float32)
         if HAS_XS:
             xs = tl.load(xs_ptr + src + tl.zeros((1,), tl.int32))
+        ws_g = tl.full((BLOCK_N,), 1.0, tl.float32)
+        ws_u = ws_g
+        if HAS_WS:
+            ws_g = tl.load(ws_ptr + gate, mask=n_mask, other=0.0)
+            ws_u = tl.load(ws_ptr + up, mask=n_mask, other=0.0)
         rs = tl.full((1,), 1.0, tl.float32)
         if HAS_RS:
             rs = tl.load(rs_ptr + m + tl.zeros((1,), tl.int32)).to(tl.float32)
-        _swiglu_gemv_row(x_ptr + src.to(tl.int64) * stride_xm, w_ptr, z_ptr, g, m, nb, F, K, stride_wn, stride_zm,
-                         xs, ws_ptr, rs, HAS_XS, HAS_WS, HAS_RS, BLOCK_N, BLOCK_K, EVEN_K, STAGES)  # fmt: skip
-
-
-@triton.jit
-def _route_swiglu_kernel(
-    x_ptr,
-    w_ptr,
-    z_ptr,
-    logits_ptr,
-    bias_ptr,
-    eidx_ptr,
-    rw_ptr,
-    ws_ptr,
-    pf_ptr,
-    T,
-    E,
-    F,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_zm,
-    stride_lt,
-    stride_le,
-    scale,
-    pf_slab,
-    pf_chunk,
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    SCORE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr,
-    NG: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    ON_INPUT: tl.constexpr,
-    HAS_WS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    PF_LINES: tl.constexpr,
-    PF_STEP: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,
-):
-    """``route_swiglu``: program ``(m, nb)`` routes token ``t = m // TOP_K`` itself (its logits
-    row, ``route.py``'s ``_top_k_tile``: the same experts and weights as ``route_and_shuffle``),
-    takes choice ``j = m % TOP_K`` (expert ``g``, weight ``wt``) and computes z row ``m``'s
-    columns ``nb``: no routing launch and no group table before the first weight load. The
-    ``nb == 0`` programs store ``eidx[m] = g`` and ``rw[m] = wt`` (token-major rows)."""
-    pdl_prologue(USE_PDL)
-    pid = tl.program_id(0)
-    M = T * TOP_K
-    m = pid % M
-    nb = pid // M
-    t = m // TOP_K
-    j = m % TOP_K
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    slots = tl.arange(0, K_PAD)
-    l = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + cols * stride_le, mask=col_ok, other=0.0)
-    bias = tl.zeros([BLOCK_E], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    ids, wts, _, _ = _top_k_tile(l.to(tl.float32)[None, :], cols, col_ok, bias, slots, scale, TOP_K, SCORE,
-                                 HAS_BIAS, RENORM, NG, TOPK_GROUP, 1, BLOCK_E)  # fmt: skip
-    g = tl.sum(tl.sum(tl.where(slots[None, :] == j, ids, 0), axis=1), axis=0)
-    wt = tl.sum(tl.sum(tl.where(slots[None, :] == j, wts, 0.0), axis=1), axis=0)
-    if nb == 0:
-        tl.store(eidx_ptr + m, g)
-        tl.store(rw_ptr + m, wt)
-    _prefetch_slab(pf_ptr, g, nb, pf_slab, pf_chunk, PF_LINES, PF_STEP)
-    xs = tl.full((1,), 1.0, tl.float32)
-    rs = tl.full((1,), 1.0, tl.float32)
-    if ON_INPUT:
-        rs = wt + tl.zeros((1,), tl.float32)
-    _swiglu_gemv_row(x_ptr + t.to(tl.int64) * stride_xm, w_ptr, z_ptr, g, m, nb, F, K, stride_wn, stride_zm, xs,
-                     ws_ptr, rs, False, HAS_WS, ON_INPUT, BLOCK_N, BLOCK_K, EVEN_K, STAGES)  # fmt: skip
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+                wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+                xv = tl.load(x_row + offs_k)
+            else:
+                k_mask = offs_k < K
+                wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+            xf = xv.to(tl.float32)[None, :]
+            acc_g += wg.to(tl.float32) * xf
+            acc_u += wu.to(tl.float32) * xf
+        hg = tl.sum(acc_g, axis=1)[None, :]
+        hu = tl.sum(acc_u, axis=1)[None, :]
+        offs_m = m + tl.zeros((1,), tl.int32)
+        _swiglu_store(hg, hu, offs_m, offs_m >= 0, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
+                      HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
 
 
 @triton.jit
@@ -387,12 +271,11 @@ def grouped_gemm_swiglu(
     w_scale: Optional[torch.Tensor],
     config: Optional[GemmConfig] = None,
     out: Optional[torch.Tensor] = None,
-    prefetch: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Launcher (validated arguments): ``z [M, F]`` (``out`` when given: contiguous, the output
-    dtype), rows not computed left unwritten. ``prefetch``: the down projection's weights ``[G *
-    D, F]`` (contiguous), whose slices of the experts hit the GEMV kernel prefetches into L2
-    (``prefetch_plan``)."""
+    dtype), rows not computed left unwritten."""
+    from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok, _unit_last
+
     T_IN, K = (int(d) for d in x.shape)
     M = int(gather_indices.shape[0]) if gather_indices is not None else T_IN
     G = int(m_sizes.shape[0])
@@ -415,12 +298,10 @@ def grouped_gemm_swiglu(
     )  # fmt: skip
     if cfg.kind == "gemv":
         bk = cfg.block_k
-        n_blocks = cdiv(F, cfg.block_n)
-        pf, pf_slab, pf_chunk, pf_lines, pf_step = prefetch_plan(prefetch, G, M, n_blocks, ph)
-        launch(_swiglu_gemv_kernel)[(M * n_blocks,)](
-            x, w13, z, m_sizes, *optional, pf, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
-            pf_slab, pf_chunk, BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages,
-            PF_LINES=pf_lines, PF_STEP=pf_step, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
+        launch(_swiglu_gemv_kernel)[(M * cdiv(F, cfg.block_n),)](
+            x, w13, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
+            BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages,
+            num_warps=cfg.warps, num_stages=cfg.stages, **flags,
         )  # fmt: skip
         return z
     w_block = [cfg.block_n, cfg.block_k]
@@ -435,91 +316,5 @@ def grouped_gemm_swiglu(
     return z
 
 
-# L2 lines one prefetch step of a program asks for (``_prefetch_slab``).
-PF_LINES = 256
-
-
-def prefetch_plan(w: Optional[torch.Tensor], G: int, rows: int, n_blocks: int, placeholder: torch.Tensor) -> tuple:
-    """``(tensor, slab, chunk, lines, step)`` of the GEMV kernels' L2 prefetch of ``w [G * D, F]``
-    (the down projection's weights; None: no prefetch): each of the ``rows`` rows' ``n_blocks``
-    programs asks for a ``chunk``-element share of the first part of its expert's ``slab = D * F``
-    elements, the part such that all rows together stay within ``settings.l2_prefetch_mb``
-    (the down GEMM's programs whose columns fall there read L2, the rest HBM). Off where
-    ``prefetch.global.L2`` cannot run (the interpreter, non-contiguous weights)."""
-    from moekit.ops._common import interpreting
-
-    mb = settings.get().l2_prefetch_mb
-    if w is None or mb <= 0 or interpreting() or not w.is_contiguous() or w.shape[0] % max(G, 1) or rows == 0:
-        return placeholder, 0, 0, 0, 1
-    slab = (w.shape[0] // G) * w.shape[1]
-    step = max(1, 128 // w.element_size())  # elements of one 128-byte line
-    budget = (mb << 20) // (rows * w.element_size())  # elements per row's slab
-    covered = min(slab, budget)
-    chunk = cdiv(cdiv(covered, n_blocks), step) * step
-    if chunk == 0:
-        return placeholder, 0, 0, 0, 1
-    return w, slab, chunk, min(PF_LINES, next_pow2(cdiv(chunk, step))), step
-
-
-@functools.lru_cache(maxsize=1024)
-def route_swiglu_config(M: int, F: int, K: int, elem: int, sms: int) -> GemmConfig:
-    """``route_swiglu``'s GEMV tiles: the grouped GEMM's GEMV rule for ``M`` rows, pipelines
-    resized for two weight tiles per stage (as ``swiglu_config``)."""
-    cfg = gemv_config(M, F, K, elem, sms)
-    stages = 1 + max(2, min(6, (16 * 1024) // (cfg.block_n * cfg.block_k * elem)))
-    return replace(cfg, stages=stages)
-
-
-def route_swiglu(
-    x: torch.Tensor,
-    logits: torch.Tensor,
-    w13: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    top_k: int,
-    score_func: str,
-    renormalize: bool,
-    n_group: Optional[int],
-    topk_group: Optional[int],
-    scale: float,
-    weight_on_input: bool,
-    w_scale: Optional[torch.Tensor],
-    prefetch: Optional[torch.Tensor] = None,
-    config: Optional[GemmConfig] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launcher of ``route_swiglu`` (validated arguments, routing the kernel takes:
-    ``route.kernel_supports``): ``(z [T * top_k, F], expert ids [T * top_k] int32, weights [T *
-    top_k] float32)``, token-major rows."""
-    T, D = (int(d) for d in x.shape)
-    E = int(logits.shape[1])
-    M = T * top_k
-    F = int(w13.shape[0]) // (2 * E)
-    dev = x.device
-    z = torch.empty((M, F), dtype=x.dtype, device=dev)
-    eidx = torch.empty((M,), dtype=torch.int32, device=dev)
-    rw = torch.empty((M,), dtype=torch.float32, device=dev)
-    if M == 0 or F == 0:
-        return z, eidx, rw
-    if E * 2 * F >= 2**31:
-        raise ValueError(f"route_swiglu supports E * 2F below 2**31, got {E * 2 * F}")
-    x = _unit_last(x)
-    w13 = _unit_last(w13)
-    cfg = config or route_swiglu_config(M, F, D, w13.element_size(), num_sms(dev))
-    n_blocks = cdiv(F, cfg.block_n)
-    ph = torch.empty((1,), dtype=torch.float32, device=dev)
-    pf, pf_slab, pf_chunk, pf_lines, pf_step = prefetch_plan(prefetch, E, M, n_blocks, ph)
-    bk = cfg.block_k
-    launch(_route_swiglu_kernel)[(M * n_blocks,)](
-        x, w13, z, logits, bias if bias is not None else ph, eidx, rw, w_scale if w_scale is not None else ph, pf,
-        T, E, F, D, x.stride(0), w13.stride(0), z.stride(0), logits.stride(0), logits.stride(1), float(scale),
-        pf_slab, pf_chunk, TOP_K=top_k, K_PAD=next_pow2(top_k), SCORE=SCORE_CODES[score_func],
-        HAS_BIAS=bias is not None, RENORM=bool(renormalize), NG=1 if n_group is None else int(n_group),
-        TOPK_GROUP=int(topk_group or 1), BLOCK_E=max(16, next_pow2(E)), ON_INPUT=bool(weight_on_input),
-        HAS_WS=w_scale is not None, BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=cfg.stages,
-        PF_LINES=pf_lines, PF_STEP=pf_step, num_warps=cfg.warps, num_stages=cfg.stages,
-    )  # fmt: skip
-    return z, eidx, rw
-
-
 # Settings (GEMV bounds, knobs) feed swiglu_config: a change drops its cached choices.
 settings.on_change(swiglu_config.cache_clear)
-settings.on_change(route_swiglu_config.cache_clear)

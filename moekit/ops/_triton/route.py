@@ -79,25 +79,6 @@ def _scores(l, col_ok, bias, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr):
 def _group_mask(c, BT: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr):
     """DeepSeek's grouped top-k: keep the ``TOPK_GROUP`` groups (of ``GP`` contiguous experts)
     with the largest sums of their top two values (ties to the lower group), -inf elsewhere."""
-    if BT == 1:  # one token (the fused decode kernels): 2-D tiles (3-D ones cost 2x the registers)
-        c2 = tl.reshape(c, [NG, GP])
-        m1 = tl.max(c2, axis=1)
-        if GP == 1:
-            gs = m1
-        else:
-            iota = tl.arange(0, GP)[None, :]
-            first = tl.min(tl.where(c2 == m1[:, None], iota, GP), axis=1)
-            m2 = tl.max(tl.where(iota == first[:, None], float("-inf"), c2), axis=1)
-            gs = m1 + m2
-        giota = tl.arange(0, NG)
-        keep = giota < 0
-        for _ in tl.static_range(TOPK_GROUP):
-            cand = tl.where(keep, float("-inf"), gs)
-            mx = tl.max(cand, axis=0)
-            pick = tl.min(tl.where(cand == mx, giota, NG), axis=0)
-            keep = keep | (giota == pick)
-        keep2 = tl.broadcast_to(keep[:, None], [NG, GP])
-        return tl.where(tl.reshape(keep2, [1, NG * GP]), c, float("-inf"))
     c3 = tl.reshape(c, [BT, NG, GP])
     m1 = tl.max(c3, axis=2)
     if GP == 1:
@@ -116,40 +97,6 @@ def _group_mask(c, BT: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr, TOPK_GR
         keep = keep | (giota == pick[:, None])
     keep3 = tl.broadcast_to(keep[:, :, None], [BT, NG, GP])
     return tl.where(tl.reshape(keep3, [BT, NG * GP]), c, float("-inf"))
-
-
-@triton.jit
-def _top_k_tile(l, cols, col_ok, bias, slots, scale, K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                RENORM: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, BT: tl.constexpr,
-                BLOCK_E: tl.constexpr):  # fmt: skip
-    """The routing of a ``[BT, BLOCK_E]`` float32 logits tile: ``(ids, weights)`` ``[BT, K_PAD]``
-    (slot j: the j-th choice; slots past K hold expert 0 and weight 0), and the unique keys and
-    the K-th largest key of each row (the selection: ``key >= thr``). Scores, correction bias and
-    DeepSeek's group mask, then K rounds of "largest key below the previous one" (slot j gets
-    round j's expert), then the weights: the unbiased scores (or the softmax over the k logits),
-    renormalized, scaled. ``route_and_shuffle``'s kernels and the fused decode kernels
-    (``gg_swiglu``) route through this one helper, so both choose the same experts and weights."""
-    slot_ok = slots < K
-    c, s = _scores(l, col_ok, bias, SCORE, HAS_BIAS)
-    if NG > 1:
-        c = _group_mask(c, BT, NG, BLOCK_E // NG, TOPK_GROUP)
-    key = _score_keys(c, cols, True)
-    thr = tl.max(key, axis=1)
-    ids = tl.where(slots[None, :] == 0, (65535 - (thr & 65535)).to(tl.int32)[:, None], 0)
-    for j in tl.static_range(1, K):
-        thr = _row_below(key, key, key, thr, 1, True)
-        ids = tl.where(slots[None, :] == j, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
-    ids = tl.where(slot_ok[None, :], ids, 0)
-    w = tl.gather(s, ids, 1)
-    if SCORE == 2:  # softmax over the k logits (the first slot holds their max)
-        w0 = tl.sum(tl.where(slots[None, :] == 0, w, 0.0), axis=1)
-        w = tl.where(slot_ok[None, :], tl.exp(w - w0[:, None]), 0.0)
-        w = w / tl.sum(w, axis=1)[:, None]
-    if RENORM:
-        w = tl.where(slot_ok[None, :], w, 0.0)
-        w = w / tl.sum(w, axis=1)[:, None]
-    w = tl.where(slot_ok[None, :], w * scale, 0.0).to(tl.float32)
-    return ids, w, key, thr
 
 
 @triton.jit
@@ -270,10 +217,27 @@ def _route_fused_kernel(
             row_ok = rows < t_end
             ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :] * stride_e
             l = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            ids, w, key, thr = _top_k_tile(l, cols, col_ok, bias, slots, scale, K, SCORE, HAS_BIAS, RENORM, NG,
-                                           TOPK_GROUP, BT, BLOCK_E)  # fmt: skip
+            c, s = _scores(l, col_ok, bias, SCORE, HAS_BIAS)
+            if NG > 1:
+                c = _group_mask(c, BT, NG, BLOCK_E // NG, TOPK_GROUP)
+            key = _score_keys(c, cols, True)
+            # K rounds of "largest key below the previous one"; slot j gets round j's expert.
+            thr = tl.max(key, axis=1)
+            ids = tl.where(slots[None, :] == 0, (65535 - (thr & 65535)).to(tl.int32)[:, None], 0)
+            for j in tl.static_range(1, K):
+                thr = _row_below(key, key, key, thr, 1, True)
+                ids = tl.where(slots[None, :] == j, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
             ok = row_ok[:, None] & slot_ok[None, :]
             ids = tl.where(ok, ids, 0)
+            w = tl.gather(s, ids, 1)
+            if SCORE == 2:  # softmax over the k logits (the first slot holds their max)
+                w0 = tl.sum(tl.where(slots[None, :] == 0, w, 0.0), axis=1)
+                w = tl.where(slot_ok[None, :], tl.exp(w - w0[:, None]), 0.0)
+                w = w / tl.sum(w, axis=1)[:, None]
+            if RENORM:
+                w = tl.where(slot_ok[None, :], w, 0.0)
+                w = w / tl.sum(w, axis=1)[:, None]
+            w = (w * scale).to(tl.float32)
             picked = (key >= thr[:, None]) & row_ok[:, None] & in_range[None, :]
             one = picked.to(tl.int32)
             before = tl.cumsum(one, axis=0) - one + carry[None, :]
@@ -428,24 +392,18 @@ def _blocks(T: int, E: int) -> tuple[int, int]:
     return bt, cdiv(T, bt)
 
 
-def routing_supported(E: int, top_k: int, n_group: Optional[int]) -> bool:
-    """Routings ``_top_k_tile`` takes: ``E <= ROUTE_MAX_E``, ``top_k <= ROUTE_MAX_K``, grouped
-    routing with power-of-two groups filling a power-of-two E."""
+def kernel_supports(T: int, E: int, top_k: int, n_group: Optional[int]) -> bool:
+    """Shapes the kernels take (grouped routing needs power-of-two groups filling E): one
+    program up to ``settings.route_fused_max_t`` tokens, else blocks of tokens, at most
+    ``SPLIT_MAX_BLOCKS`` of them (the placing programs each read every block's counts)."""
     if E > ROUTE_MAX_E or top_k > ROUTE_MAX_K:
+        return False
+    s = settings.get()
+    if T > s.route_fused_max_t and _blocks(T, E)[1] > s.knob("SPLIT_MAX_BLOCKS", SPLIT_MAX_BLOCKS):
         return False
     if n_group is not None and n_group > 1:
         return E >= 16 and E == next_pow2(E) and n_group == next_pow2(n_group) and n_group <= E
     return True
-
-
-def kernel_supports(T: int, E: int, top_k: int, n_group: Optional[int]) -> bool:
-    """Shapes the kernels take (``routing_supported``): one program up to
-    ``settings.route_fused_max_t`` tokens, else blocks of tokens, at most ``SPLIT_MAX_BLOCKS`` of
-    them (the placing programs each read every block's counts)."""
-    if not routing_supported(E, top_k, n_group):
-        return False
-    s = settings.get()
-    return T <= s.route_fused_max_t or _blocks(T, E)[1] <= s.knob("SPLIT_MAX_BLOCKS", SPLIT_MAX_BLOCKS)
 
 
 def _outputs(E: int, N: int, dev: torch.device) -> tuple:
