@@ -24,7 +24,6 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_GG_TMA`` | ``gg_tma`` | 1 | TMA descriptors in the grouped GEMM where the strides allow |
 | ``MOEKIT_GG_FLATTEN`` | ``gg_flatten`` | 1 | the tiled GEMM's fused (flattened) tile + K loop |
 | ``MOEKIT_GG_STREAM_PPS`` | ``gg_stream_pps`` | 4 | streaming GEMM grid cap, programs per SM |
-| ``MOEKIT_W8_STREAM`` | ``w8_stream`` | q8 | weight-only FP8 (16-bit activations, FP8 weights) on the streaming grouped GEMMs: ``q8`` quantizes each activation tile to FP8 (one scale per row and K tile) for the FP8 MMA, ``cast`` converts the weight tiles for a 16-bit MMA |
 | ``MOEKIT_F8_DENSE`` | ``f8_dense`` | auto | dense FP8 GEMM backend: ``auto``, ``triton``, ``scaled_mm`` |
 | ``MOEKIT_COMM_HOST_ERRORS`` | ``comm_host_errors`` | 1 | the collective mirrors timeouts to pinned host memory |
 | ``MOEKIT_BENCH_DIR`` | ``bench_dir`` | ``$OUT`` | where benchmarks write their JSON rows |
@@ -46,7 +45,6 @@ __all__ = ["Settings", "get", "override", "on_change", "reload"]
 MOE_PATHS = ("auto", "decode", "sorted")
 DOWN_SUMS = ("auto", "atomic", "sum")
 F8_DENSE = ("auto", "triton", "scaled_mm")
-W8_STREAM = ("q8", "cast")
 _DEFAULT_PDL_SKIP = frozenset({"_gg_tiled_kernel", "_gg_stream_kernel"})
 
 
@@ -66,7 +64,6 @@ class Settings:
     gg_tma: bool = True
     gg_flatten: bool = True
     gg_stream_pps: int = 4
-    w8_stream: str = "q8"
     f8_dense: str = "auto"
     comm_host_errors: bool = True
     bench_dir: Optional[str] = None
@@ -154,7 +151,6 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         gg_tma=_flag(env, "MOEKIT_GG_TMA", True),
         gg_flatten=_flag(env, "MOEKIT_GG_FLATTEN", True),
         gg_stream_pps=_int(env, "MOEKIT_GG_STREAM_PPS", 4, lo=1),
-        w8_stream=_choice(env, "MOEKIT_W8_STREAM", "q8", W8_STREAM),
         f8_dense=_choice(env, "MOEKIT_F8_DENSE", "auto", F8_DENSE),
         comm_host_errors=_flag(env, "MOEKIT_COMM_HOST_ERRORS", True),
         bench_dir=env.get("MOEKIT_BENCH_DIR") or env.get("OUT") or None,

@@ -16,7 +16,7 @@ from moekit._validate import FP8_DTYPE, FP8_MAX, check_optional_scale_ub, check_
 DEFAULT_EPS = 1.0 / 512.0
 FUSED_EPS = 1e-12
 
-__all__ = ["DEFAULT_EPS", "FUSED_EPS", "quantize_rows", "quantize_fp8_row", "dequantize_fp8_row", "quantize_tiles"]
+__all__ = ["DEFAULT_EPS", "FUSED_EPS", "quantize_rows", "quantize_fp8_row", "dequantize_fp8_row"]
 
 
 def quantize_rows(
@@ -66,20 +66,3 @@ def dequantize_fp8_row(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     check_tensor("q", q, dtype=FP8_DTYPE)
     check_tensor("scale", scale, dtype=torch.float32, shape=tuple(q.shape[:-1]))
     return q.float() * scale.unsqueeze(-1)
-
-
-def quantize_tiles(x: torch.Tensor, block_k: int) -> torch.Tensor:
-    """``x [M, K]`` as the weight-only FP8 streaming GEMMs' FP8 MMA sees it (``XQ``, 16-bit
-    activations with FP8 weights): every row's ``block_k``-column tiles (the last one short when
-    ``block_k`` does not divide K) quantized to e4m3fn with their own scale (the tile's absolute
-    max / 448, rounded to nearest even; an all-zero tile stays zero), then dequantized. float32."""
-    check_tensor("x", x, ndim=2)
-    M, K = x.shape
-    xf = x.float()
-    out = torch.empty_like(xf)
-    for k0 in range(0, K, block_k):
-        t = xf[:, k0 : k0 + block_k]
-        amax = t.abs().amax(dim=1, keepdim=True) if t.shape[1] else torch.zeros(M, 1, device=x.device)
-        inv = torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
-        out[:, k0 : k0 + block_k] = (t * inv).to(FP8_DTYPE).float() * (amax / FP8_MAX)
-    return out

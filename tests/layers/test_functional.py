@@ -255,8 +255,7 @@ def test_gpu_decode_and_sorted_pipelines_match_reference(name, fp8, T):
     x = torch.randn(T, s.D, generator=torch.Generator(device="cuda").manual_seed(T), device="cuda").bfloat16()
     logits = x.float() @ w["router_DE"].float()
     want = _reference_hit(x, w, s, logits)
-    # FP8: weight-only on the decode pipeline's GEMVs, FP8 MMA on quantized activations elsewhere
-    for path, tol in (("decode", 8e-2 if fp8 and T > 1 else 2e-2), ("sorted", 8e-2 if fp8 else 2e-2)):
+    for path, tol in (("decode", 2e-2), ("sorted", 8e-2 if fp8 else 2e-2)):
         # the down projection's scatter-add and its stored rows + combine_rows, where they differ
         for down in ("atomic", "sum") if T >= 64 else ("auto",):
             with settings.override(moe_path=path, down_sum=down):

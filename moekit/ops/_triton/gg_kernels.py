@@ -86,23 +86,6 @@ def _epilogue(
         tl.store(ptrs, val, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _quant_tile(x_t, dtype):
-    """A ``[BM, BK]`` 16-bit activation tile as FP8 ``dtype`` (e4m3) with one float32 scale per
-    row of the tile (its absolute max over these BK columns / 448): ``(x_q, scale [BM])``, ``x_t
-    ~= x_q * scale``. The FP8 tensor-core product of a weight-only FP8 GEMM: the weights go from
-    shared memory to the MMA as they are, and each K tile's partial product is scaled back."""
-    xf = x_t.to(tl.float32)
-    amax = tl.max(tl.abs(xf), axis=1)
-    inv = tl.where(amax > 0.0, 448.0 / amax, 0.0)
-    # Rounded to e4m3's 3 mantissa bits (to nearest, ties to even) in the float32 bits, so that
-    # the conversion below is exact: the same values on the GPU and in the interpreter (whose
-    # own fp8 rounding loses the mantissa's carry).
-    b = (xf * inv[:, None]).to(tl.int32, bitcast=True)
-    b = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576
-    return b.to(tl.float32, bitcast=True).to(dtype), amax * (1.0 / 448.0)
-
-
 # ----------------------------------------------------------------------------------------------
 # Streaming (swap-AB) kernel: few rows per group
 # ----------------------------------------------------------------------------------------------
@@ -140,15 +123,11 @@ def _gg_stream_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     X_TMA: tl.constexpr = False,
-    XQ: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     """``X_TMA``: ``x_ptr`` is a TMA descriptor too: the row tile is read whole from ``m0`` (rows of
     the next group or past M come along, zero past M, and are never stored), which frees the
-    ``[BLOCK_M, BLOCK_K]`` pointer tile's registers for more resident programs. ``XQ`` (with
-    ``W_ONLY``): each 16-bit x tile is quantized to FP8 in registers (``_quant_tile``) and the
-    FP8 weight tile goes to the FP8 MMA unconverted; else the weight tile is converted to x's
-    dtype for a 16-bit MMA."""
+    ``[BLOCK_M, BLOCK_K]`` pointer tile's registers for more resident programs."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -192,13 +171,9 @@ def _gg_stream_kernel(
                 else:
                     # x through pointers: masked rows (other groups, past M) cost no traffic.
                     x_t = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                if W_ONLY and XQ:  # weight-only FP8 on the FP8 MMA: x quantized per row and K tile
-                    x_q, x_s = _quant_tile(x_t, w_t.dtype)
-                    acc += tl.dot(w_t, tl.trans(x_q)) * x_s[None, :]
-                else:
-                    if W_ONLY:  # weight-only FP8: the weight tile in x's dtype, in registers
-                        w_t = w_t.to(x_t.dtype)
-                    acc = tl.dot(w_t, tl.trans(x_t), acc)
+                if W_ONLY:  # weight-only FP8: the weight tile in x's dtype, in registers
+                    w_t = w_t.to(x_t.dtype)
+                acc = tl.dot(w_t, tl.trans(x_t), acc)
             _epilogue(
                 tl.trans(acc), offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
                 xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,

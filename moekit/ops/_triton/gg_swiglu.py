@@ -44,7 +44,7 @@ from moekit.ops._triton.gg_config import (
     heuristic_config,
     use_gemv,
 )
-from moekit.ops._triton.gg_kernels import _group_table, _pick, _quant_tile
+from moekit.ops._triton.gg_kernels import _group_table, _pick
 
 
 @triton.jit
@@ -169,7 +169,6 @@ def _swiglu_stream_kernel(
     HAS_WS: tl.constexpr,
     HAS_RS: tl.constexpr,
     W_CAST: tl.constexpr,
-    XQ: tl.constexpr,
     USE_TMA: tl.constexpr,
     G_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -231,28 +230,21 @@ def _swiglu_stream_kernel(
                     wg = tl.load(w_ptr + gate[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
                     wu = tl.load(w_ptr + (gate + F)[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
                 x_t = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
-                if W_CAST and XQ:  # weight-only FP8 on the FP8 MMA: x quantized per row and K tile
-                    x_q, x_s = _quant_tile(x_t, wg.dtype)
-                    acc_g += tl.dot(wg, tl.trans(x_q)) * x_s[None, :]
-                    acc_u += tl.dot(wu, tl.trans(x_q)) * x_s[None, :]
-                else:
-                    if W_CAST:  # weight-only FP8: the weights in x's dtype, in registers
-                        wg = wg.to(x_t.dtype)
-                        wu = wu.to(x_t.dtype)
-                    acc_g = tl.dot(wg, tl.trans(x_t), acc_g)
-                    acc_u = tl.dot(wu, tl.trans(x_t), acc_u)
+                if W_CAST:  # weight-only FP8: the weights in x's dtype, in registers
+                    wg = wg.to(x_t.dtype)
+                    wu = wu.to(x_t.dtype)
+                acc_g = tl.dot(wg, tl.trans(x_t), acc_g)
+                acc_u = tl.dot(wu, tl.trans(x_t), acc_u)
             _swiglu_store(tl.trans(acc_g), tl.trans(acc_u), offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm,
                           xs, ws_g, ws_u, rs, HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
-def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_elem: int = 0,
-                  x_elem: int = 0) -> GemmConfig:  # fmt: skip
+def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_elem: int = 0) -> GemmConfig:
     """The grouped GEMM's rules for an ``[M, F]`` output (GEMV when rows rarely share an expert,
     else streaming), with pipelines resized for two weight tiles per stage. ``elem``: bytes of the
-    MMA operands, ``w_elem``: of the weights the GEMV streams, ``x_elem``: of the x tiles the
-    streaming pipeline holds (both default ``elem``; weight-only FP8 on the FP8 MMA: 1, 1, 2).
-    Cached per shape (cleared when the settings change: ``settings.on_change``)."""
+    MMA operands (x's), ``w_elem``: of the weights the GEMV streams (default ``elem``). Cached per
+    shape (cleared when the settings change: ``settings.on_change``)."""
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     if use_gemv(M, hits):
         elem = w_elem or elem
@@ -264,7 +256,7 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     if cfg.kind != "stream":  # many rows per expert: the same streaming tiles, widest rows tile
         bm = 128 if M / hits >= 96 else 64
         cfg = GemmConfig("stream", bm, 64, 64 if elem == 2 else 128, 3, 8 if bm == 128 else 4)
-    stage = (2 * cfg.block_n * elem + cfg.block_m * (x_elem or elem)) * cfg.block_k
+    stage = (2 * cfg.block_n + cfg.block_m) * cfg.block_k * elem
     budget = _STREAM_SMEM if cfg.block_n >= 64 and cfg.warps == 4 else 128 * 1024
     return replace(cfg, stages=max(2, min(cfg.stages, budget // stage)))
 
@@ -282,7 +274,7 @@ def grouped_gemm_swiglu(
 ) -> torch.Tensor:
     """Launcher (validated arguments): ``z [M, F]`` (``out`` when given: contiguous, the output
     dtype), rows not computed left unwritten."""
-    from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok, _unit_last, xq_stream_config
+    from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok, _unit_last
 
     T_IN, K = (int(d) for d in x.shape)
     M = int(gather_indices.shape[0]) if gather_indices is not None else T_IN
@@ -297,15 +289,7 @@ def grouped_gemm_swiglu(
     x = _unit_last(x)
     w13 = _unit_last(w13)
     sms = num_sms(x.device)
-    # Weight-only FP8 (16-bit x, FP8 w13): the streaming kernel quantizes x tiles for the FP8 MMA
-    # (``settings.w8_stream`` "q8", its tiles sized as FP8's) or converts the weights ("cast").
-    xq = not fp8_x and w13.dtype == FP8_DTYPE and settings.get().w8_stream == "q8"
-    if xq:
-        cfg = config or swiglu_config(M, F, K, G, True, 1, sms, w_elem=1, x_elem=x.element_size())
-        if config is None and cfg.kind == "stream":
-            cfg = xq_stream_config(cfg, x.element_size(), K, weight_tiles=2)
-    else:
-        cfg = config or swiglu_config(M, F, K, G, fp8_x, x.element_size(), sms, w_elem=w13.element_size())
+    cfg = config or swiglu_config(M, F, K, G, fp8_x, x.element_size(), sms, w_elem=w13.element_size())
     ph = torch.empty((1,), dtype=torch.int32, device=x.device)
     optional = [t if t is not None else ph for t in (gather_indices, x_scale, w_scale, row_scales)]
     flags = dict(
@@ -326,7 +310,7 @@ def grouped_gemm_swiglu(
     grid = (max(1, min(min(G, M) * cdiv(F, cfg.block_n), 4 * sms)),)
     launch(_swiglu_stream_kernel)[grid](
         x, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
-        W_CAST=w13.dtype != x.dtype, XQ=xq, USE_TMA=use_tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        W_CAST=w13.dtype != x.dtype, USE_TMA=use_tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
     )  # fmt: skip
     return z

@@ -54,7 +54,6 @@ from moekit import settings
 from moekit._validate import FP8_DTYPE
 from moekit.ops._common import _capability_major, cdiv, interpreting, launch, next_pow2, num_sms
 from moekit.ops._triton.gg_config import (  # noqa: F401  (re-exported: the launcher's configuration API)
-    _STREAM_SMEM,
     GemmConfig,
     config_key,
     expected_groups_hit,
@@ -162,18 +161,9 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     w = _unit_last(w)
     sms = num_sms(x.device)
     w_only = not fp8 and w.dtype == FP8_DTYPE
-    # Weight-only FP8 on the streaming kernel: x tiles quantized for the FP8 MMA ("q8", FP8's
-    # tiles, stages sized for the 16-bit x tiles the pipeline holds) or weights converted ("cast").
-    xq = w_only and settings.get().w8_stream == "q8"
     cfg = config or select_config(M, N, K, G, fp8, x.element_size(), sms)
-    if w_only and config is None:
-        if cfg.kind == "gemv":
-            cfg = gemv_config(M, N, K, 1, sms)  # K tiles sized by the 1-byte weights it streams
-        elif xq:
-            c8 = select_config(M, N, K, G, True, 1, sms)
-            if c8.kind == "stream":
-                cfg = xq_stream_config(c8, x.element_size(), K)
-    xq = xq and cfg.kind == "stream"
+    if w_only and cfg.kind == "gemv" and config is None:
+        cfg = gemv_config(M, N, K, 1, sms)  # K tiles sized by the 1-byte weights it streams
     if fp8 and not fast_accum and cfg.kind == "tiled" and cfg.block_n > 128:
         cfg = replace(cfg, block_n=128)  # the promoted accumulator needs registers: 128x256 spills
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -235,7 +225,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         # programs per SM): programs past the non-empty groups exit at once, and a capped grid
         # loops over the items.
         grid = (max(1, min(min(G, M) * cdiv(N, bn), settings.get().gg_stream_pps * sms)),)
-        launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, XQ=xq, **common)
+        launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, **common)
     else:
         upper = (cdiv(M, bm) + min(G, M)) * cdiv(N, bn)
         grid = (max(1, min(sms, upper)),)
@@ -247,18 +237,6 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             **common,
         )
     return None if scatter else y
-
-
-def xq_stream_config(cfg: GemmConfig, x_elem: int, K: int, weight_tiles: int = 1) -> GemmConfig:
-    """An FP8 streaming configuration for weight-only FP8 with x tiles quantized in registers
-    (``XQ``): K tiles of at most 128 (the 16-bit tile and its float32 copy stay in registers:
-    256-wide ones spilled in the sm_90 compile), stages resized for ``weight_tiles`` 1-byte
-    weight tiles plus the 16-bit x tile per stage, no more than K steps."""
-    bk = min(cfg.block_k, 128)
-    stage = (weight_tiles * cfg.block_n + cfg.block_m * x_elem) * bk
-    budget = _STREAM_SMEM if cfg.block_n >= 64 and cfg.warps == 4 else 128 * 1024
-    stages = max(2, min(cfg.stages * max(1, cfg.block_k // bk), budget // stage, cdiv(K, bk)))
-    return replace(cfg, block_k=bk, stages=stages)
 
 
 def _deterministic_scatter(out, rows, m_sizes, indices, M):
