@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Hardware counters of each kernel of one MoE layer forward (the routed experts from router
+logits, as ``bench_layer.py`` times them), read by Nsight Compute: duration, DRAM bytes and
+throughput, achieved occupancy, registers and grid, each kernel replayed from a cold L2.
+
+    python benchmarks/ncu_layer.py [--models qwen3-30b-a3b,deepseek-v3-tp8] [--tokens 1,4] [--dtype bf16,fp8]
+
+runs ``ncu`` on itself (``--clock-control none``: the clocks as they are) over one forward per
+case, after warm-up calls that compile every kernel, and prints one table row per kernel. A
+diagnosis aid (kernels run one at a time, without the PDL overlap of a CUDA-graph replay), not a
+benchmark of record. Needs Nsight Compute (``ncu`` on the PATH or under /opt/nvidia) and a GPU
+whose counters the machine exposes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+METRICS = {
+    "gpu__time_duration.sum": "us",
+    "dram__bytes_read.sum": "MB read",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM %",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
+    "launch__registers_per_thread": "regs",
+    "launch__grid_size": "grid",
+    "launch__block_size": "block",
+    "lts__t_sector_hit_rate.pct": "L2 hit %",
+}
+
+
+def _ncu() -> str:
+    found = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
+    if not found:
+        found = next(iter(glob.glob("/usr/local/cuda*/bin/ncu")), None)
+    if not found:
+        raise SystemExit("ncu_layer: Nsight Compute (ncu) not found")
+    return found
+
+
+def run_cases(models: list[str], tokens: list[int], dtypes: list[str]) -> None:
+    """The profiled process: warm up every case, then one forward per case between
+    cudaProfilerStart / Stop (NVTX-free ranges: ncu's --profile-from-start off)."""
+    import torch
+
+    from moekit.layers.functional import moe_forward, quantize_expert_weights
+    from moekit.testing import MODEL_SHAPES, random_expert_weights
+
+    cases = []
+    for model in models:
+        s = MODEL_SHAPES[model]
+        w = random_expert_weights(s, dtype=torch.bfloat16, device="cuda", seed=0)
+        for dt in dtypes:
+            if dt == "fp8":
+                w13, w13s = quantize_expert_weights(w["w13_e2FD"])
+                w2, w2s = quantize_expert_weights(w["w2_eDF"])
+            else:
+                w13, w2, w13s, w2s = w["w13_e2FD"], w["w2_eDF"], None, None
+            for T in tokens:
+                x = torch.randn(T, s.D, device="cuda", dtype=torch.bfloat16)
+                logits = (x @ w["router_DE"]).float()
+
+                def fwd(x=x, logits=logits, w13=w13, w2=w2, w13s=w13s, w2s=w2s, s=s, w=w):
+                    return moe_forward(x, None, w13, w2, s.routing_config, logits_TE=logits,
+                                       e_score_correction_bias=w.get("e_score_correction_bias"),
+                                       w13_scale_e2F=w13s, w2_scale_eD=w2s)  # fmt: skip
+
+                for _ in range(2):
+                    fwd()
+                cases.append((f"{model} {dt} T={T}", fwd))
+    torch.cuda.synchronize()
+    for name, fwd in cases:
+        print(f"@@case {name}", flush=True)
+        torch.cuda.cudart().cudaProfilerStart()
+        fwd()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3-tp8")
+    ap.add_argument("--tokens", default="1,4")
+    ap.add_argument("--dtype", default="bf16,fp8")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
+    a = ap.parse_args()
+    models, tokens, dtypes = a.models.split(","), [int(t) for t in a.tokens.split(",")], a.dtype.split(",")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("ncu_layer needs a CUDA GPU (and Nsight Compute); nothing to do on this machine")
+        return 0
+    if a.child:
+        run_cases(models, tokens, dtypes)
+        return 0
+    cmd = [_ncu(), "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw", "--print-units",
+           "base",
+           "--metrics", ",".join(METRICS), sys.executable, os.path.abspath(__file__), "--child",
+           "--models", a.models, "--tokens", a.tokens, "--dtype", a.dtype]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    out = proc.stdout
+    if proc.returncode != 0:
+        print(out[-3000:], proc.stderr[-3000:])
+        return 1
+    # The child's case markers come in order, one per profiled range; ncu's CSV rows after them.
+    order = [ln[len("@@case ") :] for ln in out.splitlines() if ln.startswith("@@case ")]
+    lines = [ln for ln in out.splitlines() if ln.startswith('"')]
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    rows = [r for r in rows if r.get("ID", "").isdigit()]  # skip the units row
+    print("| case | kernel | " + " | ".join(METRICS.values()) + " |")
+    print("|---|---|" + "---|" * len(METRICS))
+    case_i = -1
+    for r in rows:
+        # the kernels of one case are consecutive, and route_and_shuffle's first launch opens
+        # every case's forward
+        name = r.get("Kernel Name", "?")
+        if name.startswith("_route_fused_kernel") or case_i < 0:
+            case_i += 1
+        vals = []
+        for m, label in METRICS.items():
+            v = r.get(m, "")
+            try:
+                f = float(v.replace(",", ""))
+                if label == "us":
+                    f /= 1000.0  # ns
+                elif label == "MB read":
+                    f /= 1e6
+                v = f"{f:.1f}" if f < 1e6 else f"{f:.0f}"
+            except ValueError:
+                pass
+            vals.append(v)
+        case = order[case_i] if 0 <= case_i < len(order) else "?"
+        print(f"| {case} | {name[:48]} | " + " | ".join(vals) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
