@@ -83,7 +83,6 @@ class Settings:
     #   SCAN_MAX_ROWS                     gs_scatter_det (+ gs_scatter's choice), rows      1024
     #   UNROLL_MAX                        shuffling (rows held whole, main chunks)             4
     #   PIPELINE                          shuffling (next unit loaded before stores)        True
-    #   COMBINE_SLOTS                     gg_combine (one choice's weight tile per step)    True
     knobs: dict = field(default_factory=dict)
 
     def knob(self, name: str, default: Any) -> Any:
@@ -95,7 +94,7 @@ class Settings:
 KNOBS = (
     "PIPE_MIN_BYTES_SILU", "PIPE_MIN_BYTES", "SCAN_CB", "MAX_KERNEL_E", "SPLIT_MAX_BLOCKS",
     "GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", "GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", "GATHER_STREAM_PROGRAMS_PER_SM",
-    "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE", "COMBINE_SLOTS",
+    "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
 )  # fmt: skip
 
 

@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 
@@ -94,114 +93,6 @@ def _combine_kernel(
     tl.store(o_ptrs, (prev + y).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
-def _combine_slots_kernel(
-    z_ptr,
-    w_ptr,
-    out_ptr,
-    srow_ptr,
-    eidx_ptr,
-    rw_ptr,
-    ws_ptr,
-    T,
-    N,
-    F,
-    M,
-    G,
-    stride_zm,
-    stride_wn,
-    stride_om,
-    K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    HAS_RW: tl.constexpr,
-    HAS_WS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-    EVEN_F: tl.constexpr,
-    STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,
-):
-    """As ``_combine_kernel``, but each step streams one choice's ``[BLOCK_N, BLOCK_F]`` weight
-    tile (the steps walk the K choices, then F within each): rows of long contiguous pieces
-    (DeepSeek-V3's 256-wide rows whole) instead of ``K * BLOCK_N`` short ones. Each step's product
-    is reduced over F at once and added to its choice's ``[K_PAD, BLOCK_N]`` partial sums; the
-    choices are weighted and summed in slot order at the end (the same order as the other kernel:
-    reproducible)."""
-    pdl_prologue(USE_PDL)
-    pid = tl.program_id(0)
-    t = pid % T
-    nb = pid // T
-    slots = tl.arange(0, K_PAD)
-    rows = tl.load(srow_ptr + t.to(tl.int64) * K + slots, mask=slots < K, other=-1)
-    r_ok = (rows >= 0) & (rows < M)
-    rows = tl.where(r_ok, rows, 0)
-    e = tl.load(eidx_ptr + rows, mask=r_ok, other=0)
-    r_ok = r_ok & (e >= 0) & (e < G)
-    e = tl.where(r_ok, e, 0)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    col = e.to(tl.int64)[:, None] * N + offs_n[None, :]  # [K_PAD, BLOCK_N] weight rows
-    cmask = r_ok[:, None] & n_mask[None, :]
-    post = tl.where(cmask, 1.0, 0.0)
-    if HAS_WS:
-        post = post * tl.load(ws_ptr + col, mask=cmask, other=0.0)
-    if HAS_RW:
-        post = post * tl.load(rw_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
-    o_ptrs = out_ptr + t.to(tl.int64) * stride_om + offs_n
-    prev = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    n_off = offs_n.to(tl.int64)[:, None] * stride_wn
-    nf = tl.cdiv(F, BLOCK_F)
-    acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
-    for step in tl.range(0, K * nf, num_stages=STAGES):
-        j = step // nf
-        f0 = (step - j * nf) * BLOCK_F
-        sel = slots == j
-        # This choice's row and expert, read again (L1 hits) rather than picked out of the
-        # [K_PAD] vectors: a reduction in the address keeps Triton from pipelining the loads.
-        rj = tl.load(srow_ptr + t.to(tl.int64) * K + j)
-        ok = (rj >= 0) & (rj < M)
-        rj = tl.where(ok, rj, 0)
-        ej = tl.load(eidx_ptr + rj, mask=ok, other=0)
-        ok = ok & (ej >= 0) & (ej < G)
-        wb = tl.where(ok, ej, 0).to(tl.int64) * N * stride_wn
-        zb = rj.to(tl.int64) * stride_zm
-        offs_f = f0 + tl.arange(0, BLOCK_F)
-        if EVEN_F:
-            wt = tl.load(w_ptr + wb + n_off + offs_f[None, :], mask=n_mask[:, None] & ok, other=0.0)
-            zt = tl.load(z_ptr + zb + offs_f, mask=ok & (offs_f >= 0), other=0.0)
-        else:
-            f_ok = offs_f < F
-            wt = tl.load(w_ptr + wb + n_off + offs_f[None, :], mask=n_mask[:, None] & f_ok[None, :] & ok, other=0.0)
-            zt = tl.load(z_ptr + zb + offs_f, mask=f_ok & ok, other=0.0)
-        part = tl.sum(wt.to(tl.float32) * zt.to(tl.float32)[None, :], axis=1)
-        acc += tl.where(sel[:, None], part[None, :], 0.0)
-    y = tl.sum(acc * post, axis=0)
-    tl.store(o_ptrs, (prev + y).to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-# The launch: ``_combine_slots_kernel`` (one choice's weight tile per step) unless the knob
-# ``COMBINE_SLOTS`` (``moekit.settings``) is pinned False.
-COMBINE_SLOTS = True
-
-
-def combine_slots_config(T: int, N: int, F: int, w_elem: int, sms: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_F, STAGES)`` of ``_combine_slots_kernel``: ``BLOCK_N`` as
-    ``combine_config``; ``[BLOCK_N, BLOCK_F]`` weight tiles of about 8 KB, ``BLOCK_F`` a power of
-    two dividing F when one of at least 256 elements does (no masks), else the 8 KB width with
-    masks on the last piece; about 32 KB of weights in flight per program."""
-    block_n = 1
-    for bn in (16, 8, 4, 2):
-        if T * cdiv(N, bn) >= (9 * sms) // 5:
-            block_n = bn
-            break
-    target = max(64, 8192 // (block_n * w_elem))
-    div = F & -F
-    block_f = min(target, div) if div >= min(target, 256) else min(target, max(16, next_pow2(F)))
-    tile = block_n * block_f * w_elem
-    stages = 1 + max(2, min(6, (32 * 1024) // tile))
-    return block_n, block_f, stages
-
-
 def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_F, STAGES)``: the widest slice (up to 16 columns) that still gives about two
     programs per SM; ``[K, BLOCK_N, BLOCK_F]`` weight tiles of about 8 KB (16 KB of accumulators),
@@ -241,13 +132,9 @@ def grouped_gemm_combine(
     G = int(w.shape[0]) // N
     if G * N >= 2**31:
         raise ValueError(f"grouped_gemm_combine supports G * N below 2**31, got {G * N}")
-    slots = settings.get().knob("COMBINE_SLOTS", COMBINE_SLOTS)
-    if slots:
-        bn, bf, stages = config or combine_slots_config(T, N, F, w.element_size(), num_sms(z.device))
-    else:
-        bn, bf, stages = config or combine_config(T, N, F, k_pad, w.element_size(), num_sms(z.device))
+    bn, bf, stages = config or combine_config(T, N, F, k_pad, w.element_size(), num_sms(z.device))
     ph = torch.empty((1,), dtype=torch.float32, device=z.device)
-    launch(_combine_slots_kernel if slots else _combine_kernel)[(T * cdiv(N, bn),)](
+    launch(_combine_kernel)[(T * cdiv(N, bn),)](
         z, w, out, selection_rows, expert_indices, row_weights if row_weights is not None else ph,
         w_scale if w_scale is not None else ph, T, N, F, M, G, z.stride(0), w.stride(0), out.stride(0),
         K=K, K_PAD=k_pad, HAS_RW=row_weights is not None, HAS_WS=w_scale is not None,
@@ -255,4 +142,4 @@ def grouped_gemm_combine(
     )  # fmt: skip
 
 
-__all__ = ["grouped_gemm_combine", "combine_config", "combine_slots_config"]
+__all__ = ["grouped_gemm_combine", "combine_config"]
