@@ -12,11 +12,12 @@ Environment variables (all optional; README.md lists them too):
 |---|---|---|---|
 | ``MOEKIT_PDL`` | ``pdl`` | 1 | programmatic dependent launch on Hopper+, in CUDA-graph captures (0: off) |
 | ``MOEKIT_EAGER_DIRECT`` | ``eager_direct`` | 1 | eager calls on plain tensors run an op's implementation directly, skipping the dispatcher (0: always through ``torch.ops.moekit``) |
-| ``MOEKIT_PDL_SKIP`` | ``pdl_skip`` | the grouped GEMM's tiled and streaming kernels | kernels launched without PDL (comma-separated names) |
+| ``MOEKIT_PDL_SKIP`` | ``pdl_skip`` | the grouped GEMMs' persistent tiled and streaming kernels | kernels launched without PDL (comma-separated names) |
 | ``MOEKIT_PDL_MODE`` | ``pdl_mode`` | per kernel | force every PDL kernel's trigger: 1 early, 2 late (experiments) |
 | ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
 | ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 2048 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k; see ``moekit.layers.experts.choose_path``) |
 | ``MOEKIT_ROUTE_FUSED_MAX_T`` | ``route_fused_max_t`` | 8 | ``route_and_shuffle`` routes up to this many tokens in one program (one launch); more take a program per block of tokens and a placing launch |
+| ``MOEKIT_SORTED_SWIGLU`` | ``sorted_swiglu`` | 1 | the sorted pipeline's gate/up GEMM reads token rows by index with the SiLU * up in its epilogue (``grouped_gemm_swiglu``'s tiled kernel) where its rows per expert take tensor-core tiles (0: gather, GEMM, ``silu_mul``) |
 | ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True``) |
 | ``MOEKIT_GG_TUNED`` | ``gg_tuned`` | none | JSON table of grouped-GEMM configurations (``benchmarks/tune_gemm.py`` writes it) |
 | ``MOEKIT_GG_GEMV_MAX_M`` | ``gg_gemv_max_m`` | 4 | grouped GEMMs of at most this many rows run the GEMV kernel (0: never) |
@@ -45,7 +46,7 @@ __all__ = ["Settings", "get", "override", "on_change", "reload"]
 MOE_PATHS = ("auto", "decode", "sorted")
 DOWN_SUMS = ("auto", "atomic", "sum")
 F8_DENSE = ("auto", "triton", "scaled_mm")
-_DEFAULT_PDL_SKIP = frozenset({"_gg_tiled_kernel", "_gg_stream_kernel"})
+_DEFAULT_PDL_SKIP = frozenset({"_gg_tiled_kernel", "_gg_stream_kernel", "_swiglu_tiled_kernel"})
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Settings:
     moe_path: str = "auto"
     decode_max_rows: int = 2048
     route_fused_max_t: int = 8
+    sorted_swiglu: bool = True
     down_sum: str = "auto"
     gg_tuned: Optional[str] = None
     gg_gemv_max_m: int = 4
@@ -144,6 +146,7 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         moe_path=_choice(env, "MOEKIT_MOE_PATH", "auto", MOE_PATHS),
         decode_max_rows=_int(env, "MOEKIT_DECODE_MAX_ROWS", 2048),
         route_fused_max_t=_int(env, "MOEKIT_ROUTE_FUSED_MAX_T", 8),
+        sorted_swiglu=_flag(env, "MOEKIT_SORTED_SWIGLU", True),
         down_sum=_choice(env, "MOEKIT_DOWN_SUM", "auto", DOWN_SUMS),
         gg_tuned=env.get("MOEKIT_GG_TUNED") or None,
         gg_gemv_max_m=_int(env, "MOEKIT_GG_GEMV_MAX_M", 4),

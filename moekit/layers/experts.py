@@ -9,9 +9,12 @@ Every caller goes through here: ``moe_forward`` (one GPU), both expert-parallel 
   GEMV sizes; else the scatter-add GEMM): two launches after routing, no gathered copy and no
   ``[N, 2F]`` intermediate. FP8 weights are used weight-only (activations stay 16-bit: the weights
   are the traffic at these sizes, and nothing is quantized on the way).
-- ``sorted`` (many rows per expert): gather (+ FP8 row quantization) -> grouped GEMM (gate|up)
-  -> SiLU * up (+ quantization) -> grouped GEMM with the fused scatter-add; the tiled tensor-core
-  kernels read contiguous rows there (TMA).
+- ``sorted`` (many rows per expert): where the rows per expert take tensor-core tiles (prefill),
+  ``grouped_gemm_swiglu``'s tiled kernel reads the token rows by index and applies SiLU * up in
+  its epilogue (FP8: the T token rows quantized once before it, the ``[N, F]`` SwiGLU output
+  after), then the down grouped GEMM with the fused scatter-add; below that (or with
+  ``settings.sorted_swiglu`` off): gather (+ FP8 row quantization) -> grouped GEMM (gate|up) ->
+  SiLU * up (+ quantization) -> the down GEMM.
 
 ``path`` ``"auto"`` (``settings.moe_path``, default) takes ``decode`` where it measured faster
 (``choose_path``): bf16 rows few enough (``settings.decode_max_rows``) and spread thin (fewer than
@@ -108,6 +111,38 @@ def _combine_pays(rows: int, experts: int, top_k: int) -> bool:
     return top_k >= COMBINE_MIN_TOP_K and use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
 
 
+# The fused gate/up kernel reads its rows by index (pointer loads, no TMA) and so runs its
+# compute-bound tiles up to ~15% slower than the unfused GEMM's (H100, session 13 sweep_swiglu.py:
+# Llama 4 Scout T=8192 bf16 2467 vs ~2150 µs of GEMM alone). It pays where the passes it saves
+# (the gathered copy, 4D bytes per row, and the [N, 2F] intermediate written and read plus the
+# SiLU output, 10F) cost more than that at the machine balance (679 TFLOP/s / 4.25 TB/s ~ 160
+# FLOP per byte) against the GEMM's 4DF FLOPs per row: Qwen3-30B 0.40, DeepSeek-V3 TP8 0.68,
+# gpt-oss-120b 0.19, Scout 0.098. The layer on the H200 (same run, fused vs unfused, T=2048 /
+# 8192): DeepSeek bf16 1025 / 2511 vs 1102 / 2929 µs, FP8 724 / 2162 vs 750 / 2364; Qwen3 bf16
+# 497 / 1350 vs 515 / 1409, FP8 343 / 1020 vs 340 / 1031; gpt-oss bf16 1851 / 3908 vs 1790 / 3893,
+# FP8 1077 / 2405 vs 1018 / 2348 (fused slower): the bound sits between 0.19 and 0.40.
+FUSED_SWIGLU_MIN_SAVING = 0.3
+MACHINE_BALANCE = 160.0
+
+
+def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int, device: torch.device) -> bool:
+    """Whether the sorted pipeline runs ``grouped_gemm_swiglu`` (rows read by index, SwiGLU in
+    the epilogue) for its gate/up GEMM: ``settings.sorted_swiglu``, rows per expert that take its
+    persistent tensor-core tiles, and passes saved worth ``FUSED_SWIGLU_MIN_SAVING`` of the
+    GEMM's FLOP time."""
+    if not settings.get().sorted_swiglu or rows == 0:
+        return False
+    if MACHINE_BALANCE * (4 * D + 10 * F) / (4 * D * F) < FUSED_SWIGLU_MIN_SAVING:
+        return False
+    from moekit.ops._common import num_sms
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    # swiglu_config's choice (its tiled kernel where the grouped GEMM's rules pick tiles), without
+    # its lru_cache: torch.compile traces this function and warns on cached calls.
+    sms = num_sms(device) if device.type == "cuda" else 132
+    return heuristic_config(rows, F, D, max(experts, 1), fp8, elem, sms).kind == "tiled"
+
+
 def run_experts(
     x: torch.Tensor,
     w13_e2FD: torch.Tensor,
@@ -188,12 +223,16 @@ def run_experts(
             return combine_rows(out, grouped_gemm(z, w2, m_sizes, token_weights=out_w, w_scale=ws2), selection_rows)
         return grouped_gemm(z, w2, m_sizes, w_scale=ws2, **down)
 
-    if token_ids is not None:
+    fused = _fused_swiglu(N, e, F, D, fp8_w, 1 if fp8_w else x.element_size(), x.device)
+    if token_ids is not None and not fused:
         ones = torch.ones((1, 1), dtype=torch.float32, device=x.device).expand(x.shape[0], max(e, 1))
     if not fp8_w:
-        xg = gather_scale_dense_tokens(x, token_ids, expert_ids, ones) if token_ids is not None else x
-        h = grouped_gemm(xg, w13, m_sizes, token_weights=in_w)
-        z = silu_mul(h[:, :F], h[:, F:])
+        if fused:
+            z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w)
+        else:
+            xg = gather_scale_dense_tokens(x, token_ids, expert_ids, ones) if token_ids is not None else x
+            h = grouped_gemm(xg, w13, m_sizes, token_weights=in_w)
+            z = silu_mul(h[:, :F], h[:, F:])
         if sum_rows:
             return combine_rows(out, grouped_gemm(z, w2, m_sizes, token_weights=out_w), selection_rows)
         return grouped_gemm(z, w2, m_sizes, **down)
@@ -203,12 +242,17 @@ def run_experts(
         if token_ids is not None:
             raise ValueError("FP8 rows x are already sorted: pass them without token_ids")
         xq, xs = x, x_scale.reshape(-1)
-    elif token_ids is not None:
+    elif token_ids is not None and not fused:
         xq, xs = gather_scale_quant_dense_tokens(x, token_ids, expert_ids, ones)
-    else:
+    else:  # the token rows quantized once (the fused GEMM reads them by index), or the rows given
         xq, xs = quantize_fp8_row(x)
-    h = grouped_gemm_fp8_rowwise(xq, w13, m_sizes, xs, ws13, use_fast_accum, token_weights=in_w)
-    zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
+    if fused:
+        z = grouped_gemm_swiglu(xq, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=xs,
+                                w_scale=ws13, use_fast_accum=use_fast_accum)  # fmt: skip
+        zq, zs = quantize_fp8_row(z)
+    else:
+        h = grouped_gemm_fp8_rowwise(xq, w13, m_sizes, xs, ws13, use_fast_accum, token_weights=in_w)
+        zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
     if sum_rows:
         rows = grouped_gemm_fp8_rowwise(zq, w2, m_sizes, zs, ws2, use_fast_accum, token_weights=out_w)
         return combine_rows(out, rows, selection_rows)

@@ -241,11 +241,13 @@ def _grouped_gemm_swiglu_op(
     row_scales: Optional[torch.Tensor] = None,
     x_scale: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
 ) -> torch.Tensor:
     if use_triton(x):
         from moekit.ops._triton import gg_swiglu as _sw
 
-        return _sw.grouped_gemm_swiglu(x, w13, m_sizes, gather_indices, row_scales, _flat(x_scale), _flat(w_scale))
+        return _sw.grouped_gemm_swiglu(x, w13, m_sizes, gather_indices, row_scales, _flat(x_scale), _flat(w_scale),
+                                       fast_accum=use_fast_accum)  # fmt: skip
     return _ref.grouped_gemm_swiglu(
         x, w13, m_sizes, gather_indices=gather_indices, row_scales=row_scales, x_scale=x_scale, w_scale=w_scale
     )
@@ -421,6 +423,7 @@ def grouped_gemm_swiglu(
     row_scales: Optional[torch.Tensor] = None,
     x_scale: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = True,
 ) -> torch.Tensor:
     """The gate|up GEMM of SwiGLU experts with ``silu(gate) * up`` fused into its epilogue:
     ``z [M, F]`` with ``z[i] = silu(h[i, :F]) * h[i, F:]``, ``h[i] = x[src_i] @ w13_g.T`` for row
@@ -433,8 +436,13 @@ def grouped_gemm_swiglu(
     before the SiLU (the router weight applied to the expert input). Dtypes: x and w13 bf16 /
     fp16 / fp32; or FP8 e4m3fn both, with ``x_scale`` (one per x row) and ``w_scale`` ``[G * 2F]``
     float32 dequant scales; or 16-bit x with FP8 ``w13`` and ``w_scale`` (weight-only FP8).
-    Returns ``z`` in x's dtype (bf16 for FP8 x); rows past ``sum(m_sizes)`` are left unwritten.
-    No host synchronization; CUDA-graph capturable.
+    ``use_fast_accum`` (FP8 x): False promotes the tensor-core sums to float32 every K slice, as
+    ``grouped_gemm_fp8_rowwise``. Returns ``z`` in x's dtype (bf16 for FP8 x); rows past
+    ``sum(m_sizes)`` are left unwritten. No host synchronization; CUDA-graph capturable.
+
+    Kernels by rows per expert: per-row GEMV (decode), swap-AB streaming tiles (up to ~48 rows),
+    persistent tensor-core tiles beyond (prefill: the gather, the ``[M, 2F]`` intermediate and the
+    SiLU pass of the unfused pipeline all skipped).
     """
     check_tensor("x", x, ndim=2, dtype=_FLOATS + (FP8_DTYPE,))
     R, K = x.shape
@@ -475,7 +483,10 @@ def grouped_gemm_swiglu(
     if w_scale is not None:
         if w_scale.numel() != G * 2 * F:
             raise ValueError(f"w_scale must have G * 2F = {G * 2 * F} elements, got shape {tuple(w_scale.shape)}")
-    return call_op(_grouped_gemm_swiglu_op, x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale)
+    if not isinstance(use_fast_accum, bool):
+        raise TypeError(f"use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
+    return call_op(_grouped_gemm_swiglu_op, x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale,
+                   use_fast_accum)  # fmt: skip
 
 
 def grouped_gemm_combine(

@@ -157,6 +157,35 @@ def test_moe_forward_gpu_fp8(T):
     assert_close(got.float(), want.float(), tol=6e-2)
 
 
+@pytest.mark.reference
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("name", ["llama4-scout", "deepseek-v3"])
+def test_sorted_pipeline_prefill_fused_swiglu_cpu(name, fused, fp8):
+    """The sorted pipeline with many rows per expert: gate/up through ``grouped_gemm_swiglu``
+    (rows read by index; FP8: token rows quantized once, the SwiGLU output after) or gather ->
+    GEMM -> silu_mul, both against the float32 layer (FP8: its dequantized weights)."""
+    from moekit import settings
+    from moekit.layers.experts import _fused_swiglu
+
+    s = _small(name, E=4, top_k=2, n_group=None, topk_group=None) if name == "deepseek-v3" else _small(name, E=4)
+    T = 400
+    w = random_expert_weights(s, dtype=torch.float32, seed=5)
+    x = torch.randn(T, s.D, generator=torch.Generator().manual_seed(5))
+    kw = dict(e_score_correction_bias=w.get("e_score_correction_bias"))
+    w13, w2 = w["w13_e2FD"], w["w2_eDF"]
+    if fp8:
+        w13, w13s = quantize_expert_weights(w13)
+        w2, w2s = quantize_expert_weights(w2)
+        kw.update(w13_scale_e2F=w13s, w2_scale_eD=w2s)
+        w = {**w, "w13_e2FD": w13.float() * w13s[..., None], "w2_eDF": w2.float() * w2s[..., None]}
+    with settings.override(sorted_swiglu=fused, moe_path="sorted"):
+        assert _fused_swiglu(T * s.top_k, s.E, s.F, s.D, fp8, 1 if fp8 else 4, x.device) is fused
+        got = moe_forward(x, w["router_DE"], w13, w2, _cfg(s), **kw)
+    routed = {k: v for k, v in w.items() if not k.startswith("shared")}
+    assert_close(got.float(), _reference(x, routed, s), tol=6e-2 if fp8 else 1e-4)
+
+
 @pytest.mark.gpu
 def test_moe_forward_gpu_cuda_graph_replay():
     s = _small("qwen3-30b-a3b", E=12, top_k=3)
@@ -261,6 +290,30 @@ def test_gpu_decode_and_sorted_pipelines_match_reference(name, fp8, T):
             with settings.override(moe_path=path, down_sum=down):
                 got = _forward(s, w, x, logits, fp8)
             assert_close(got.float(), want, tol=tol, msg=f"{name} T={T} {path} down={down}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DECODE_MODELS)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_sorted_prefill_fused_swiglu_matches_reference(name, fp8):
+    """Prefill-sized batches (64-512 rows per expert): the sorted pipeline with the gate/up GEMM
+    fused (rows by index, SwiGLU epilogue) and unfused, against the float32 layer."""
+    from moekit import settings
+    from moekit.layers.experts import _fused_swiglu
+
+    s = MODEL_SHAPES[name]
+    T = max(1024, 64 * s.E // s.top_k)  # about 64 rows per expert: the tiled kernel's range
+    w = _gpu_weights(name, fp8)
+    x = torch.randn(T, s.D, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda").bfloat16()
+    logits = x.float() @ w["router_DE"].float()
+    want = _reference_hit(x, w, s, logits)
+    for fused in (True, False):
+        with settings.override(sorted_swiglu=fused):
+            # gpt-oss's and Scout's wide rows: the unfused GEMM's TMA tiles win (FUSED_SWIGLU_MIN_SAVING)
+            expect = fused and name not in ("llama4-scout", "gpt-oss-120b")
+            assert _fused_swiglu(T * s.top_k, s.E, s.F, s.D, fp8, 1 if fp8 else 2, x.device) is expect
+            got = _forward(s, w, x, logits, fp8)
+        assert_close(got.float(), want, tol=8e-2 if fp8 else 2e-2, msg=f"{name} fused={fused}")
 
 
 @pytest.mark.gpu

@@ -53,6 +53,7 @@ def _config(kind):
     return {
         "gemv": GemmConfig("gemv", 1, 8, 16, 3, 4, use_tma=False),
         "stream": GemmConfig("stream", 16, 16, 16, 2, 4, use_tma=False),
+        "tiled": GemmConfig("tiled", 16, 16, 16, 2, 4, group_m=2, use_tma=False),
     }[kind]
 
 
@@ -60,9 +61,9 @@ def _config(kind):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("kind", ["gemv", "stream"])
+@pytest.mark.parametrize("kind", ["gemv", "stream", "tiled"])
 @pytest.mark.parametrize("w_kind", ["same", "fp8", "fp8x"])
-@pytest.mark.parametrize("T,k,G,F,K", [(3, 2, 4, 24, 40), (6, 3, 5, 16, 64), (1, 1, 1, 8, 16)])
+@pytest.mark.parametrize("T,k,G,F,K", [(3, 2, 4, 24, 40), (6, 3, 5, 16, 64), (1, 1, 1, 8, 16), (20, 3, 3, 40, 48)])
 def test_interp_swiglu(kind, w_kind, T, k, G, F, K):
     from moekit.ops._triton import gg_swiglu as SW
 
@@ -74,7 +75,7 @@ def test_interp_swiglu(kind, w_kind, T, k, G, F, K):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("kind", ["gemv", "stream"])
+@pytest.mark.parametrize("kind", ["gemv", "stream", "tiled"])
 def test_interp_swiglu_unwritten_rows_and_no_gather(kind):
     """Rows with a bad index and rows past sum(m_sizes) keep the output's previous contents; without
     gather_indices x holds the rows themselves."""
@@ -96,7 +97,7 @@ def test_interp_swiglu_unwritten_rows_and_no_gather(kind):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("kind", ["gemv", "stream"])
+@pytest.mark.parametrize("kind", ["gemv", "stream", "tiled"])
 def test_interp_swiglu_poisoned_output(kind):
     """Exactly the rows with a valid index are written."""
     from moekit.ops._triton import gg_swiglu as SW
@@ -313,13 +314,54 @@ def test_kernels_compile_for_sm90():
     assert all(not r.get("stack") for r in records if r["kernel"] == "_combine_kernel"), records
 
 
+@pytest.mark.reference
+def test_tiled_kernel_compiles_for_sm90_without_spills():
+    """The persistent tensor-core SwiGLU tiles at prefill sizes of the benchmark's models (bf16 and
+    FP8), compiled for sm_90: no register spills, shared memory in bounds."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import gg_swiglu as SW
+        m = "meta"
+        f8 = torch.float8_e4m3fn
+        for T, k, G, F, D in ((2048, 8, 128, 768, 2048), (8192, 8, 256, 256, 7168), (2048, 4, 128, 2880, 2880)):
+            M = T * k
+            for dt in (torch.bfloat16, f8):
+                x = torch.empty(T, D, dtype=dt, device=m)
+                w13 = torch.empty(G * 2 * F, D, dtype=dt, device=m)
+                xs = torch.empty(T, device=m) if dt == f8 else None
+                ws = torch.empty(G * 2 * F, device=m) if dt == f8 else None
+                SW.grouped_gemm_swiglu(x, w13, torch.empty(G, dtype=torch.int32, device=m),
+                                       torch.empty(M, dtype=torch.int32, device=m), None, xs, ws)
+        """,
+        ["moekit.ops._triton.gg_swiglu"],
+        pdl=True,
+    )
+    assert_all_compiled(records, 6)
+    assert {r["kernel"] for r in records} == {"_swiglu_tiled_kernel"}, records
+    assert {r["constants"]["BLOCK_M"] for r in records} == {"128"}, records
+    assert all(not r.get("stack") for r in records), [(r["constants"], r["stack"]) for r in records]
+
+
 # ---------------------------------------------------------------------------- GPU tier
 
 # (T, k, G, F, D): Qwen3-30B, DeepSeek-V3 TP8 experts, gpt-oss-120b, Llama 4 Scout decode sizes (fewer
 # experts for the largest, so that the float32 reference of several test workers fits the GPU)
-GPU_SHAPES = [(1, 8, 128, 768, 2048), (4, 8, 128, 768, 2048), (64, 8, 128, 768, 2048), (1, 8, 64, 256, 7168),
-              (16, 8, 64, 256, 7168), (4, 4, 16, 2880, 2880), (256, 4, 16, 2880, 2880), (1, 1, 4, 8192, 5120),
-              (64, 1, 4, 8192, 5120)]  # fmt: skip
+GPU_SHAPES = [
+    (1, 8, 128, 768, 2048),
+    (4, 8, 128, 768, 2048),
+    (64, 8, 128, 768, 2048),
+    (1, 8, 64, 256, 7168),
+    (16, 8, 64, 256, 7168),
+    (4, 4, 16, 2880, 2880),
+    (256, 4, 16, 2880, 2880),
+    (1, 1, 4, 8192, 5120),
+    (64, 1, 4, 8192, 5120),
+    (512, 8, 64, 256, 7168),
+    (2048, 8, 128, 768, 2048),
+    (1024, 1, 4, 8192, 5120),
+]  # fmt: skip (the last three: the persistent tiled kernel)
 
 
 @pytest.mark.gpu

@@ -155,7 +155,7 @@ def test_pdl_kernels_compile_for_sm90():
         for T in (1, 256):  # one program; blocks + placement
             RS.route_and_shuffle(e(T, 128), None, 8, "softmax", True, None, None, 1.0, 0, 128, e(T, 2048))
             RS.shuffle_top_k(e(T, 8, dtype=torch.int64), e(T, 8), 128, 0, 128, e(T, 2048))
-        for M in (8, 512):  # GEMV, streaming
+        for M in (8, 512, 16384):  # GEMV, streaming, tiled
             SW.grouped_gemm_swiglu(e(64, 2048), e(128 * 1536, 2048), e(128, dtype=i32), e(M, dtype=i32), None, None, None)
         CB.grouped_gemm_combine(e(8, 768), e(128 * 2048, 768), e(8, dtype=i32), e(8, dtype=i32), e(1, 2048), None, None)
         CR.combine_rows(e(64, 2048), e(512, 2048), e(512, dtype=i32))

@@ -239,6 +239,125 @@ def _swiglu_stream_kernel(
                           xs, ws_g, ws_u, rs, HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
 
 
+@triton.jit
+def _swiglu_tiled_kernel(
+    x_ptr,
+    w_ptr,
+    z_ptr,
+    m_sizes_ptr,
+    gather_ptr,
+    xs_ptr,
+    ws_ptr,
+    rs_ptr,
+    M,
+    F,
+    K,
+    G,
+    T_IN,
+    stride_xm,
+    stride_wn,
+    stride_zm,
+    GATHER: tl.constexpr,
+    HAS_XS: tl.constexpr,
+    HAS_WS: tl.constexpr,
+    HAS_RS: tl.constexpr,
+    W_CAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    """Persistent ``[BLOCK_M, BLOCK_N]`` output tiles (expert, row tile, column tile): the rows'
+    x tiles (read by index with ``GATHER``) against the expert's gate and up weight tiles, two
+    tensor-core accumulators, the SwiGLU in the epilogue. Tiles in bands of ``GROUP_M`` row tiles
+    per column sweep (as the grouped GEMM's tiled kernel), so neighbours share x rows in L2."""
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    gi, starts, rows = _group_table(m_sizes_ptr, G, M, True, G_BLOCK)
+    n_tiles_n = tl.cdiv(F, BLOCK_N)
+    m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
+    tiles = m_tiles * n_tiles_n
+    tiles_end = tl.cumsum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0)
+    band_tiles = GROUP_M * n_tiles_n
+    for t in tl.range(pid, total, n_progs):
+        g = tl.sum((tiles_end <= t).to(tl.int32), axis=0)
+        sel = gi == g
+        local = t - (_pick(tiles_end, sel) - _pick(tiles, sel))
+        m_begin = _pick(starts, sel)
+        m_end = m_begin + _pick(rows, sel)
+        mt_g = _pick(m_tiles, sel)
+        first_m = (local // band_tiles) * GROUP_M
+        band_m = tl.minimum(mt_g - first_m, GROUP_M)
+        in_band = local % band_tiles
+        m0 = m_begin + (first_m + in_band % band_m) * BLOCK_M
+        n0 = (in_band // band_m) * BLOCK_N
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < m_end
+        n_mask = offs_n < F
+        src = offs_m
+        if GATHER:
+            src = tl.load(gather_ptr + offs_m, mask=m_mask, other=-1)
+        row_ok = m_mask & (src >= 0) & (src < T_IN)
+        x_rows = x_ptr + tl.where(row_ok, src, 0).to(tl.int64)[:, None] * stride_xm
+        gate_row0 = g * 2 * F + n0  # < G * 2F < 2**31 (checked by the launcher)
+        up_row0 = gate_row0 + F
+        gate = gate_row0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            a = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
+            if USE_TMA:
+                wg = w_ptr.load([gate_row0, k0])
+                wu = w_ptr.load([up_row0, k0])
+            else:
+                wmask = n_mask[:, None] & k_mask[None, :]
+                wg = tl.load(w_ptr + gate[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+                wu = tl.load(w_ptr + (gate + F)[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+            if W_CAST:  # weight-only FP8: the weights in x's dtype, in registers
+                wg = wg.to(a.dtype)
+                wu = wu.to(a.dtype)
+            if FAST_ACCUM:
+                acc_g = tl.dot(a, tl.trans(wg), acc_g)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u)
+            else:
+                acc_g = tl.dot(a, tl.trans(wg), acc_g, max_num_imprecise_acc=BLOCK_K)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, max_num_imprecise_acc=BLOCK_K)
+        xs = tl.full((BLOCK_M,), 1.0, tl.float32)
+        if HAS_XS:
+            xs = tl.load(xs_ptr + src, mask=row_ok, other=0.0)
+        ws_g = tl.full((BLOCK_N,), 1.0, tl.float32)
+        ws_u = ws_g
+        if HAS_WS:
+            ws_g = tl.load(ws_ptr + gate, mask=n_mask, other=0.0)
+            ws_u = tl.load(ws_ptr + gate + F, mask=n_mask, other=0.0)
+        rs = tl.full((BLOCK_M,), 1.0, tl.float32)
+        if HAS_RS:
+            rs = tl.load(rs_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
+        _swiglu_store(acc_g, acc_u, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
+                      HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
+
+
+def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int) -> GemmConfig:
+    """Tensor-core tiles for many rows per expert: 128 rows x 128 columns of each half (gate and
+    up: two accumulators, the registers of a 128 x 256 tile), three stages (~147 KB). Measured
+    best or within 3% of the best of 64x128 s4, 128x64 s4, 64x64 s4 and 128x128 s2 on every model
+    of the layer benchmark at T = 2048 and 8192, bf16 and FP8 (H100, session 13
+    ``sweep_swiglu.py``: e.g. Qwen3-30B bf16 T=8192 788 µs vs 1038-1300)."""
+    block_n = min(128, max(16, next_pow2(F)))
+    block_k = 128 if elem == 1 else (64 if elem == 2 else 32)
+    return GemmConfig("tiled", 128, block_n, block_k, 3, 8)
+
+
 @functools.lru_cache(maxsize=4096)
 def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_elem: int = 0) -> GemmConfig:
     """The grouped GEMM's rules for an ``[M, F]`` output (GEMV when rows rarely share an expert,
@@ -253,9 +372,8 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
         stages = 1 + max(2, min(6, (16 * 1024) // (cfg.block_n * cfg.block_k * elem)))
         return replace(cfg, stages=stages)
     cfg = heuristic_config(M, F, K, G, fp8, elem, sms)
-    if cfg.kind != "stream":  # many rows per expert: the same streaming tiles, widest rows tile
-        bm = 128 if M / hits >= 96 else 64
-        cfg = GemmConfig("stream", bm, 64, 64 if elem == 2 else 128, 3, 8 if bm == 128 else 4)
+    if cfg.kind != "stream":  # many rows per expert: persistent tensor-core tiles
+        return swiglu_tiled_config(M, F, K, hits, elem, sms)
     stage = (2 * cfg.block_n + cfg.block_m) * cfg.block_k * elem
     budget = _STREAM_SMEM if cfg.block_n >= 64 and cfg.warps == 4 else 128 * 1024
     return replace(cfg, stages=max(2, min(cfg.stages, budget // stage)))
@@ -271,9 +389,11 @@ def grouped_gemm_swiglu(
     w_scale: Optional[torch.Tensor],
     config: Optional[GemmConfig] = None,
     out: Optional[torch.Tensor] = None,
+    fast_accum: bool = True,
 ) -> torch.Tensor:
     """Launcher (validated arguments): ``z [M, F]`` (``out`` when given: contiguous, the output
-    dtype), rows not computed left unwritten."""
+    dtype), rows not computed left unwritten. ``fast_accum`` False: the FP8 tensor-core tiles
+    promote their sums to float32 every K step (the other kernels accumulate in float32 anyway)."""
     from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok, _unit_last
 
     T_IN, K = (int(d) for d in x.shape)
@@ -307,6 +427,15 @@ def grouped_gemm_swiglu(
     w_block = [cfg.block_n, cfg.block_k]
     use_tma = cfg.use_tma and _tma_ok(w13, tuple(w_block))
     w_arg = _descriptor(w13, w_block) if use_tma else w13
+    if cfg.kind == "tiled":
+        tiles = (cdiv(M, cfg.block_m) + min(G, M)) * cdiv(F, cfg.block_n)  # at most, over any m_sizes
+        launch(_swiglu_tiled_kernel)[(max(1, min(tiles, sms)),)](
+            x, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
+            W_CAST=w13.dtype != x.dtype, USE_TMA=use_tma, FAST_ACCUM=fast_accum, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
+            num_warps=cfg.warps, num_stages=cfg.stages, **flags,
+        )  # fmt: skip
+        return z
     grid = (max(1, min(min(G, M) * cdiv(F, cfg.block_n), 4 * sms)),)
     launch(_swiglu_stream_kernel)[grid](
         x, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),

@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""The sorted pipeline's gate/up stage at prefill sizes, fused or not, and the fused kernel's tile
+alternatives: a tuning aid for ``grouped_gemm_swiglu``'s persistent tiled kernel.
+
+    python benchmarks/sweep_swiglu.py [--models qwen3-30b-a3b,deepseek-v3-tp8] [--tokens 2048,8192]
+        [--dtype bf16,fp8]
+
+Per (model, T, dtype), µs per call (CUDA graphs, medians, inputs rotated past L2):
+- ``unfused``: gather (+ FP8 row quantization) -> grouped GEMM gate|up -> ``silu_mul`` (+ quant);
+- ``auto``: ``grouped_gemm_swiglu`` reading the token rows by index with its chosen tile (FP8: the
+  token rows quantized first, the SwiGLU output after, as ``run_experts`` does);
+- one column per alternative tile ``BMxBNxBK sS`` of the fused kernel.
+Routing: uniform random top-k (the benchmark's models' shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import torch  # noqa: E402
+
+TILES = [(64, 128, 4), (128, 64, 4), (128, 128, 3), (64, 64, 4), (128, 128, 2)]
+
+
+def _case(model: str, T: int, fp8: bool, seed: int = 0) -> dict:
+    from moekit.layers.functional import quantize_expert_weights
+    from moekit.ops import route_and_shuffle
+    from moekit.testing import MODEL_SHAPES
+
+    s = MODEL_SHAPES[model]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = (torch.randn(s.E, 2 * s.F, s.D, generator=g, device="cuda") / s.D**0.5).bfloat16()
+    ws = None
+    if fp8:
+        w13, ws = quantize_expert_weights(w13)
+    sets = []
+    for i in range(2):
+        x = torch.randn(T, s.D, generator=g, device="cuda").bfloat16()
+        logits = torch.randn(T, s.E, generator=g, device="cuda")
+        counts, eidx, tidx, rw, _ = route_and_shuffle(logits, s.top_k, "softmax", True)
+        sets.append(dict(x=x, ms=counts[: s.E], eidx=eidx, tidx=tidx))
+    return dict(s=s, w13=w13.reshape(-1, s.D), ws=None if ws is None else ws.reshape(-1), sets=sets, fp8=fp8)
+
+
+def _unfused(c: dict, st: dict):
+    from moekit.ops import (
+        gather_scale_dense_tokens,
+        gather_scale_quant_dense_tokens,
+        grouped_gemm,
+        grouped_gemm_fp8_rowwise,
+        silu_mul,
+        silu_mul_quant,
+    )
+
+    F = c["s"].F
+    ones = torch.ones((1, 1), dtype=torch.float32, device="cuda").expand(st["x"].shape[0], c["s"].E)
+    if c["fp8"]:
+        xq, xs = gather_scale_quant_dense_tokens(st["x"], st["tidx"], st["eidx"], ones)
+        h = grouped_gemm_fp8_rowwise(xq, c["w13"], st["ms"], xs, c["ws"])
+        return silu_mul_quant(h[:, :F], h[:, F:])
+    xg = gather_scale_dense_tokens(st["x"], st["tidx"], st["eidx"], ones)
+    h = grouped_gemm(xg, c["w13"], st["ms"])
+    return silu_mul(h[:, :F], h[:, F:])
+
+
+def _fused(c: dict, st: dict, config=None):
+    from moekit.ops import quantize_fp8_row
+    from moekit.ops._triton.gg_swiglu import grouped_gemm_swiglu
+
+    if c["fp8"]:
+        xq, xs = quantize_fp8_row(st["x"])
+        z = grouped_gemm_swiglu(xq, c["w13"], st["ms"], st["tidx"], None, xs, c["ws"], config=config)
+        return quantize_fp8_row(z)
+    return grouped_gemm_swiglu(st["x"], c["w13"], st["ms"], st["tidx"], None, None, None, config=config)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout")
+    ap.add_argument("--tokens", default="2048,8192")
+    ap.add_argument("--dtype", default="bf16,fp8")
+    ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("sweep_swiglu needs CUDA; nothing to do on this machine")
+        return 0
+    from moekit.benchmarking import bench_us, markdown_table, save_rows
+    from moekit.ops._common import num_sms
+    from moekit.ops._triton.gg_config import GemmConfig
+    from moekit.ops._triton.gg_swiglu import swiglu_config
+
+    rows = []
+    for dt in a.dtype.split(","):
+        for m in a.models.split(","):
+            for T in (int(t) for t in a.tokens.split(",")):
+                fp8 = dt == "fp8"
+                c = _case(m, T, fp8)
+                s = c["s"]
+                M = T * s.top_k
+                cfg = swiglu_config(
+                    M, s.F, s.D, s.E, fp8, 1 if fp8 else 2, num_sms(torch.device("cuda")), 1 if fp8 else 2
+                )
+                row = {
+                    "model": m,
+                    "T": T,
+                    "dtype": dt,
+                    "auto": f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.stages}",
+                }
+                row["unfused_us"] = bench_us([lambda st=st: _unfused(c, st) for st in c["sets"]], replays=10)
+                row["fused_us"] = bench_us([lambda st=st: _fused(c, st) for st in c["sets"]], replays=10)
+                bk = 128 if fp8 else 64
+                for bm, bn, stages in TILES:
+                    alt = GemmConfig("tiled", bm, bn, bk, stages, 8 if bm * bn >= 128 * 64 else 4)
+                    try:
+                        row[f"{bm}x{bn} s{stages}"] = bench_us(
+                            [lambda st=st: _fused(c, st, alt) for st in c["sets"]], replays=10
+                        )
+                    except Exception as exc:  # a tile that does not fit: keep the others
+                        row[f"{bm}x{bn} s{stages}"] = f"{type(exc).__name__}"
+                print(row, flush=True)
+                rows.append(row)
+                c.clear()
+                torch.cuda.empty_cache()
+    print(markdown_table(rows))
+    save_rows("sweep_swiglu", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
