@@ -76,7 +76,11 @@ class Settings:
     #   PIPE_MIN_BYTES                    quantize (quantize_fp8_row persistent kernel)   64 MiB
     #   SCAN_CB                           routing (histogram scan tile, programs)           1024
     #   MAX_KERNEL_E                      routing (read by moekit.ops.routing)              4096
-    #   SPLIT_MAX_BLOCKS                  route (route_and_shuffle, shuffle_top_k blocks)    128
+    #   FUSED_SCAN_MAX                    routing + route (count rows scanned in place)    16384
+    #   SPLIT_MAX_BLOCKS                  route (route_and_shuffle blocks of one sub-tile)  1024
+    #   ROUTE_SPLIT_TILE                  route (split path sub-tile, tokens x experts)     2048
+    #   ROUTE_SPLIT_WARPS                 route (split path routing program warps)             8
+    #   ZERO_RIDE_MAX                     route (zero_buffer zeroed in the launch, elements)  1M
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -95,6 +99,7 @@ class Settings:
 #: Every knob name ``override(knobs=...)`` accepts (the list in ``Settings``' comment).
 KNOBS = (
     "PIPE_MIN_BYTES_SILU", "PIPE_MIN_BYTES", "SCAN_CB", "MAX_KERNEL_E", "SPLIT_MAX_BLOCKS",
+    "FUSED_SCAN_MAX", "ROUTE_SPLIT_TILE", "ROUTE_SPLIT_WARPS", "ZERO_RIDE_MAX",
     "GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", "GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", "GATHER_STREAM_PROGRAMS_PER_SM",
     "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
 )  # fmt: skip

@@ -20,18 +20,18 @@ def test_knob_is_seen_by_plans_and_restored():
 
     default_q, default_g = q.quantize_config(40, 4096, 2, CPU), gs._gather_tiles(18, 2880, CPU)
     assert default_q.stages == 1 and default_g[5] == 0  # one row block per program; column blocks
-    assert R.kernel_supports(37, 16, 2, None)
+    assert R.kernel_supports(37, 16, 2, None) and R.split_plan(37, 16, 2)[:3] == (1, 1, 37)
     with settings.override(knobs={"PIPE_MIN_BYTES": 0, "SPLIT_MAX_BLOCKS": 36}) as s:
         assert s.knob("PIPE_MIN_BYTES", q.PIPE_MIN_BYTES) == 0
         assert q.quantize_config(40, 4096, 2, CPU).stages > 1  # the persistent kernel
-        assert not R.kernel_supports(37, 16, 2, None)  # 37 blocks of one token: the composite
+        assert R.split_plan(37, 16, 2)[:3] == (1, 2, 19)  # past 36 blocks of one token: blocks of two
         with settings.override(knobs={"GATHER_WHOLE_ROW_MIN_ROWS_PER_SM": 1, "GATHER_STREAM_PROGRAMS_PER_SM": 1}):
             assert gs._gather_tiles(18, 2880, CPU)[5] == 1  # whole rows, streamed
             assert q.quantize_config(40, 4096, 2, CPU).stages > 1  # the outer pin still holds
         assert gs._gather_tiles(18, 2880, CPU) == default_g
     assert settings.get().knobs == {}
     assert q.quantize_config(40, 4096, 2, CPU) == default_q
-    assert R.kernel_supports(37, 16, 2, None)
+    assert R.split_plan(37, 16, 2)[:3] == (1, 1, 37)
 
 
 @pytest.mark.reference

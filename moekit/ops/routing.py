@@ -286,9 +286,11 @@ def route_and_shuffle(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits to the sorted row layout, fused: score function, top-k, weights, counts
     and ``index_shuffling``'s (expert, token)-sorted rows, for ``E <= 512``, ``top_k <= 16``: one
-    launch up to ``settings.route_fused_max_t`` tokens (8), two (blocks of tokens side by side,
-    then the placement) up to 128 blocks (2048 tokens at E = 128, 1024 at E = 256); batches
-    beyond take a few launches (dense scores, then ``index_shuffling``).
+    launch up to ``settings.route_fused_max_t`` tokens (8), two or three beyond (blocks of
+    tokens side by side, a column scan of their counts when there are many, then the placement;
+    any batch size); past the kernels' sizes (E > 512, top_k > 16, non-power-of-two expert
+    groups) a few launches (dense scores, then ``index_shuffling``). An output ``zero_buffer``
+    is zeroed by extra programs of the routing launch, or by a memset when large.
 
     Routing options are ``moekit.reference.routing_weights``'s (``score_func`` sigmoid / softmax /
     topk_softmax, ``renormalize``, DeepSeek grouped top-k ``n_group`` / ``topk_group``,

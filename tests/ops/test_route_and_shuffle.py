@@ -150,15 +150,56 @@ def test_interp_split_blocks_of_several_tokens():
 
     r = ROUTINGS[3]
     logits, k, sf, renorm, kw = _inputs(r, 300, seed=4)
-    assert R._blocks(300, 16) == (8, 38)
+    assert R.split_plan(300, 16, k)[:3] == (8, 8, 38)
     check(_launch_interp(logits, k, sf, renorm, kw), ref.route_and_shuffle(logits, k, sf, renorm, **kw))
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("r", [ROUTINGS[0], ROUTINGS[1], ROUTINGS[3]], ids=["qwen3", "deepseek", "llama4"])
+@pytest.mark.parametrize("fused_scan", [True, False], ids=["fused_scan", "scan_launch"])
+def test_interp_split_blocks_of_several_sub_tiles(r, fused_scan):
+    """More sub-tiles than ``SPLIT_MAX_BLOCKS`` (pinned to 4) of a pinned ``ROUTE_SPLIT_TILE``:
+    each program routes several sub-tiles of tokens, its ranks carried across them; the count
+    rows scanned by the placing programs or by the column-scan launch; an expert range and a zero
+    buffer."""
+    from moekit.ops._triton import route as R
+
+    T = 150
+    logits, k, sf, renorm, kw = _inputs(r, T, seed=11)
+    E = logits.shape[1]
+    knobs = {"SPLIT_MAX_BLOCKS": 4, "ROUTE_SPLIT_TILE": 512, "FUSED_SCAN_MAX": 1 << 14 if fused_scan else 0}
+    knobs["ZERO_RIDE_MAX"] = 1 << 20 if fused_scan else 0  # the zero buffer: extra programs, or a memset
+    with settings.override(route_fused_max_t=0, knobs=knobs):
+        p = R.split_plan(T, E, k)
+        assert p.n <= 4 and p.tpb >= 2 * p.bt and p.bt * max(16, E) <= 512 and p.fused_scan == fused_scan, p
+        zero = torch.full((T, 40), 7.0)
+        got = _launch_interp(logits, k, sf, renorm, kw, 1, E - 1, zero)
+    check(got, ref.route_and_shuffle(logits, k, sf, renorm, expert_index_start=1, expert_index_end=E - 1, **kw))
+    assert (zero == 0).all()
+
+
+@pytest.mark.reference
+def test_split_plan_bounds():
+    """Sub-tiles within ``ROUTE_SPLIT_TILE`` elements, blocks within ``SPLIT_MAX_BLOCKS`` until a
+    block's rows would pass the packed 15-bit rank (then more blocks), count rows scanned in place
+    only while all placing programs together read at most ``FUSED_SCAN_TOTAL`` entries."""
+    from moekit.ops._triton import route as R
+    from moekit.ops._triton.routing import FUSED_SCAN_TOTAL
+
+    for T in (9, 64, 300, 2048, 8192, 65536, 1 << 22):
+        for E, k in ((16, 1), (128, 8), (256, 8), (512, 16)):
+            p = R.split_plan(T, E, k)
+            assert p.bt * max(16, E) <= R.ROUTE_SPLIT_TILE and p.tpb % p.bt == 0 and p.n == -(-T // p.tpb), p
+            assert p.tpb * k < 1 << 15 and (p.n <= R.SPLIT_MAX_BLOCKS or p.tpb * k * 2 >= 1 << 15), (T, E, p)
+            assert p.hs == -(-E // 16) * 16 and 1 <= p.warps <= R.ROUTE_SPLIT_WARPS
+            assert not p.fused_scan or p.n * p.n * p.hs <= FUSED_SCAN_TOTAL
+
+
+@pytest.mark.interpreter
 def test_interp_public_op_uses_kernel_and_composite(monkeypatch):
-    """The registered op's CUDA branch (forced onto the interpreter): the kernels up to
-    ``SPLIT_MAX_BLOCKS`` token blocks, the composite (dense scores + index_shuffling) beyond,
-    same results."""
+    """The registered op's CUDA branch (forced onto the interpreter): the kernels for what they
+    take (one program; blocks of several sub-tiles past ``SPLIT_MAX_BLOCKS``), the composite
+    (dense scores + index_shuffling) for groups that are not powers of two, same results."""
     import moekit.ops.routing as ops_routing
     from moekit.ops._triton import route as R
 
@@ -166,8 +207,9 @@ def test_interp_public_op_uses_kernel_and_composite(monkeypatch):
     calls = []
     real = R.route_and_shuffle
     monkeypatch.setattr(R, "route_and_shuffle", lambda *a: calls.append(1) or real(*a))
-    for T, blocks in ((5, 64), (37, 64), (37, 36)):
-        logits, k, sf, renorm, kw = _inputs(ROUTINGS[1], T, seed=T)
+    odd_groups = ("odd-groups", 24, 3, "sigmoid", True, 4, 2, True, 1.0)
+    for r, T, blocks in ((ROUTINGS[1], 5, 64), (ROUTINGS[1], 37, 2), (odd_groups, 9, 64)):
+        logits, k, sf, renorm, kw = _inputs(r, T, seed=T)
         with settings.override(knobs={"SPLIT_MAX_BLOCKS": blocks}):
             got = route_and_shuffle(logits, k, sf, renorm, **kw)
         check(got, ref.route_and_shuffle(logits, k, sf, renorm, **kw))
@@ -179,8 +221,8 @@ def test_kernel_supports():
     from moekit.ops._triton.route import kernel_supports
 
     assert kernel_supports(256, 512, 16, None) and kernel_supports(2048, 128, 8, None)
-    assert kernel_supports(1024, 256, 8, 8) and not kernel_supports(1025, 256, 8, 8)  # 128 blocks of 8
-    assert kernel_supports(16384, 16, 1, None) and not kernel_supports(16385, 16, 1, None)
+    assert kernel_supports(16384, 256, 8, 8) and kernel_supports(1 << 22, 256, 8, 8)  # blocks of several sub-tiles
+    assert kernel_supports(2097153, 16, 1, None)  # any batch: more blocks past the packed rank
     assert not kernel_supports(1, 513, 1, None) and not kernel_supports(1, 16, 17, None)
     assert kernel_supports(4, 256, 8, 8) and not kernel_supports(4, 24, 2, 4)  # groups: powers of two
 
@@ -290,7 +332,7 @@ def test_kernel_compiles_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("r", ROUTINGS, ids=[r[0] for r in ROUTINGS])
-@pytest.mark.parametrize("T", [1, 4, 16, 64, 256, 300])
+@pytest.mark.parametrize("T", [1, 4, 16, 64, 256, 300, 2500, 9000])
 def test_gpu_matches_reference(r, T, cuda):
     logits, k, sf, renorm, kw = _inputs(r, T, seed=T)
     want = ref.route_and_shuffle(logits, k, sf, renorm, **kw)

@@ -15,12 +15,14 @@ decode critical path), in sub-tiles of ``BT`` tokens x ``BLOCK_E`` experts:
    ``base[e] + rank``: expert, token and weight of each sorted row, ``-1`` / 0 in the tail, and
    the selection's row itself (the token-major inverse map).
 
-Larger batches split step 1-2 over programs of ``BT`` tokens each (``SPLIT``: ranks counted
-within the block, the block's expert counts stored as one row of a ``[blocks, E]`` table), and a
-second launch (``_route_place_kernel``, one program per block, PDL-chained) scans the table
-(expert totals -> bases; the blocks before its own -> its offsets) and places the block's rows.
-One program routing 256 tokens took 103 µs at E = 128 (H200, 16 serial sub-tiles of K rounds of
-row reductions); the split path runs the sub-tiles side by side.
+Larger batches split step 1-2 over programs of ``tokens_per_block`` tokens each (``SPLIT``: ranks
+counted within the block, the block's expert counts stored as one row of a ``[blocks, HS]``
+table), and a last launch (``_route_place_kernel``, one program per block, PDL-chained) scans the
+table (expert totals -> bases; the blocks before its own -> its offsets) and places the block's
+rows; with many blocks ``routing._scan_blocks_kernel`` scans the table between the two, so that
+the placing programs read one row each. One program routing 256 tokens took 103 µs at E = 128
+(H200, 16 serial sub-tiles of K rounds of row reductions); the split path runs the sub-tiles side
+by side on narrow programs (``split_plan``).
 
 The ranks count earlier tokens only, so rows of an expert come in token order and the result is
 bitwise the layout of ``index_shuffling`` (no atomics anywhere). Programs past the routing ones
@@ -31,7 +33,7 @@ needs no launch of its own.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -40,19 +42,42 @@ import triton.language as tl
 from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2
 from moekit.ops._triton._pdl import pdl_prologue
-from moekit.ops._triton.routing import _row_below, _score_keys
+from moekit.ops._triton.routing import (
+    FUSED_SCAN_MAX,
+    FUSED_SCAN_TOTAL,
+    SCAN_CB,
+    SCAN_EC,
+    _row_below,
+    _scan_blocks_kernel,
+    _score_keys,
+)
 
-# Largest expert count / top-k the kernels take, and the most token blocks of the split path (the
-# launcher falls back to the multi-launch composite beyond: dense scores with torch ops, then
-# ``index_shuffling``). ``SPLIT_TARGET``: programs the split path aims at. Tests pin
-# SPLIT_MAX_BLOCKS as the knob ``SPLIT_MAX_BLOCKS`` (``moekit.settings``).
+# Largest expert count / top-k the kernels take (the launcher falls back to the multi-launch
+# composite beyond: dense scores with torch ops, then ``index_shuffling``).
 ROUTE_MAX_E = 512
 ROUTE_MAX_K = 16
-SPLIT_MAX_BLOCKS = 128
+# The split path (more than ``settings.route_fused_max_t`` tokens): blocks of tokens side by side,
+# at least ``SPLIT_TARGET`` of them while a block is one token, sub-tiles of about
+# ``ROUTE_SPLIT_TILE`` (tokens x experts) elements on at most ``ROUTE_SPLIT_WARPS`` warps (a
+# token's top-k rounds are row reductions: across warps they go through shared memory and
+# barriers), at most ``SPLIT_MAX_BLOCKS`` blocks before a block takes several sub-tiles. The
+# placing programs scan the blocks' count rows themselves while all of them together read at most
+# ``routing.FUSED_SCAN_TOTAL`` entries, else a column-scan launch runs between. Tests pin these as
+# the knobs of the same names (``moekit.settings``).
 SPLIT_TARGET = 64
-# Elements of one sub-tile (tokens x experts) and of one zeroing program.
+ROUTE_SPLIT_TILE = 2048
+ROUTE_SPLIT_WARPS = 8
+SPLIT_MAX_BLOCKS = 1024
+# Elements of one sub-tile (tokens x experts) on the one-program path, and of one zeroing program.
 ROUTE_TILE = 2048
 ZERO_BLOCK = 8192
+# Largest buffer the routing launch zeroes with extra programs; larger ones take a memset before
+# it. The extra programs share the routing programs' registers (one 8-warp program per SM), so a
+# big buffer took many waves: DeepSeek-V3 TP8's 8192 x 7168 bf16 output made the launch 329 µs
+# against 52 µs without it (H200, session 14).
+ZERO_RIDE_MAX = 128 * ZERO_BLOCK
+# A row's rank within its token block is packed into 15 bits (``rank << 16 | expert``).
+_PACKED_RANK_LIMIT = 1 << 15
 
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "topk_softmax": 2}
 
@@ -134,12 +159,13 @@ def _zero_chunk(zero_ptr, chunk, zero_numel, ZB: tl.constexpr):
 
 @triton.jit
 def _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_ptr, pw_ptr, eidx_ptr, tidx_ptr,
-                    rw_ptr, srow_ptr, T, E, start, SPLIT: tl.constexpr, K: tl.constexpr, RB: tl.constexpr):  # fmt: skip
+                    rw_ptr, srow_ptr, T, E, HS, start, SPLIT: tl.constexpr, K: tl.constexpr, RB: tl.constexpr):  # fmt: skip
     """After a routing program's tokens: ``SPLIT``, its expert counts ``carry`` as row ``pid`` of
-    ``bcounts`` (``_route_place_kernel`` places the rows); else (one program for every token) the
-    counts, then every row placed at its expert's base plus its rank."""
+    ``bcounts [blocks, HS]`` (``HS``: E rounded up to 16, zeros past E; ``_route_place_kernel``
+    places the rows); else (one program for every token) the counts, then every row placed at its
+    expert's base plus its rank."""
     if SPLIT:
-        tl.store(bcounts_ptr + pid.to(tl.int64) * E + cols, carry, mask=col_ok)
+        tl.store(bcounts_ptr + pid.to(tl.int64) * HS + cols, carry, mask=cols < HS)
     else:
         n_rows = tl.sum(carry, axis=0)
         tl.store(counts_ptr + cols, carry, mask=col_ok)
@@ -151,7 +177,7 @@ def _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_pt
                     start, K, RB)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["T", "start", "end", "zero_numel", "n_route"])
+@triton.jit(do_not_specialize=["T", "start", "end", "zero_numel", "n_route", "tokens_per_block"])
 def _route_fused_kernel(
     logits_ptr,
     bias_ptr,
@@ -173,6 +199,8 @@ def _route_fused_kernel(
     scale,
     zero_numel,
     n_route,
+    tokens_per_block,
+    HS,
     K: tl.constexpr,
     SCORE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -189,9 +217,10 @@ def _route_fused_kernel(
     USE_PDL: tl.constexpr = 0,
 ):
     """``SPLIT`` False: program 0 routes every token and places the rows (the one-launch path);
-    True: program ``b < n_route`` routes tokens ``[b * BT, (b + 1) * BT)`` only, its ranks
-    counting from 0, and stores its expert counts as row ``b`` of ``bcounts [n_route, E]``
-    (``_route_place_kernel`` places the rows). Programs from ``n_route`` on zero ``zero_ptr``."""
+    True: program ``b < n_route`` routes tokens ``[b * tokens_per_block, (b + 1) *
+    tokens_per_block)`` only (sub-tiles of ``BT``), its ranks counting from 0, and stores its
+    expert counts as row ``b`` of ``bcounts [n_route, HS]`` (``_route_place_kernel`` places the
+    rows). Programs from ``n_route`` on zero ``zero_ptr``."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     if HAS_ZERO and pid >= n_route:
@@ -207,8 +236,8 @@ def _route_fused_kernel(
             bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         carry = tl.zeros([BLOCK_E], dtype=tl.int32)
         if SPLIT:
-            t_begin = pid * BT
-            t_end = tl.minimum(t_begin + BT, T)
+            t_begin = pid * tokens_per_block
+            t_end = tl.minimum(t_begin + tokens_per_block, T)
         else:
             t_begin = 0
             t_end = T
@@ -248,10 +277,10 @@ def _route_fused_kernel(
             tl.store(pw_ptr + r, w, mask=ok)
             carry += tl.sum(one, axis=0)
         _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_ptr, pw_ptr, eidx_ptr, tidx_ptr,
-                        rw_ptr, srow_ptr, T, E, start, SPLIT, K, RB)  # fmt: skip
+                        rw_ptr, srow_ptr, T, E, HS, start, SPLIT, K, RB)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["T", "start", "n_blocks"])
+@triton.jit(do_not_specialize=["T", "start", "n_blocks", "tokens_per_block"])
 def _route_place_kernel(
     bcounts_ptr,
     packed_ptr,
@@ -263,41 +292,49 @@ def _route_place_kernel(
     srow_ptr,
     T,
     E,
+    HS,
     start,
     n_blocks,
+    tokens_per_block,
     K: tl.constexpr,
-    BT: tl.constexpr,
+    FUSED_SCAN: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CB: tl.constexpr,
     RB: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
-    """The second launch of the split path: program ``b`` sums the ``n_blocks`` count rows (the
-    expert totals, their exclusive scan = the expert bases) and the rows of the blocks before
-    its own (its offset in each expert), then places block ``b``'s selections at ``base[e] +
-    offset[e] + rank`` and writes the ``-1`` tail of its own range of rows. Program 0 stores
-    the counts."""
+    """The last launch of the split path, program ``b`` for token block ``b``: the expert totals
+    (their exclusive scan = the expert bases) and the rows of the blocks before ``b`` (its offset
+    in each expert), then block ``b``'s selections placed at ``base[e] + offset[e] + rank`` and the
+    ``-1`` tail of its own range of rows. ``FUSED_SCAN``: summed here from the ``n_blocks`` count
+    rows (program 0 stores the counts); else ``_scan_blocks_kernel`` left the offsets in
+    ``bcounts`` and the totals in ``counts``. Program 0 stores ``counts[E:E + 2]``."""
     pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
-    tot = tl.zeros([BLOCK_E], dtype=tl.int32)
-    pre = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in range(0, n_blocks, CB):
-        blk = c0 + tl.arange(0, CB)
-        c = tl.load(bcounts_ptr + blk.to(tl.int64)[:, None] * E + cols[None, :],
-                    mask=(blk < n_blocks)[:, None] & col_ok[None, :], other=0)  # fmt: skip
-        tot += tl.sum(c, axis=0)
-        pre += tl.sum(tl.where((blk < b)[:, None], c, 0), axis=0)
+    if FUSED_SCAN:
+        tot = tl.zeros([BLOCK_E], dtype=tl.int32)
+        pre = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for c0 in range(0, n_blocks, CB):
+            blk = c0 + tl.arange(0, CB)
+            c = tl.load(bcounts_ptr + blk.to(tl.int64)[:, None] * HS + cols[None, :],
+                        mask=(blk < n_blocks)[:, None] & col_ok[None, :], other=0)  # fmt: skip
+            tot += tl.sum(c, axis=0)
+            pre += tl.sum(tl.where((blk < b)[:, None], c, 0), axis=0)
+        if b == 0:
+            tl.store(counts_ptr + cols, tot, mask=col_ok)
+    else:
+        tot = tl.load(counts_ptr + cols, mask=col_ok, other=0)
+        pre = tl.load(bcounts_ptr + b.to(tl.int64) * HS + cols, mask=col_ok, other=0)
     n_rows = tl.sum(tot, axis=0)
     if b == 0:
-        tl.store(counts_ptr + cols, tot, mask=col_ok)
         tl.store(counts_ptr + E, T)
         tl.store(counts_ptr + E + 1, n_rows)
     off = tl.cumsum(tot, axis=0) - tot + pre
-    r_begin = b * (BT * K)
-    _place_rows(packed_ptr, pw_ptr, eidx_ptr, tidx_ptr, rw_ptr, srow_ptr, off, r_begin, r_begin + BT * K, T * K,
-                n_rows, start, K, RB)  # fmt: skip
+    r_begin = b * (tokens_per_block * K)
+    _place_rows(packed_ptr, pw_ptr, eidx_ptr, tidx_ptr, rw_ptr, srow_ptr, off, r_begin,
+                r_begin + tokens_per_block * K, T * K, n_rows, start, K, RB)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "start", "end", "zero_numel", "n_route", "tokens_per_block"])
@@ -324,6 +361,7 @@ def _topk_rows_kernel(
     zero_numel,
     n_route,
     tokens_per_block,
+    HS,
     K: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -380,26 +418,48 @@ def _topk_rows_kernel(
             tl.store(pw_ptr + r, w.to(tl.float32), mask=ok)
             carry += tl.sum(cnt, axis=0)
         _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_ptr, pw_ptr, eidx_ptr, tidx_ptr,
-                        rw_ptr, srow_ptr, T, E, start, SPLIT, K, RB)  # fmt: skip
+                        rw_ptr, srow_ptr, T, E, HS, start, SPLIT, K, RB)  # fmt: skip
 
 
-def _blocks(T: int, E: int) -> tuple[int, int]:
-    """(tokens per program, programs) of the split path: blocks of a power of two tokens, as
-    small as keeps the programs at most ``SPLIT_TARGET`` (the per-program work is a few rounds of
-    row reductions whose latency hardly depends on the block: more programs, less time)."""
-    tile_t = max(1, ROUTE_TILE // max(16, next_pow2(E)))
-    bt = min(tile_t, next_pow2(max(1, cdiv(T, SPLIT_TARGET))))
-    return bt, cdiv(T, bt)
+class SplitPlan(NamedTuple):
+    """Launch shape of the split path: ``bt`` tokens per sub-tile, ``tpb`` per block (program),
+    ``n`` blocks, ``warps`` per routing program, ``hs`` (E rounded up to 16: the count rows'
+    stride), and whether the placing programs scan the count rows themselves (``fused_scan``)."""
+
+    bt: int
+    tpb: int
+    n: int
+    warps: int
+    hs: int
+    fused_scan: bool
+
+
+def split_plan(T: int, E: int, top_k: int) -> SplitPlan:
+    """The split path's shape (a pure function of the sizes and the pinned knobs). Sub-tiles of a
+    power of two tokens, as small as keeps at least ``SPLIT_TARGET`` blocks while a block is one
+    sub-tile (the per-block work is a few rounds of row reductions whose latency hardly depends on
+    the sub-tile: more programs, less time) and at most ``ROUTE_SPLIT_TILE`` elements; past
+    ``SPLIT_MAX_BLOCKS`` sub-tiles a block takes several (a power of two, fewer where a block's
+    rows would not fit the packed 15-bit rank)."""
+    knob = settings.get().knob
+    block_e = max(16, next_pow2(E))
+    tile = knob("ROUTE_SPLIT_TILE", ROUTE_SPLIT_TILE)
+    bt = max(1, min(tile // block_e, next_pow2(max(1, cdiv(T, SPLIT_TARGET)))))
+    iters = next_pow2(max(1, cdiv(cdiv(T, bt), knob("SPLIT_MAX_BLOCKS", SPLIT_MAX_BLOCKS))))
+    while iters > 1 and bt * iters * top_k >= _PACKED_RANK_LIMIT:
+        iters //= 2
+    tpb = bt * iters
+    n = cdiv(max(T, 1), tpb)
+    hs = cdiv(E, 16) * 16
+    warps = max(1, min(knob("ROUTE_SPLIT_WARPS", ROUTE_SPLIT_WARPS), bt * block_e // 256))
+    fused = n * hs <= knob("FUSED_SCAN_MAX", FUSED_SCAN_MAX) and n * n * hs <= FUSED_SCAN_TOTAL
+    return SplitPlan(bt, tpb, n, warps, hs, fused)
 
 
 def kernel_supports(T: int, E: int, top_k: int, n_group: Optional[int]) -> bool:
-    """Shapes the kernels take (grouped routing needs power-of-two groups filling E): one
-    program up to ``settings.route_fused_max_t`` tokens, else blocks of tokens, at most
-    ``SPLIT_MAX_BLOCKS`` of them (the placing programs each read every block's counts)."""
+    """Shapes the kernels take: ``E <= ROUTE_MAX_E``, ``top_k <= ROUTE_MAX_K``, and grouped
+    routing with power-of-two groups filling E (any number of tokens)."""
     if E > ROUTE_MAX_E or top_k > ROUTE_MAX_K:
-        return False
-    s = settings.get()
-    if T > s.route_fused_max_t and _blocks(T, E)[1] > s.knob("SPLIT_MAX_BLOCKS", SPLIT_MAX_BLOCKS):
         return False
     if n_group is not None and n_group > 1:
         return E >= 16 and E == next_pow2(E) and n_group == next_pow2(n_group) and n_group <= E
@@ -415,13 +475,27 @@ def _outputs(E: int, N: int, dev: torch.device) -> tuple:
             torch.empty(N, dtype=f32, device=dev))  # fmt: skip
 
 
-def _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T: int, E: int, start: int, n_blocks: int, top_k: int,
-           tokens_per_block: int, block_e: int) -> None:  # fmt: skip
-    """The split path's second launch (``_route_place_kernel``), one program per token block."""
-    launch(_route_place_kernel)[(n_blocks,)](
-        bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_blocks,
-        K=top_k, BT=tokens_per_block, BLOCK_E=block_e, CB=max(1, min(next_pow2(n_blocks), 4096 // block_e)),
-        RB=min(1024, max(16, next_pow2(tokens_per_block * top_k))), num_warps=4,
+def _memset_if_large(zero_buffer: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A buffer past ``ZERO_RIDE_MAX`` elements zeroed here (None returned: no zeroing programs),
+    a smaller one returned for the routing launch's extra programs."""
+    if zero_buffer is not None and zero_buffer.numel() > settings.get().knob("ZERO_RIDE_MAX", ZERO_RIDE_MAX):
+        zero_buffer.zero_()
+        return None
+    return zero_buffer
+
+
+def _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T: int, E: int, start: int, top_k: int,
+           p: SplitPlan) -> None:  # fmt: skip
+    """The split path's placing launch (``_route_place_kernel``, one program per token block),
+    after the column scan of the count rows where ``p.fused_scan`` is false."""
+    block_e = max(16, next_pow2(E))
+    if not p.fused_scan:
+        cb = min(settings.get().knob("SCAN_CB", SCAN_CB), max(16, next_pow2(p.n)))
+        launch(_scan_blocks_kernel)[(p.hs // SCAN_EC,)](bcounts, counts, p.n, E, p.hs, EC=SCAN_EC, CB=cb, num_warps=4)
+    launch(_route_place_kernel)[(p.n,)](
+        bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, p.hs, start, p.n, p.tpb,
+        K=top_k, FUSED_SCAN=p.fused_scan, BLOCK_E=block_e, CB=max(1, min(next_pow2(p.n), 4096 // block_e)),
+        RB=min(1024, max(16, next_pow2(p.tpb * top_k))), num_warps=4,
     )  # fmt: skip
 
 
@@ -447,30 +521,33 @@ def route_and_shuffle(
     k_pad = next_pow2(top_k)
     split = T > settings.get().route_fused_max_t
     if split:
-        bt, n_route = _blocks(T, E)
+        p = split_plan(T, E, top_k)
+        bt, tpb, n_route, warps = p.bt, p.tpb, p.n, p.warps
     else:
         bt, n_route = max(1, min(next_pow2(max(T, 1)), ROUTE_TILE // block_e)), 1
-    bcounts = torch.empty((n_route, E) if split else (1,), dtype=torch.int32, device=dev)
+        tpb = T
+        # One warp for a single token's row (no cross-warp reductions on the decode critical path).
+        warps = max(1, min(8, bt * block_e // 256))
+    bcounts = torch.empty((n_route * p.hs) if split else (1,), dtype=torch.int32, device=dev)
+    zero_buffer = _memset_if_large(zero_buffer)
     zero_numel = 0 if zero_buffer is None else zero_buffer.numel()
     ng = 1 if n_group is None else int(n_group)
     launch(_route_fused_kernel)[(n_route + cdiv(zero_numel, ZERO_BLOCK),)](
         logits, bias, counts, eidx, tidx, rw, srow, packed, pw, bcounts, zero_buffer,
-        T, E, start, end, logits.stride(0), logits.stride(1), float(scale), zero_numel, n_route,
-        K=top_k, SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+        T, E, start, end, logits.stride(0), logits.stride(1), float(scale), zero_numel, n_route, tpb,
+        p.hs if split else 16, K=top_k, SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         NG=ng, TOPK_GROUP=int(topk_group or 1), HAS_ZERO=zero_buffer is not None, SPLIT=split,
         BT=bt, BLOCK_E=block_e, K_PAD=k_pad, RB=min(1024, max(16, next_pow2(N))), ZB=ZERO_BLOCK,
-        # One warp for a single token's row (no cross-warp reductions on the decode critical path).
-        num_warps=max(1, min(8, bt * block_e // 256)),
+        num_warps=warps,
     )  # fmt: skip
     if split:
-        _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_route, top_k, bt, block_e)
+        _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, top_k, p)
     return counts, eidx, tidx, rw, srow
 
 
 # shuffle_top_k: sub-tiles that one program takes in one launch (beyond: blocks of tokens side by
 # side, then the placing launch); ranks within a block must fit the packed 15 bits.
 TOPK_ROWS_FUSED_TILES = 4
-_PACKED_RANK_LIMIT = 1 << 15
 
 
 @functools.lru_cache(maxsize=1024)
@@ -493,7 +570,7 @@ def topk_rows_supported(T: int, E: int, top_k: int) -> bool:
     if E > ROUTE_MAX_E or top_k > ROUTE_MAX_K or T * top_k == 0:
         return False
     _, split, tpb, n = _topk_rows_plan(T, E, top_k)
-    return (tpb * top_k < _PACKED_RANK_LIMIT) and n <= settings.get().knob("SPLIT_MAX_BLOCKS", SPLIT_MAX_BLOCKS)
+    return tpb * top_k < _PACKED_RANK_LIMIT
 
 
 def shuffle_top_k(
@@ -511,15 +588,22 @@ def shuffle_top_k(
     counts, eidx, tidx, rw, srow, packed, pw = _outputs(E, N, dev)
     block_e = max(16, next_pow2(E))
     bt, split, tpb, n_route = _topk_rows_plan(T, E, top_k)
-    bcounts = torch.empty((n_route, E) if split else (1,), dtype=torch.int32, device=dev)
+    hs = cdiv(E, 16) * 16
+    bcounts = torch.empty((n_route * hs) if split else (1,), dtype=torch.int32, device=dev)
+    zero_buffer = _memset_if_large(zero_buffer)
     zero_numel = 0 if zero_buffer is None else zero_buffer.numel()
     launch(_topk_rows_kernel)[(n_route + cdiv(zero_numel, ZERO_BLOCK),)](
         ids, weights, counts, eidx, tidx, rw, srow, packed, pw, bcounts, zero_buffer,
         T, E, start, end, ids.stride(0), ids.stride(1), weights.stride(0), weights.stride(1), zero_numel, n_route,
-        tpb, K=top_k, HAS_ZERO=zero_buffer is not None, SPLIT=split, BT=bt, BLOCK_E=block_e,
+        tpb, hs, K=top_k, HAS_ZERO=zero_buffer is not None, SPLIT=split, BT=bt, BLOCK_E=block_e,
         K_PAD=next_pow2(top_k), RB=min(1024, max(16, next_pow2(N))), ZB=ZERO_BLOCK,
         num_warps=max(1, min(8, bt * block_e // 256)),
     )  # fmt: skip
     if split:
-        _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, n_route, top_k, tpb, block_e)
+        fused = (
+            n_route * hs <= settings.get().knob("FUSED_SCAN_MAX", FUSED_SCAN_MAX)
+            and n_route * n_route * hs <= FUSED_SCAN_TOTAL
+        )
+        _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, top_k,
+               SplitPlan(bt, tpb, n_route, 0, hs, fused))  # fmt: skip
     return counts, eidx, tidx, rw, srow

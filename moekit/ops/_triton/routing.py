@@ -527,7 +527,10 @@ def plan(
     iters = max(1, min(iters, MAX_TOKENS_PER_PROGRAM // bt))
     programs = cdiv(subtiles, iters)
     # Kernel C scans the histograms itself when every program can afford reading all of them.
-    fused = programs * hs <= FUSED_SCAN_MAX and programs * programs * hs <= FUSED_SCAN_TOTAL
+    fused = (
+        programs * hs <= settings.get().knob("FUSED_SCAN_MAX", FUSED_SCAN_MAX)
+        and programs * programs * hs <= FUSED_SCAN_TOTAL
+    )
     if force == "multi3":
         fused = False
     elif force == "multi":
