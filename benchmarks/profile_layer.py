@@ -3,6 +3,7 @@
 pipeline ``bench_layer.py`` times), with its duration, from ``torch.profiler``.
 
     python benchmarks/profile_layer.py [--models qwen3-30b-a3b,llama4-scout] [--tokens 1,128] [--dtype bf16,fp8]
+        [--vllm]
 
 For each (model, T, dtype): the kernels in launch order (name, µs), the count of launches, the
 sum of kernel time and the wall time of the same forward replayed in a CUDA graph, so the gap
@@ -22,7 +23,66 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import torch  # noqa: E402
 
 
-def profile_one(model: str, T: int, fp8: bool, top: int) -> dict:
+def _print_kernels(kernels: list, top: int) -> None:
+    """The kernels in launch order, those under 1% of the total folded into one line each run."""
+    total = sum(t for _, t in kernels) or 1.0
+    small_n, small_t, shown = 0, 0.0, 0
+    for name, t in kernels:
+        if t < 0.01 * total or shown >= top:
+            small_n, small_t = small_n + 1, small_t + t
+            continue
+        if small_n:
+            print(f"   {small_t:8.2f} µs  ({small_n} small kernels)")
+            small_n, small_t = 0, 0.0
+        print(f"   {t:8.2f} µs  {name[:110]}")
+        shown += 1
+    if small_n:
+        print(f"   {small_t:8.2f} µs  ({small_n} small kernels)")
+
+
+def _profile_vllm(x, w, s, cfg, fp8: bool) -> None:
+    """The same rows through vLLM's fused_moe harness (routing precomputed), kernel by kernel."""
+    from moekit import layer_bench
+    from moekit.benchmarking import bench_us
+    from moekit.reference.routing import routing_weights
+
+    vllm = layer_bench._vllm_harness()
+    if vllm is None or cfg.apply_router_weight_on_input:
+        return
+    logits = (x @ w["router_DE"]).float()
+    wts, ids = routing_weights(logits, cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group,
+                               topk_group=cfg.topk_group, e_score_correction_bias=w.get("e_score_correction_bias"),
+                               routed_scaling_factor=cfg.routed_scaling_factor)  # fmt: skip
+    tw, ti = wts.contiguous(), ids.to(torch.int32).contiguous()
+    if fp8:
+        v13, v13s = vllm.quantize_weight_per_channel_fp8(w["w13_e2FD"])
+        v2, v2s = vllm.quantize_weight_per_channel_fp8(w["w2_eDF"])
+
+        def step():
+            return vllm.vllm_moe_fp8(x, v13, v13s, v2, v2s, tw, ti)
+    else:
+
+        def step():
+            return vllm.vllm_moe(x, w["w13_e2FD"], w["w2_eDF"], tw, ti)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    gpu = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in gpu]
+    wall = bench_us(step, replays=20)
+    print(f"   -- vLLM fused_moe: {len(kernels)} kernels, {sum(t for _, t in kernels):.1f} µs of kernel time, "
+          f"{wall:.1f} µs per call in a CUDA graph", flush=True)  # fmt: skip
+    _print_kernels(kernels, 40)
+
+
+def profile_one(model: str, T: int, fp8: bool, top: int, vllm: bool = False) -> dict:
     from moekit import layer_bench
     from moekit.benchmarking import bench_us
     from moekit.layers.functional import quantize_expert_weights
@@ -81,8 +141,9 @@ def profile_one(model: str, T: int, fp8: bool, top: int) -> dict:
         f"{wall:.1f} µs per forward in a CUDA graph",
         flush=True,
     )
-    for name, t in kernels[:top]:
-        print(f"   {t:8.2f} µs  {name[:110]}")
+    _print_kernels(kernels, top)
+    if vllm:
+        _profile_vllm(x, w, s, cfg, q is not None)
     return {
         "model": model,
         "T": T,
@@ -100,6 +161,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,128")
     ap.add_argument("--dtype", default="bf16,fp8")
     ap.add_argument("--top", type=int, default=60, help="kernels listed per forward")
+    ap.add_argument("--vllm", action="store_true", help="also profile vLLM's fused_moe on the same rows")
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh (QUICK=1); no effect")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -112,7 +174,7 @@ def main() -> int:
         for T in (int(t) for t in args.tokens.split(",")):
             for dt in args.dtype.split(","):
                 try:
-                    rows.append(profile_one(m, T, dt == "fp8", args.top))
+                    rows.append(profile_one(m, T, dt == "fp8", args.top, args.vllm))
                 except Exception as exc:  # keep the other rows
                     print(f"   {m} T={T} {dt} failed: {type(exc).__name__}: {exc}")
     print(markdown_table(rows, ["model", "T", "dtype", "kernels", "kernel_us", "graph_us", "gap_us"]))
