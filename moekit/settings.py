@@ -18,7 +18,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 2048 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k; see ``moekit.layers.experts.choose_path``) |
 | ``MOEKIT_ROUTE_FUSED_MAX_T`` | ``route_fused_max_t`` | 8 | ``route_and_shuffle`` routes up to this many tokens in one program (one launch); more take a program per block of tokens and a placing launch |
 | ``MOEKIT_SORTED_SWIGLU`` | ``sorted_swiglu`` | 1 | the sorted pipeline's gate/up GEMM reads token rows by index with the SiLU * up in its epilogue (``grouped_gemm_swiglu``'s tiled kernel) where its rows per expert take tensor-core tiles (0: gather, GEMM, ``silu_mul``) |
-| ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True``) |
+| ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True`` and from ``moekit.layers.experts.DOWN_SUM_MIN_ROWS`` routed rows of top-k >= 2) |
 | ``MOEKIT_GG_TUNED`` | ``gg_tuned`` | none | JSON table of grouped-GEMM configurations (``benchmarks/tune_gemm.py`` writes it) |
 | ``MOEKIT_GG_GEMV_MAX_M`` | ``gg_gemv_max_m`` | 4 | grouped GEMMs of at most this many rows run the GEMV kernel (0: never) |
 | ``MOEKIT_GG_GEMV_SPREAD_MAX_M`` | ``gg_gemv_spread_max_m`` | 8 | ... and up to this many rows when they rarely share an expert (top-k decode) |
@@ -71,7 +71,7 @@ class Settings:
     bench_dir: Optional[str] = None
     # Not from the environment: kernel-choice knobs that tests pin to reach every path. Each
     # overrides the module constant of the same name (a leading underscore dropped), the default
-    # when unpinned; modules are under moekit.ops._triton:
+    # when unpinned; modules are under moekit.ops._triton (DOWN_SUM_MIN_ROWS: moekit.layers.experts):
     #   PIPE_MIN_BYTES_SILU               activation (silu_mul_quant persistent kernel)  256 MiB
     #   PIPE_MIN_BYTES                    quantize (quantize_fp8_row persistent kernel)   64 MiB
     #   SCAN_CB                           routing (histogram scan tile, programs)           1024
@@ -81,6 +81,7 @@ class Settings:
     #   ROUTE_SPLIT_TILE                  route (split path sub-tile, tokens x experts)     2048
     #   ROUTE_SPLIT_WARPS                 route (split path routing program warps)             8
     #   ZERO_RIDE_MAX                     route (zero_buffer zeroed in the launch, elements)  1M
+    #   DOWN_SUM_MIN_ROWS                 experts (down rows summed, not scatter-added)      32768
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -99,7 +100,7 @@ class Settings:
 #: Every knob name ``override(knobs=...)`` accepts (the list in ``Settings``' comment).
 KNOBS = (
     "PIPE_MIN_BYTES_SILU", "PIPE_MIN_BYTES", "SCAN_CB", "MAX_KERNEL_E", "SPLIT_MAX_BLOCKS",
-    "FUSED_SCAN_MAX", "ROUTE_SPLIT_TILE", "ROUTE_SPLIT_WARPS", "ZERO_RIDE_MAX",
+    "FUSED_SCAN_MAX", "ROUTE_SPLIT_TILE", "ROUTE_SPLIT_WARPS", "ZERO_RIDE_MAX", "DOWN_SUM_MIN_ROWS",
     "GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", "GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", "GATHER_STREAM_PROGRAMS_PER_SM",
     "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
 )  # fmt: skip

@@ -91,18 +91,28 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
     return "sorted"
 
 
-def down_sums_rows(deterministic: bool = False) -> bool:
+# Routed rows from which the sorted pipeline's down projection stores its rows and sums them per
+# token (top-k >= 2) instead of scatter-adding them. H200, session 14, same process, layer from
+# router logits, atomic vs sum: at 32768 rows and more the sum won in all 12 cells (T = 8192 and
+# 16384 of Qwen3-30B, DeepSeek-V3 TP8, gpt-oss-120b, bf16 and FP8; e.g. DeepSeek bf16 T=8192 2292
+# vs 2134 µs, FP8 1892 vs 1788; gpt-oss bf16 T=16384 6642 vs 6632); at 8192-16384 rows it was
+# mixed (Qwen3 T=2048 bf16 471 vs 483, FP8 323 vs 340; DeepSeek T=1024 bf16 957 vs 928).
+DOWN_SUM_MIN_ROWS = 32768
+
+
+def down_sums_rows(deterministic: bool = False, rows: int = 0, top_k: int = 1) -> bool:
     """Whether the down projection stores its rows and sums them per token (``combine_rows``)
     instead of scatter-adding them with atomics: ``settings.down_sum``; ``auto``: for
-    ``deterministic`` only (one launch instead of the deterministic scatter-add's inverse-map
-    launches, the same bits). Measured (H200, RESULTS.md session 8, Qwen3-30B and DeepSeek-V3
-    TP8 at T = 16..256, bf16 and FP8): the atomics cost nothing visible there (layer within
-    +-3 µs either way, e.g. DeepSeek FP8 T=256 474.7 vs 475.0 µs): the down GEMM is bound by its
-    weights, not by the bf16 atomic adds."""
+    ``deterministic`` (one launch instead of the deterministic scatter-add's inverse-map
+    launches, the same bits) and from ``DOWN_SUM_MIN_ROWS`` routed rows of top-k >= 2 (each
+    output row takes k atomic adds; the stored rows cost a write and a read of ``[rows, D]``).
+    Below that the atomics cost nothing visible (H200, RESULTS.md session 8, Qwen3-30B and
+    DeepSeek-V3 TP8 at T = 16..256: layer within +-3 µs either way): the down GEMM is bound by
+    its weights there, not by the bf16 atomic adds."""
     mode = settings.get().down_sum
     if mode != "auto":
         return mode == "sum"
-    return bool(deterministic)
+    return bool(deterministic) or (top_k >= 2 and rows >= settings.get().knob("DOWN_SUM_MIN_ROWS", DOWN_SUM_MIN_ROWS))
 
 
 def _combine_pays(rows: int, experts: int, top_k: int) -> bool:
@@ -210,7 +220,7 @@ def run_experts(
         and selection_rows is not None
         and out.dtype == rows_dtype
         and out.stride(-1) == 1
-        and down_sums_rows(deterministic)
+        and down_sums_rows(deterministic, N, top_k)
     )
     if choose_path(N, e, path, fp8=fp8_w, top_k=top_k) == "decode":
         z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=x_scale,

@@ -186,6 +186,48 @@ def test_sorted_pipeline_prefill_fused_swiglu_cpu(name, fused, fp8):
     assert_close(got.float(), _reference(x, routed, s), tol=6e-2 if fp8 else 1e-4)
 
 
+@pytest.mark.reference
+def test_down_sum_rule():
+    """``auto``: stored rows + per-token sums for ``deterministic`` and from
+    ``DOWN_SUM_MIN_ROWS`` rows of top-k >= 2 (never for top-1, whose rows need no sum); the
+    setting's ``atomic`` / ``sum`` win over both."""
+    from moekit import settings
+    from moekit.layers.experts import DOWN_SUM_MIN_ROWS, down_sums_rows
+
+    big = DOWN_SUM_MIN_ROWS
+    assert down_sums_rows(False, big, 8) and down_sums_rows(True, 16, 8) and down_sums_rows(True, big, 1)
+    assert not down_sums_rows(False, big - 1, 8) and not down_sums_rows(False, 4 * big, 1)
+    with settings.override(down_sum="atomic"):
+        assert not down_sums_rows(True, big, 8)
+    with settings.override(down_sum="sum"):
+        assert down_sums_rows(False, 16, 1)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("min_rows", [900, 901], ids=["sum", "atomic"])
+def test_sorted_pipeline_many_rows_sums_down_rows_cpu(min_rows):
+    """From ``DOWN_SUM_MIN_ROWS`` rows (the knob pinned around a small layer's 900) the sorted
+    pipeline's down projection stores its rows and sums them per token, below it scatter-adds:
+    the float32 layer's result either way."""
+    from moekit import settings
+    from moekit.layers import experts
+
+    s = _small("qwen3-30b-a3b", E=6, top_k=3)
+    w = random_expert_weights(s, dtype=torch.float32, seed=7)
+    x = torch.randn(300, s.D, generator=torch.Generator().manual_seed(7))
+    calls = []
+    real = experts.combine_rows
+    try:
+        experts.combine_rows = lambda *a: calls.append(1) or real(*a)
+        with settings.override(moe_path="sorted", knobs={"DOWN_SUM_MIN_ROWS": min_rows}):
+            got = moe_forward(x, w["router_DE"], w["w13_e2FD"], w["w2_eDF"], _cfg(s))
+    finally:
+        experts.combine_rows = real
+    assert calls == ([1] if min_rows <= 900 else [])
+    routed = {k: v for k, v in w.items() if not k.startswith("shared")}
+    assert_close(got.float(), _reference(x, routed, s), tol=1e-4)
+
+
 @pytest.mark.gpu
 def test_moe_forward_gpu_cuda_graph_replay():
     s = _small("qwen3-30b-a3b", E=12, top_k=3)
