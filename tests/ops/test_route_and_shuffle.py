@@ -304,7 +304,8 @@ def test_opcheck_and_compile_cpu():
 
 @pytest.mark.reference
 def test_kernel_compiles_for_sm90():
-    """Every routing family's kernel, compiled on the CPU for sm_90 through ptxas."""
+    """Every routing family's kernel, compiled on the CPU for sm_90 through ptxas (the split
+    path's column-scan launch at 8192 tokens of E = 256 among them)."""
     from tests.ops._sm90 import assert_all_compiled, compile_launches
 
     records = compile_launches(
@@ -315,7 +316,8 @@ def test_kernel_compiles_for_sm90():
                                                  (64, 256, 8, "sigmoid", True, 8, 4, True),
                                                  (256, 128, 4, "topk_softmax", False, None, None, False),
                                                  (16, 16, 1, "sigmoid", False, None, None, False),
-                                                 (3, 512, 16, "softmax", True, None, None, False)):
+                                                 (3, 512, 16, "softmax", True, None, None, False),
+                                                 (8192, 256, 8, "sigmoid", True, 8, 4, True)):
             logits = torch.empty(T, E, dtype=torch.bfloat16, device=m)
             b = torch.empty(E, device=m) if bias else None
             R.route_and_shuffle(logits, b, k, sf, renorm, ng, tg, 1.0, 0, E,
@@ -399,9 +401,14 @@ _TRACE_BODY = """
 from torch._functorch.aot_autograd import aot_function
 from tests.ops.test_route_and_shuffle import ROUTINGS, _inputs
 
+from moekit import settings
+
 op = torch.ops.moekit.route_and_shuffle.default
 launches = set()
-for r, T in ((ROUTINGS[0], 5), (ROUTINGS[0], 40), (ROUTINGS[1], 37), (ROUTINGS[2], 70)):
+# The last case: the count rows scanned by their own launch, the zero buffer by a memset.
+scan_memset = {"FUSED_SCAN_MAX": 0, "ZERO_RIDE_MAX": 0}
+for r, T, knobs in ((ROUTINGS[0], 5, {}), (ROUTINGS[0], 40, {}), (ROUTINGS[1], 37, {}), (ROUTINGS[2], 70, {}),
+                    (ROUTINGS[1], 45, scan_memset)):
     logits, k, sf, renorm, kw = _inputs(r, T, seed=T)
     E = logits.shape[1]
     args = (logits, kw["e_score_correction_bias"], k, sf, renorm, kw["n_group"], kw["topk_group"],
@@ -419,21 +426,23 @@ for r, T in ((ROUTINGS[0], 5), (ROUTINGS[0], 40), (ROUTINGS[1], 37), (ROUTINGS[2
                 nodes.append(n)
         return gm
 
-    traced = aot_function(lambda *t: op(*t), inspect)(*args)
+    with settings.override(knobs=knobs):
+        traced = aot_function(lambda *t: op(*t), inspect)(*args)
+        eager = op(*args[:-1], torch.ones(T, 16))
     launches.add(len(nodes))
-    eager = op(*args[:-1], torch.ones(T, 16))
     for x, y in zip(traced, eager):
         assert torch.equal(x, y)
-assert launches == {1, 2}, launches  # one program up to 8 tokens; blocks + placement past it
+assert launches == {1, 2, 3}, launches  # one program up to 8 tokens; blocks (+ scan) + placement past it
 print("TRACED OK")
 """
 
 
 @pytest.mark.interpreter
 def test_interp_traced_cuda_branch_matches_eager():
-    """The CUDA branch traced by AOT autograd (what torch.compile runs), both the one-launch and
-    the split path: the launches are captured, no input but the zero buffer is taken as written,
-    and the traced results equal the eager ones."""
+    """The CUDA branch traced by AOT autograd (what torch.compile runs): the one-launch path and
+    the split path with the count rows scanned by the placing programs or by their own launch
+    (the zero buffer then zeroed by a memset): the launches are captured, no input but the zero
+    buffer is taken as written, and the traced results equal the eager ones."""
     import os
     import subprocess
     import sys
