@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from moekit._validate import FP8_DTYPE, INDEX_DTYPES, check_tensor
 
@@ -68,13 +69,34 @@ def _finish(y32, group, G, M, N, out_dtype, token_weights, output_tensor, scatte
     return output_tensor
 
 
-def _grouped_product(x32: torch.Tensor, w32: torch.Tensor, group: torch.Tensor, G: int, N: int) -> torch.Tensor:
+def _grouped_product(x32: torch.Tensor, w: torch.Tensor, group: torch.Tensor, G: int, N: int) -> torch.Tensor:
+    """``y[i] = x32[i] @ w_g.T`` (float32) for row ``i`` of group ``g = group[i] < G``, 0 for rows of
+    group ``G``; ``w [G * N, K]`` in its own dtype, converted to float32 group by group.
+
+    Eager on the CPU (moekit's CPU path runs these functions) each group's product is taken on its
+    own rows and only the groups that have rows convert their weights: a Qwen3-30B layer at 16
+    tokens took 1.8 s when every one of its 128 experts multiplied all rows. Elsewhere (traced by
+    torch.compile, fake tensors, or CUDA tensors without Triton) every group multiplies every row
+    and the rows are selected after: no data-dependent shapes, no host reads of device data."""
     M, K = x32.shape
     y = torch.zeros(M, N, dtype=torch.float32, device=x32.device)
-    w_g = w32.view(G, N, K)
+    w_g = w.view(G, N, K)
+    if not M:
+        return y
+    if x32.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(x32) and not is_fake(group):
+        counts = torch.bincount(group, minlength=G + 1)[:G].tolist()
+        order = torch.argsort(group, stable=True)
+        start = 0
+        for g, c in enumerate(counts):
+            if c:
+                rows = order[start : start + c]
+                y.index_copy_(0, rows, x32.index_select(0, rows) @ w_g[g].float().T)
+            start += c
+        return y
+    w32 = w_g.float()
     for g in range(G):  # the oracle favours clarity over speed
         rows = group == g
-        y = torch.where(rows.unsqueeze(1), x32 @ w_g[g].T, y) if M else y
+        y = torch.where(rows.unsqueeze(1), x32 @ w32[g].T, y)
     return y
 
 
@@ -102,7 +124,7 @@ def grouped_gemm(
     """
     M, K, G, N = _check_common(x, w, m_sizes, _FLOATS, w_dtype=None if w_scale is None else FP8_DTYPE)
     group = group_of_rows(m_sizes, M)
-    y = _grouped_product(x.float(), w.float(), group, G, N)
+    y = _grouped_product(x.float(), w, group, G, N)
     if w_scale is not None:
         check_tensor("w_scale", w_scale, dtype=torch.float32, device=x.device)
         if w_scale.numel() != G * N:
@@ -140,7 +162,7 @@ def grouped_gemm_fp8_rowwise(
     if w_scale.numel() != G * N:
         raise ValueError(f"w_scale must have G * N = {G * N} elements, got shape {tuple(w_scale.shape)}")
     group = group_of_rows(m_sizes, M)
-    y = _grouped_product(x.float(), w.float(), group, G, N)
+    y = _grouped_product(x.float(), w, group, G, N)
     ws = w_scale.reshape(G, N)[group.clamp(max=G - 1)]
     y = y * x_scale.reshape(M, 1) * ws
     return _finish(y, group, G, M, N, torch.bfloat16, token_weights, _output_tensor, _scatter_add_indices)
@@ -193,7 +215,7 @@ def grouped_gemm_swiglu(
     src = torch.where(ok, src, 0)
     xr = x.float()[src] if R else torch.zeros(M, K, device=x.device)
     group = group_of_rows(m_sizes, M)
-    h = _grouped_product(xr, w13.float(), group, G, twoF)
+    h = _grouped_product(xr, w13, group, G, twoF)
     if fp8_x:
         check_tensor("x_scale", x_scale, dtype=torch.float32, device=x.device)
         if x_scale.numel() != R:
@@ -245,12 +267,14 @@ def grouped_gemm_combine(
     e = expert_indices.long()[rs] if M else torch.zeros_like(rs)
     ok &= (e >= 0) & (e < G)
     e = e.clamp(0, max(G - 1, 0))
-    wf = w.float().view(G, N, F)
+    # Every (token, slot) pair's product with its expert's weights, [T, K, N]; pairs of no row in
+    # group G (not computed).
+    pairs = _grouped_product(z.float()[rs.reshape(-1)], w, torch.where(ok, e, G).reshape(-1), G, N).view(T, K, N)
     if w_scale is not None:
-        wf = wf * w_scale.float().view(G, N, 1)
+        pairs = pairs * w_scale.float().view(G, N)[e]
     acc = torch.zeros(T, N, dtype=torch.float32, device=out.device)
     for j in range(K):
-        y = torch.bmm(wf[e[:, j]], z.float()[rs[:, j]].unsqueeze(-1)).squeeze(-1) if M else acc
+        y = pairs[:, j]
         if row_weights is not None:
             y = y * row_weights.float()[rs[:, j]].unsqueeze(-1)
         acc = acc + torch.where(ok[:, j : j + 1], y, 0.0)

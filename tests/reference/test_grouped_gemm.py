@@ -290,3 +290,62 @@ BAD_CALLS = [
 @pytest.mark.parametrize("call,exc,name", BAD_CALLS, ids=[f"{i}-{c[2]}" for i, c in enumerate(BAD_CALLS)])
 def test_bad_arguments_raise_naming_the_argument(call, exc, name):
     naive.assert_raises_naming(call, exc, name)
+
+
+class _CountMM(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products (aten.mm / addmm / bmm) run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_grouped_product_only_groups_with_rows():
+    """Eager on the CPU every group's product covers its own rows only (one product per group that
+    has rows, its weights converted alone), for rows in any order and rows of no group (``G``):
+    the values of every row against every group's weights, selected."""
+    from moekit.reference.grouped_gemm import _grouped_product
+
+    g = torch.Generator().manual_seed(3)
+    G, N, K, M = 8, 24, 40, 30
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(G * N, K, generator=g).bfloat16()
+    group = torch.tensor([5, 2, 8, 5, 2, 2, 8, 5] * 3 + [2, 5, 2, 8, 8, 5])  # 8 = G: no group
+    with _CountMM() as c:
+        y = _grouped_product(x, w, group, G, N)
+    assert c.n == 2, c.n
+    every = torch.stack([x @ w.float().view(G, N, K)[e].T for e in range(G)])  # [G, M, N]
+    want = torch.where((group < G)[:, None], every[group.clamp(max=G - 1), torch.arange(M)], 0.0)
+    assert_close(y, want, tol=1e-6)
+    assert (y[group == G] == 0).all()
+
+
+def test_grouped_gemm_combine_cpu_products_per_expert():
+    """``grouped_gemm_combine`` on the CPU: one product per expert that some (token, slot) pair
+    uses, the same sums as the naive per-pair loop."""
+    g = torch.Generator().manual_seed(4)
+    T, K, G, N, F = 6, 3, 7, 16, 12
+    z = torch.randn(T * K, F, generator=g)
+    w = torch.randn(G * N, F, generator=g)
+    experts = torch.tensor([1, 4, 4, 0, 1, 1, 4, 0, 0, 1, 4, 1, 0, 0, 4, 1, 1, 4], dtype=torch.int32)
+    sel = torch.randperm(T * K, generator=g).to(torch.int32)
+    sel[5] = -1  # a slot with no row
+    rw = torch.rand(T * K, generator=g)
+    out = torch.randn(T, N, generator=g)
+    want = out.clone()
+    for t in range(T):
+        acc = torch.zeros(N)
+        for j in range(K):
+            r = int(sel[t * K + j])
+            if r >= 0:
+                acc += rw[r] * (z[r] @ w.view(G, N, F)[int(experts[r])].T)
+        want[t] += acc
+    with _CountMM() as c:
+        got = ref.grouped_gemm_combine(z, w, experts, sel, out.clone(), row_weights=rw)
+    assert c.n == 3, c.n  # experts 0, 1 and 4
+    assert_close(got, want, tol=1e-5)
