@@ -44,7 +44,7 @@ from moekit.ops import (
 )
 from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
 
-__all__ = ["run_experts", "choose_path", "down_sums_rows", "DECODE_ROWS_PER_EXPERT"]
+__all__ = ["run_experts", "choose_path", "down_sums_rows", "will_store_rows", "DECODE_ROWS_PER_EXPERT"]
 
 # Mean rows per hit expert below which the decode pipeline runs (the grouped GEMM's streaming
 # kernel range: from 48 rows per group it takes its tiled kernel).
@@ -121,6 +121,33 @@ def _combine_pays(rows: int, experts: int, top_k: int) -> bool:
     return top_k >= COMBINE_MIN_TOP_K and use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
 
 
+def _down_mode(out, has_selection: bool, rows_dtype, rows: int, experts: int, top_k: int, decode: bool,
+               deterministic: bool) -> str:  # fmt: skip
+    """How the down projection reaches ``out``: ``"combine"`` (decode pipeline, each token's rows
+    in one program: ``grouped_gemm_combine``), ``"rows"`` (rows stored, then ``combine_rows``),
+    ``"scatter"`` (the GEMM's scatter-add epilogue), or ``"none"`` (no out: rows returned)."""
+    if out is None:
+        return "none"
+    if decode and has_selection and out.is_contiguous() and _combine_pays(rows, experts, top_k):
+        return "combine"
+    if has_selection and out.dtype == rows_dtype and out.stride(-1) == 1 and down_sums_rows(deterministic, rows, top_k):
+        return "rows"
+    return "scatter"
+
+
+def will_store_rows(
+    out: torch.Tensor, rows: int, experts: int, top_k: int, fp8: bool, deterministic: bool = False,
+    path: Optional[str] = None,
+) -> bool:  # fmt: skip
+    """Whether ``run_experts`` (with ``selection_rows``) will store the down projection's summed
+    rows into ``out`` rather than add into it: then ``out`` need not be zeroed (pass
+    ``out_empty=True``). ``rows``: routed rows (T x top-k), ``experts``: local experts; 16-bit
+    token rows (FP8 weights: bf16 output rows)."""
+    rows_dtype = torch.bfloat16 if fp8 else out.dtype
+    decode = choose_path(rows, experts, path, fp8=fp8, top_k=top_k) == "decode"
+    return _down_mode(out, True, rows_dtype, rows, experts, top_k, decode, deterministic) == "rows"
+
+
 # The fused gate/up kernel reads its rows by index (pointer loads, no TMA) and so runs its
 # compute-bound tiles up to ~15% slower than the unfused GEMM's (H100, session 13 sweep_swiglu.py:
 # Llama 4 Scout T=8192 bf16 2467 vs ~2150 µs of GEMM alone). It pays where the passes it saves
@@ -168,6 +195,7 @@ def run_experts(
     w13_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    out_empty: bool = False,
     deterministic: bool = False,
     use_fast_accum: bool = True,
     path: Optional[str] = None,
@@ -188,7 +216,9 @@ def run_experts(
     With ``out [T, D]`` the rows are scatter-added into ``out`` at ``token_ids`` (bf16 for FP8
     weights; ``deterministic``: the atomics-free, bitwise-reproducible sum) and ``out`` is
     returned; without it the ``[N, D]`` output rows are returned (rows past ``sum(m_sizes)``
-    unwritten).
+    unwritten). ``out_empty``: out holds no values yet (e.g. ``torch.empty``): the summed-rows
+    down projection stores into it (no memset, no read of out), the others zero it first
+    (``will_store_rows`` says which beforehand).
     """
     check_tensor("w13_e2FD", w13_e2FD, ndim=3)
     e, twoF, D = w13_e2FD.shape
@@ -213,24 +243,24 @@ def run_experts(
         down.update(_output_tensor=out, _scatter_add_indices=token_ids, deterministic=deterministic)
 
     top_k = max(1, N // max(1, x.shape[0])) if token_ids is not None else 1
-    # The down projection into out: scatter-add (atomics) or stored rows + combine_rows.
     rows_dtype = torch.bfloat16 if fp8_w else x.dtype
-    sum_rows = (
-        out is not None
-        and selection_rows is not None
-        and out.dtype == rows_dtype
-        and out.stride(-1) == 1
-        and down_sums_rows(deterministic, N, top_k)
-    )
-    if choose_path(N, e, path, fp8=fp8_w, top_k=top_k) == "decode":
+    decode = choose_path(N, e, path, fp8=fp8_w, top_k=top_k) == "decode"
+    # The down projection into out: scatter-add (atomics), per-token combine (decode), or stored
+    # rows + combine_rows (which stores into an empty out; the others add into a zeroed one).
+    mode = _down_mode(out, selection_rows is not None, rows_dtype, N, e, top_k, decode, deterministic)
+    sum_rows = mode == "rows"
+    if out_empty and mode != "rows":
+        out.zero_()
+    accumulate = not out_empty
+    if decode:
         z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=x_scale,
                                 w_scale=ws13)  # fmt: skip
         # z is 16-bit: the down GEMM is weight-only FP8 for FP8 weights.
-        combine = out is not None and selection_rows is not None and out.is_contiguous()
-        if combine and _combine_pays(N, e, top_k):
+        if mode == "combine":
             return grouped_gemm_combine(z, w2, expert_ids, selection_rows, out, row_weights=out_w, w_scale=ws2)
         if sum_rows:
-            return combine_rows(out, grouped_gemm(z, w2, m_sizes, token_weights=out_w, w_scale=ws2), selection_rows)
+            rows = grouped_gemm(z, w2, m_sizes, token_weights=out_w, w_scale=ws2)
+            return combine_rows(out, rows, selection_rows, accumulate=accumulate)
         return grouped_gemm(z, w2, m_sizes, w_scale=ws2, **down)
 
     fused = _fused_swiglu(N, e, F, D, fp8_w, 1 if fp8_w else x.element_size(), x.device)
@@ -244,7 +274,8 @@ def run_experts(
             h = grouped_gemm(xg, w13, m_sizes, token_weights=in_w)
             z = silu_mul(h[:, :F], h[:, F:])
         if sum_rows:
-            return combine_rows(out, grouped_gemm(z, w2, m_sizes, token_weights=out_w), selection_rows)
+            rows = grouped_gemm(z, w2, m_sizes, token_weights=out_w)
+            return combine_rows(out, rows, selection_rows, accumulate=accumulate)
         return grouped_gemm(z, w2, m_sizes, **down)
     if x.dtype == FP8_DTYPE:
         if x_scale is None:
@@ -265,5 +296,5 @@ def run_experts(
         zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
     if sum_rows:
         rows = grouped_gemm_fp8_rowwise(zq, w2, m_sizes, zs, ws2, use_fast_accum, token_weights=out_w)
-        return combine_rows(out, rows, selection_rows)
+        return combine_rows(out, rows, selection_rows, accumulate=accumulate)
     return grouped_gemm_fp8_rowwise(zq, w2, m_sizes, zs, ws2, use_fast_accum, **down)

@@ -79,7 +79,7 @@ def moe_forward(
     (sorted pipeline). ``path``: ``"auto"`` (``settings.moe_path``), ``"decode"`` or ``"sorted"``
     (see ``moekit.layers.experts``).
     """
-    from moekit.layers.experts import run_experts
+    from moekit.layers.experts import run_experts, will_store_rows
     from moekit.ops import route_and_shuffle
 
     if not isinstance(cfg, RoutingConfig):
@@ -120,19 +120,23 @@ def moe_forward(
     elif w13_e2FD.dtype != x_TD.dtype:
         raise TypeError(f"w13_e2FD must have x_TD's dtype {x_TD.dtype} (or float8_e4m3fn), got {w13_e2FD.dtype}")
     out_dtype = torch.bfloat16 if fp8 else x_TD.dtype
+    empty = False
     if shared_out_TD is not None:
         check_tensor("shared_out_TD", shared_out_TD, shape=(T, D), dtype=out_dtype, device=dev)
         out = shared_out_TD
     else:
-        out = torch.empty((T, D), dtype=out_dtype, device=dev)  # zeroed by the routing launch
+        out = torch.empty((T, D), dtype=out_dtype, device=dev)
+        # Summed rows are stored into out as it is; any other down projection adds into it, zeroed
+        # by the routing launch.
+        empty = will_store_rows(out, T * cfg.top_k, E, cfg.top_k, fp8, deterministic, path)
     counts, expert_ids, token_ids, row_weights, selection_rows = route_and_shuffle(
         logits_TE, cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group, topk_group=cfg.topk_group,
         e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=cfg.routed_scaling_factor,
-        zero_buffer=None if shared_out_TD is not None else out,
+        zero_buffer=None if shared_out_TD is not None or empty else out,
     )  # fmt: skip
     return run_experts(
         x_TD, w13_e2FD, w2_eDF, counts[:E], token_ids=token_ids, expert_ids=expert_ids, row_weights=row_weights,
         selection_rows=selection_rows,
         weight_on_input=cfg.apply_router_weight_on_input, w13_scale=w13_scale_e2F, w2_scale=w2_scale_eD, out=out,
-        deterministic=deterministic, use_fast_accum=use_fast_accum, path=path,
+        out_empty=empty, deterministic=deterministic, use_fast_accum=use_fast_accum, path=path,
     )  # fmt: skip

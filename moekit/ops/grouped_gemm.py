@@ -272,13 +272,15 @@ def _grouped_gemm_combine_op(
 
 
 @triton_op("moekit::combine_rows", mutates_args=("out",))
-def _combine_rows_op(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor) -> None:
+def _combine_rows_op(
+    out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor, accumulate: bool = True
+) -> None:
     if use_triton(rows):
         from moekit.ops._triton import combine_rows as _cr
 
-        _cr.combine_rows(out, rows, selection_rows)
+        _cr.combine_rows(out, rows, selection_rows, accumulate)
         return
-    _ref.combine_rows(out, rows, selection_rows)
+    _ref.combine_rows(out, rows, selection_rows, accumulate)
 
 
 # Dense FP8 on CUDA: the Triton kernel (1 group) below this many rows, torch._scaled_mm (cuBLASLt /
@@ -537,14 +539,20 @@ def grouped_gemm_combine(
     return out
 
 
-def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor) -> torch.Tensor:
+def combine_rows(
+    out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor, *, accumulate: bool = True
+) -> torch.Tensor:
     """Each token's expert-output rows added into ``out`` without atomics: ``out[t] += sum_j
     rows[selection_rows[t * K + j]]`` (``K = len(selection_rows) // T``; negative or ``>= len(rows)``
     entries: no row), the rows summed in float32 in ascending row order and added to ``out`` once:
     bitwise reproducible, and the bits of ``scatter_add_dense_tokens(out, rows, token_indices,
-    deterministic=True)`` for the same rows. ``selection_rows``: ``route_and_shuffle``'s
-    token-major inverse map; ``rows [M, D]`` e.g. a grouped GEMM's output rows; ``out [T, D]``
-    of rows' dtype (bf16 / fp16 / fp32). One launch; no host synchronization. Returns ``out``."""
+    deterministic=True)`` for the same rows. ``accumulate=False`` stores ``out[t] = sum_j ...``
+    instead: out's values are not read, so it need not be zeroed first. ``selection_rows``:
+    ``route_and_shuffle``'s token-major inverse map; ``rows [M, D]`` e.g. a grouped GEMM's output
+    rows; ``out [T, D]`` of rows' dtype (bf16 / fp16 / fp32). One launch; no host
+    synchronization. Returns ``out``."""
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
     check_tensor("rows", rows, ndim=2, dtype=_FLOATS, last_dim_contiguous=True)
     check_tensor("out", out, ndim=2, dtype=rows.dtype, device=rows.device, last_dim_contiguous=True)
     check_no_broadcast("out", out)
@@ -559,7 +567,7 @@ def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Te
         )
     if not T and selection_rows.shape[0]:
         raise ValueError(f"selection_rows must be empty for an empty out, got {selection_rows.shape[0]} entries")
-    call_op(_combine_rows_op, out, rows, selection_rows)
+    call_op(_combine_rows_op, out, rows, selection_rows, accumulate)
     return out
 
 

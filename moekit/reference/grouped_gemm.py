@@ -282,11 +282,14 @@ def grouped_gemm_combine(
     return out
 
 
-def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor) -> torch.Tensor:
+def combine_rows(
+    out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor, accumulate: bool = True
+) -> torch.Tensor:
     """Each token's expert-output rows added into ``out``: ``out[t] += sum_j rows[r]`` over
     ``r = selection_rows[t * K + j]`` (``K = len(selection_rows) // T``; skipped when negative or
-    ``>= len(rows)``), summed in float32 in ascending row order and added to ``out`` once.
-    ``out [T, D]``, ``rows [M, D]`` of one floating dtype. Returns ``out``."""
+    ``>= len(rows)``), summed in float32 in ascending row order and added to ``out`` once
+    (``accumulate`` False: ``out[t] = sum_j rows[r]``, out's values not read). ``out [T, D]``,
+    ``rows [M, D]`` of one floating dtype. Returns ``out``."""
     check_tensor("out", out, ndim=2, dtype=_FLOATS)
     T, D = out.shape
     check_tensor("rows", rows, ndim=2, dtype=out.dtype, device=out.device)
@@ -303,7 +306,7 @@ def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Te
     acc = torch.zeros(T, D, dtype=torch.float32, device=out.device)
     for j in range(K):
         acc = acc + padded[sel[:, j]]
-    out.copy_((out.float() + acc).to(out.dtype))
+    out.copy_((out.float() + acc if accumulate else acc).to(out.dtype))
     return out
 
 

@@ -218,7 +218,7 @@ def test_sorted_pipeline_many_rows_sums_down_rows_cpu(min_rows):
     calls = []
     real = experts.combine_rows
     try:
-        experts.combine_rows = lambda *a: calls.append(1) or real(*a)
+        experts.combine_rows = lambda *a, **k: calls.append(1) or real(*a, **k)
         with settings.override(moe_path="sorted", knobs={"DOWN_SUM_MIN_ROWS": min_rows}):
             got = moe_forward(x, w["router_DE"], w["w13_e2FD"], w["w2_eDF"], _cfg(s))
     finally:
@@ -226,6 +226,42 @@ def test_sorted_pipeline_many_rows_sums_down_rows_cpu(min_rows):
     assert calls == ([1] if min_rows <= 900 else [])
     routed = {k: v for k, v in w.items() if not k.startswith("shared")}
     assert_close(got.float(), _reference(x, routed, s), tol=1e-4)
+
+
+@pytest.mark.reference
+def test_run_experts_into_an_empty_out_every_down_mode():
+    """``out_empty=True`` (out full of NaN here): the summed rows stored into it, the per-token
+    combine and the scatter-add into it zeroed first; each down-projection mode gives the layer's
+    result. ``will_store_rows`` names the stored mode beforehand."""
+    from moekit import settings
+    from moekit.layers import experts
+    from moekit.ops import route_and_shuffle
+
+    s = _small("qwen3-30b-a3b", E=64, top_k=8)
+    cfg = _cfg(s)
+    w = random_expert_weights(s, dtype=torch.float32, seed=8)
+    T = 1  # 8 rows over 64 experts: the decode pipeline's per-token combine pays
+    x = torch.randn(T, s.D, generator=torch.Generator().manual_seed(8))
+    logits = x @ w["router_DE"]
+    counts, eidx, tidx, rw, srow = route_and_shuffle(logits, s.top_k, cfg.score_func, cfg.renormalize)
+    want = _reference(x, {k: v for k, v in w.items() if not k.startswith("shared")}, s)
+    N = T * s.top_k
+    cases = (("decode", False, {}, "combine"), ("decode", True, {"DOWN_SUM_MIN_ROWS": 1 << 30}, "combine"),
+             ("sorted", True, {}, "rows"), ("sorted", False, {"DOWN_SUM_MIN_ROWS": 1}, "rows"),
+             ("sorted", False, {}, "scatter"))  # fmt: skip
+    for path, det, knobs, mode in cases:
+        with settings.override(moe_path=path, knobs=knobs):
+            out = torch.full((T, s.D), float("nan"))
+            decode = experts.choose_path(N, s.E, top_k=s.top_k) == "decode"
+            assert experts._down_mode(out, True, out.dtype, N, s.E, s.top_k, decode, det) == mode, (path, det)
+            assert experts.will_store_rows(out, N, s.E, s.top_k, False, det) == (mode == "rows")
+            got = experts.run_experts(
+                x, w["w13_e2FD"], w["w2_eDF"], counts[: s.E], token_ids=tidx, expert_ids=eidx, row_weights=rw,
+                selection_rows=srow, weight_on_input=cfg.apply_router_weight_on_input, out=out, out_empty=True,
+                deterministic=det,
+            )  # fmt: skip
+        assert got is out
+        assert_close(got, want, tol=1e-4)
 
 
 @pytest.mark.gpu

@@ -26,10 +26,10 @@ def _case(T, K, D, dtype, seed=0, device="cpu", holes=True):
     return out.to(device), rows.to(device), srow.to(device), tidx.to(device)
 
 
-def _launch_interp(out, rows, srow):
+def _launch_interp(out, rows, srow, accumulate=True):
     from moekit.ops._triton import combine_rows as C
 
-    C.combine_rows(out, rows, srow)
+    C.combine_rows(out, rows, srow, accumulate)
     return out
 
 
@@ -60,6 +60,23 @@ def test_interp_bits_of_the_deterministic_scatter_add(T, K, D):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interp_stores_without_reading_out(dtype):
+    """``accumulate=False``: the sums stored, out's (NaN) values neither read nor kept; tokens
+    with no row get 0."""
+    out, rows, srow, _ = _case(11, 4, 40, dtype, seed=6)
+    srow = srow.clone()
+    srow[8:12] = -1  # token 2: no row at all
+    want = ref.combine_rows(torch.zeros_like(out), rows, srow)
+    got = _launch_interp(torch.full_like(out, float("nan")), rows, srow, accumulate=False)
+    assert not got.isnan().any() and (got[2] == 0).all()
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.interpreter
 def test_interp_skips_bad_selection_rows():
     out, rows, srow, _ = _case(4, 3, 16, torch.float32, seed=1, holes=False)
     srow = srow.clone()
@@ -78,6 +95,15 @@ def test_reference_is_a_per_token_sum():
             if r >= 0:
                 want[t] += rows[r].double()
     torch.testing.assert_close(ref.combine_rows(out.clone(), rows, srow).double(), want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.reference
+def test_public_cpu_stores_without_reading_out():
+    out, rows, srow, _ = _case(6, 3, 16, torch.float32, seed=7)
+    want = ref.combine_rows(torch.zeros_like(out), rows, srow)
+    assert torch.equal(combine_rows(torch.full_like(out, float("nan")), rows, srow, accumulate=False), want)
+    with pytest.raises(TypeError, match="accumulate must be a bool"):
+        combine_rows(out, rows, srow, accumulate=1)
 
 
 @pytest.mark.reference
@@ -114,6 +140,7 @@ def test_bad_arguments(change, exc, match):
 def test_opcheck_and_compile_cpu():
     out, rows, srow, _ = _case(5, 2, 16, torch.float32, seed=5)
     torch.library.opcheck(torch.ops.moekit.combine_rows.default, (out.clone(), rows, srow))
+    torch.library.opcheck(torch.ops.moekit.combine_rows.default, (out.clone(), rows, srow, False))
     torch._dynamo.reset()
     fn = torch.compile(lambda o, r, s: combine_rows(o, r, s), fullgraph=True)
     torch.testing.assert_close(fn(out.clone(), rows, srow), ref.combine_rows(out.clone(), rows, srow))
@@ -127,15 +154,16 @@ def test_kernel_compiles_for_sm90():
         """
         from moekit.ops._triton import combine_rows as C
         m = "meta"
-        for T, K, D in ((256, 8, 7168), (1, 8, 2048), (64, 4, 2880), (3, 1, 16)):
+        for T, K, D, acc in ((256, 8, 7168, True), (1, 8, 2048, True), (64, 4, 2880, True), (3, 1, 16, True),
+                             (8192, 8, 7168, False)):
             C.combine_rows(torch.empty(T, D, dtype=torch.bfloat16, device=m),
                            torch.empty(T * K, D, dtype=torch.bfloat16, device=m),
-                           torch.empty(T * K, dtype=torch.int32, device=m))
+                           torch.empty(T * K, dtype=torch.int32, device=m), acc)
         """,
         ["moekit.ops._triton.combine_rows"],
         pdl=True,
     )
-    assert_all_compiled(records, 4)
+    assert_all_compiled(records, 5)
 
 
 # ---------------------------------------------------------------------------- GPU tier
@@ -151,3 +179,5 @@ def test_gpu_matches_reference_and_scatter_add_bits(T, K, D, cuda):
     det = out.to(cuda).clone()
     scatter_add_dense_tokens(det, rows.to(cuda), tidx.to(cuda), deterministic=True)
     assert torch.equal(got, det)
+    stored = combine_rows(torch.full_like(got, float("nan")), rows.to(cuda), srow.to(cuda), accumulate=False)
+    assert torch.equal(stored.cpu(), ref.combine_rows(torch.zeros_like(out), rows, srow))

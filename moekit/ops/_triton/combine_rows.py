@@ -7,7 +7,7 @@ token-major inverse map; negative or ``>= M``: no row), sorts them ascending in 
 the rows in that order in float32 starting from +0.0 and does one read-modify-write of ``out``:
 the additions of ``scatter_add_dense_tokens(..., deterministic=True)`` (a token's rows in
 ascending row order), so the bits are the same, with one launch instead of its inverse-map
-launches.
+launches. ``ACCUMULATE`` False stores the sums instead (``out`` neither read nor zeroed first).
 
 The experts pipeline's deterministic down projection uses it (``moekit.layers.experts``,
 ``settings.down_sum``): the GEMM stores its rows (``[M, N]``, written and read once more) and
@@ -43,6 +43,7 @@ def _combine_rows_kernel(
     K_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ACCUMULATE: tl.constexpr = True,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
@@ -59,7 +60,10 @@ def _combine_rows_kernel(
     cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
     cm = cols < D
     o_ptr = out_ptr + (toks * stride_out)[:, None] + cols[None, :]
-    o = tl.load(o_ptr, mask=tin[:, None] & cm[None, :], other=0.0)
+    if ACCUMULATE:
+        o = tl.load(o_ptr, mask=tin[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    else:  # the sums stored: out's values are not read
+        o = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(K):
         r = tl.sum(tl.where(slots[None, :] == j, sel, 0), axis=1)
@@ -67,7 +71,7 @@ def _combine_rows_kernel(
         v = tl.load(rows_ptr + (r.to(tl.int64) * stride_rows)[:, None] + cols[None, :],
                     mask=h[:, None] & cm[None, :], other=0.0, eviction_policy="evict_first")  # fmt: skip
         acc += v.to(tl.float32)
-    tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=tin[:, None] & cm[None, :])
+    tl.store(o_ptr, (o + acc).to(out_ptr.dtype.element_ty), mask=tin[:, None] & cm[None, :])
 
 
 def combine_config(T: int, D: int) -> tuple[int, int]:
@@ -78,9 +82,9 @@ def combine_config(T: int, D: int) -> tuple[int, int]:
     return block_t, block_d
 
 
-def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor) -> None:
+def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor, accumulate: bool = True) -> None:
     """Launcher (validated arguments: ``out [T, D]``, ``rows [M, D]`` unit last strides,
-    ``selection_rows [T * K]`` contiguous)."""
+    ``selection_rows [T * K]`` contiguous; ``accumulate`` False: the sums stored, out not read)."""
     T, D = out.shape
     M = rows.shape[0]
     if T == 0 or D == 0:
@@ -90,5 +94,5 @@ def combine_rows(out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Te
     n_db = cdiv(D, bd)
     launch(_combine_rows_kernel)[(cdiv(T, bt) * n_db,)](
         out, rows, selection_rows, T, M, D, out.stride(0), rows.stride(0), n_db,
-        K=K, K_PAD=next_pow2(K), BLOCK_T=bt, BLOCK_D=bd, num_warps=4,
+        K=K, K_PAD=next_pow2(K), BLOCK_T=bt, BLOCK_D=bd, ACCUMULATE=bool(accumulate), num_warps=4,
     )  # fmt: skip
