@@ -40,10 +40,27 @@ def _print_kernels(kernels: list, top: int) -> None:
         print(f"   {small_t:8.2f} µs  ({small_n} small kernels)")
 
 
+def _kernels_and_wall(step) -> tuple[list, float]:
+    """``step``'s GPU kernels in launch order (name, µs) from ``torch.profiler`` after three warm-up
+    calls (every Triton kernel compiled), and its µs per call replayed in a CUDA graph."""
+    from torch.autograd import DeviceType
+
+    from moekit.benchmarking import bench_us
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    gpu = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us()) for e in gpu], bench_us(step, replays=20)
+
+
 def _profile_vllm(x, w, s, cfg, fp8: bool) -> None:
     """The same rows through vLLM's fused_moe harness (routing precomputed), kernel by kernel."""
     from moekit import layer_bench
-    from moekit.benchmarking import bench_us
     from moekit.reference.routing import routing_weights
 
     vllm = layer_bench._vllm_harness()
@@ -65,18 +82,7 @@ def _profile_vllm(x, w, s, cfg, fp8: bool) -> None:
         def step():
             return vllm.vllm_moe(x, w["w13_e2FD"], w["w2_eDF"], tw, ti)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    from torch.autograd import DeviceType
-
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        step()
-        torch.cuda.synchronize()
-    gpu = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    kernels = [(e.name, e.time_range.elapsed_us()) for e in gpu]
-    wall = bench_us(step, replays=20)
+    kernels, wall = _kernels_and_wall(step)
     print(f"   -- vLLM fused_moe: {len(kernels)} kernels, {sum(t for _, t in kernels):.1f} µs of kernel time, "
           f"{wall:.1f} µs per call in a CUDA graph", flush=True)  # fmt: skip
     _print_kernels(kernels, 40)
@@ -84,7 +90,6 @@ def _profile_vllm(x, w, s, cfg, fp8: bool) -> None:
 
 def profile_one(model: str, T: int, fp8: bool, top: int, vllm: bool = False) -> dict:
     from moekit import layer_bench
-    from moekit.benchmarking import bench_us
     from moekit.layers.functional import quantize_expert_weights
     from moekit.testing import MODEL_SHAPES, random_expert_weights
 
@@ -123,18 +128,7 @@ def profile_one(model: str, T: int, fp8: bool, top: int, vllm: bool = False) -> 
             e_score_correction_bias=w.get("e_score_correction_bias"),
         )
 
-    for _ in range(3):  # compile every Triton kernel first
-        step()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        step()
-        torch.cuda.synchronize()
-    from torch.autograd import DeviceType
-
-    gpu = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    kernels = [(e.name, e.time_range.elapsed_us()) for e in gpu]
-    wall = bench_us(step, replays=20)
+    kernels, wall = _kernels_and_wall(step)
     total = sum(t for _, t in kernels)
     print(
         f"== {model} T={T} {'fp8' if fp8 else 'bf16'}: {len(kernels)} kernels, {total:.1f} µs of kernel time, "

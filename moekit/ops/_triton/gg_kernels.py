@@ -35,6 +35,27 @@ def _pick(vec, sel):
 
 
 @triton.jit
+def _tile_at(t, gi, starts, rows, m_tiles, tiles, tiles_end, n_tiles_n, GROUP_M: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Persistent tile ``t`` of the per-group tile table: (group, first row ``m0``, the group's
+    row end, first column ``n0``). Grouped order inside the expert: bands of ``GROUP_M`` row tiles
+    sweep the N tiles, so the tiles that run together share their x rows and w columns in L2."""
+    g = tl.sum((tiles_end <= t).to(tl.int32), axis=0)
+    sel = gi == g
+    local = t - (_pick(tiles_end, sel) - _pick(tiles, sel))
+    m_begin = _pick(starts, sel)
+    m_end = m_begin + _pick(rows, sel)
+    mt_g = _pick(m_tiles, sel)
+    band_tiles = GROUP_M * n_tiles_n
+    first_m = (local // band_tiles) * GROUP_M
+    band_m = tl.minimum(mt_g - first_m, GROUP_M)
+    in_band = local % band_tiles
+    m0 = m_begin + (first_m + in_band % band_m) * BLOCK_M
+    n0 = (in_band // band_m) * BLOCK_N
+    return g, m0, m_end, n0
+
+
+@triton.jit
 def _epilogue(
     acc,
     offs_m,
@@ -328,23 +349,9 @@ def _gg_tiled_kernel(
     tiles = m_tiles * n_tiles_n
     tiles_end = tl.cumsum(tiles, axis=0)
     total = tl.sum(tiles, axis=0)
-    band_tiles = GROUP_M * n_tiles_n
     for t in tl.range(pid, total, n_progs, flatten=FLATTEN):
-        g = tl.sum((tiles_end <= t).to(tl.int32), axis=0)
-        sel = gi == g
-        local = t - (_pick(tiles_end, sel) - _pick(tiles, sel))
-        m_begin = _pick(starts, sel)
-        m_end = m_begin + _pick(rows, sel)
-        mt_g = _pick(m_tiles, sel)
-        # Grouped order inside the expert: bands of GROUP_M row tiles sweep the N tiles, so the
-        # tiles that run together share their x rows and w columns in L2.
-        first_m = (local // band_tiles) * GROUP_M
-        band_m = tl.minimum(mt_g - first_m, GROUP_M)
-        in_band = local % band_tiles
-        tile_m = first_m + in_band % band_m
-        tile_n = in_band // band_m
-        m0 = m_begin + tile_m * BLOCK_M
-        n0 = tile_n * BLOCK_N
+        g, m0, m_end, n0 = _tile_at(t, gi, starts, rows, m_tiles, tiles, tiles_end, n_tiles_n, GROUP_M, BLOCK_M,
+                                    BLOCK_N)  # fmt: skip
         w_row0 = g * N + n0
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)

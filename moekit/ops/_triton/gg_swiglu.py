@@ -44,7 +44,7 @@ from moekit.ops._triton.gg_config import (
     heuristic_config,
     use_gemv,
 )
-from moekit.ops._triton.gg_kernels import _group_table, _pick
+from moekit.ops._triton.gg_kernels import _group_table, _pick, _tile_at
 
 
 @triton.jit
@@ -285,19 +285,9 @@ def _swiglu_tiled_kernel(
     tiles = m_tiles * n_tiles_n
     tiles_end = tl.cumsum(tiles, axis=0)
     total = tl.sum(tiles, axis=0)
-    band_tiles = GROUP_M * n_tiles_n
     for t in tl.range(pid, total, n_progs):
-        g = tl.sum((tiles_end <= t).to(tl.int32), axis=0)
-        sel = gi == g
-        local = t - (_pick(tiles_end, sel) - _pick(tiles, sel))
-        m_begin = _pick(starts, sel)
-        m_end = m_begin + _pick(rows, sel)
-        mt_g = _pick(m_tiles, sel)
-        first_m = (local // band_tiles) * GROUP_M
-        band_m = tl.minimum(mt_g - first_m, GROUP_M)
-        in_band = local % band_tiles
-        m0 = m_begin + (first_m + in_band % band_m) * BLOCK_M
-        n0 = (in_band // band_m) * BLOCK_N
+        g, m0, m_end, n0 = _tile_at(t, gi, starts, rows, m_tiles, tiles, tiles_end, n_tiles_n, GROUP_M, BLOCK_M,
+                                    BLOCK_N)  # fmt: skip
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         m_mask = offs_m < m_end

@@ -452,8 +452,13 @@ def split_plan(T: int, E: int, top_k: int) -> SplitPlan:
     n = cdiv(max(T, 1), tpb)
     hs = cdiv(E, 16) * 16
     warps = max(1, min(knob("ROUTE_SPLIT_WARPS", ROUTE_SPLIT_WARPS), bt * block_e // 256))
-    fused = n * hs <= knob("FUSED_SCAN_MAX", FUSED_SCAN_MAX) and n * n * hs <= FUSED_SCAN_TOTAL
-    return SplitPlan(bt, tpb, n, warps, hs, fused)
+    return SplitPlan(bt, tpb, n, warps, hs, _fused_scan(n, hs))
+
+
+def _fused_scan(n: int, hs: int) -> bool:
+    """Whether the placing programs scan ``n`` count rows of ``hs`` entries themselves: while all
+    of them together read at most ``FUSED_SCAN_TOTAL`` entries (else a column-scan launch)."""
+    return n * hs <= settings.get().knob("FUSED_SCAN_MAX", FUSED_SCAN_MAX) and n * n * hs <= FUSED_SCAN_TOTAL
 
 
 def kernel_supports(T: int, E: int, top_k: int, n_group: Optional[int]) -> bool:
@@ -600,10 +605,6 @@ def shuffle_top_k(
         num_warps=max(1, min(8, bt * block_e // 256)),
     )  # fmt: skip
     if split:
-        fused = (
-            n_route * hs <= settings.get().knob("FUSED_SCAN_MAX", FUSED_SCAN_MAX)
-            and n_route * n_route * hs <= FUSED_SCAN_TOTAL
-        )
         _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, top_k,
-               SplitPlan(bt, tpb, n_route, 0, hs, fused))  # fmt: skip
+               SplitPlan(bt, tpb, n_route, 0, hs, _fused_scan(n_route, hs)))  # fmt: skip
     return counts, eidx, tidx, rw, srow
