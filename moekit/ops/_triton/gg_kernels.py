@@ -35,17 +35,35 @@ def _pick(vec, sel):
 
 
 @triton.jit
-def _tile_at(t, gi, starts, rows, m_tiles, tiles, tiles_end, n_tiles_n, GROUP_M: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Persistent tile ``t`` of the per-group tile table: (group, first row ``m0``, the group's
-    row end, first column ``n0``). Grouped order inside the expert: bands of ``GROUP_M`` row tiles
-    sweep the N tiles, so the tiles that run together share their x rows and w columns in L2."""
-    g = tl.sum((tiles_end <= t).to(tl.int32), axis=0)
-    sel = gi == g
-    local = t - (_pick(tiles_end, sel) - _pick(tiles, sel))
-    m_begin = _pick(starts, sel)
-    m_end = m_begin + _pick(rows, sel)
-    mt_g = _pick(m_tiles, sel)
+def _tile_table(gi, starts, rows, n_tiles_n, BLOCK_M: tl.constexpr):
+    """The persistent kernels' tile table, per group: ``(group, first tile)`` and ``(first row,
+    rows)`` packed into one int64 each (so ``_tile_at`` finds a tile's group with two reductions),
+    the first tile, the tile end, and the total number of tiles."""
+    tiles = ((rows + BLOCK_M - 1) // BLOCK_M) * n_tiles_n
+    tiles_end = tl.cumsum(tiles, axis=0)
+    tiles_begin = tiles_end - tiles
+    pack_gt = (gi.to(tl.int64) << 32) | tiles_begin.to(tl.int64)
+    pack_sr = (starts.to(tl.int64) << 32) | rows.to(tl.int64)
+    return pack_gt, pack_sr, tiles_begin, tiles_end, tl.sum(tiles, axis=0)
+
+
+@triton.jit
+def _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, n_tiles_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr):  # fmt: skip
+    """Persistent tile ``t`` of the tile table (``_tile_table``): (group, first row ``m0``, the
+    group's row end, first column ``n0``). Grouped order inside the expert: bands of ``GROUP_M``
+    row tiles sweep the N tiles, so the tiles that run together share their x rows and w columns
+    in L2. The one group whose tiles hold ``t`` (empty groups hold none) is picked with two
+    reductions of packed values (a tile costs a cross-warp reduction each)."""
+    sel = (tiles_begin <= t) & (t < tiles_end)
+    gt = _pick(pack_gt, sel)
+    sr = _pick(pack_sr, sel)
+    g = (gt >> 32).to(tl.int32)
+    local = t - (gt & 0xFFFFFFFF).to(tl.int32)
+    m_begin = (sr >> 32).to(tl.int32)
+    rows_g = (sr & 0xFFFFFFFF).to(tl.int32)
+    m_end = m_begin + rows_g
+    mt_g = (rows_g + BLOCK_M - 1) // BLOCK_M
     band_tiles = GROUP_M * n_tiles_n
     first_m = (local // band_tiles) * GROUP_M
     band_m = tl.minimum(mt_g - first_m, GROUP_M)
@@ -53,6 +71,28 @@ def _tile_at(t, gi, starts, rows, m_tiles, tiles, tiles_end, n_tiles_n, GROUP_M:
     m0 = m_begin + (first_m + in_band % band_m) * BLOCK_M
     n0 = (in_band // band_m) * BLOCK_N
     return g, m0, m_end, n0
+
+
+@triton.jit
+def _epilogue_value(acc, offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr,
+                    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TW: tl.constexpr, W_ONLY: tl.constexpr):  # fmt: skip
+    """``acc`` [BM, BN] float32 for rows ``offs_m`` and expert columns ``offs_n`` of group ``g``,
+    scaled (FP8: x and w scales; ``W_ONLY``, weight-only FP8: the w scales), biased and weighted
+    by token: the float32 values the epilogue writes."""
+    col = g.to(tl.int64) * N + offs_n
+    if FP8:
+        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+        ws = tl.load(ws_ptr + col, mask=n_mask, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+    if W_ONLY:
+        acc = acc * tl.load(ws_ptr + col, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
+        acc = acc + b[None, :]
+    if HAS_TW:
+        tw = tl.load(tw_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
+        acc = acc * tw[:, None]
+    return acc
 
 
 @triton.jit
@@ -78,24 +118,14 @@ def _epilogue(
     SCATTER: tl.constexpr,
     W_ONLY: tl.constexpr = False,
 ):
-    """``acc`` [BM, BN] float32 for rows ``offs_m`` and expert columns ``offs_n`` of group ``g``:
-    scale (FP8: x and w scales; ``W_ONLY``, weight-only FP8: the w scales), add bias, weight by token, then store or scatter-add. One helper on purpose:
-    inductor's mutation analysis (torch.compile) follows pointers into called @triton.jit
-    functions coarsely; computing the store address from values loaded in another helper made it
-    count every input pointer of the kernel as written (tests/ops/test_grouped_gemm.py checks)."""
-    col = g.to(tl.int64) * N + offs_n
-    if FP8:
-        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
-        ws = tl.load(ws_ptr + col, mask=n_mask, other=0.0)
-        acc = acc * xs[:, None] * ws[None, :]
-    if W_ONLY:
-        acc = acc * tl.load(ws_ptr + col, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
-        acc = acc + b[None, :]
-    if HAS_TW:
-        tw = tl.load(tw_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
-        acc = acc * tw[:, None]
+    """The epilogue's values (``_epilogue_value``) stored to rows ``offs_m`` of ``y``, or
+    scatter-added (``SCATTER``) to the token rows ``idx[offs_m]``. The store address is computed
+    here, from values loaded here, on purpose: inductor's mutation analysis (torch.compile)
+    follows pointers into called @triton.jit functions coarsely; computing the store address from
+    values loaded in another helper made it count every input pointer of the kernel as written
+    (tests/ops/test_grouped_gemm.py checks)."""
+    acc = _epilogue_value(acc, offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8,
+                          HAS_BIAS, HAS_TW, W_ONLY)  # fmt: skip
     val = acc.to(y_ptr.dtype.element_ty)
     if SCATTER:
         dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
@@ -309,6 +339,7 @@ def _gg_tiled_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
+    y_desc,
     m_sizes_ptr,
     xs_ptr,
     ws_ptr,
@@ -332,6 +363,7 @@ def _gg_tiled_kernel(
     USE_TMA: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
     FLATTEN: tl.constexpr,
+    Y_TMA: tl.constexpr,
     G_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -345,12 +377,9 @@ def _gg_tiled_kernel(
     n_progs = tl.num_programs(0)
     gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
-    m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
-    tiles = m_tiles * n_tiles_n
-    tiles_end = tl.cumsum(tiles, axis=0)
-    total = tl.sum(tiles, axis=0)
+    pack_gt, pack_sr, tiles_begin, tiles_end, total = _tile_table(gi, starts, rows, n_tiles_n, BLOCK_M)
     for t in tl.range(pid, total, n_progs, flatten=FLATTEN):
-        g, m0, m_end, n0 = _tile_at(t, gi, starts, rows, m_tiles, tiles, tiles_end, n_tiles_n, GROUP_M, BLOCK_M,
+        g, m0, m_end, n0 = _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, n_tiles_n, GROUP_M, BLOCK_M,
                                     BLOCK_N)  # fmt: skip
         w_row0 = g * N + n0
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -381,7 +410,28 @@ def _gg_tiled_kernel(
                 acc = tl.dot(a, tl.trans(b), acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-        _epilogue(
-            acc, offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
-            xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
-        )  # fmt: skip
+        if Y_TMA:
+            # Stored rows: a tile inside its group's rows leaves through one asynchronous TMA store
+            # (the next tile's loads and MMAs go on while it drains). A group's last, partial tile
+            # takes masked stores instead: a whole-tile store would write over the next group's
+            # first rows.
+            whole = m0 + BLOCK_M <= m_end
+            val = _epilogue_value(acc, offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr,
+                                  FP8, HAS_BIAS, HAS_TW, W_ONLY).to(y_desc.dtype)  # fmt: skip
+            ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+            if FLATTEN:
+                # No branch (an if/else here breaks Triton 3.6's loop flattening): the partial
+                # tile's TMA store goes past the descriptor's last row, where TMA writes nothing,
+                # and a whole tile's masked stores are all masked off.
+                y_desc.store([tl.where(whole, m0, M), n0], val)
+                tl.store(ptrs, val, mask=(m_mask & (m0 + BLOCK_M > m_end))[:, None] & n_mask[None, :])
+            else:
+                if whole:
+                    y_desc.store([m0, n0], val)
+                else:
+                    tl.store(ptrs, val, mask=m_mask[:, None] & n_mask[None, :])
+        else:
+            _epilogue(
+                acc, offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
+                xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
+            )  # fmt: skip

@@ -44,7 +44,7 @@ from moekit.ops._triton.gg_config import (
     heuristic_config,
     use_gemv,
 )
-from moekit.ops._triton.gg_kernels import _group_table, _pick, _tile_at
+from moekit.ops._triton.gg_kernels import _group_table, _pick, _tile_at, _tile_table
 
 
 @triton.jit
@@ -281,12 +281,9 @@ def _swiglu_tiled_kernel(
     n_progs = tl.num_programs(0)
     gi, starts, rows = _group_table(m_sizes_ptr, G, M, True, G_BLOCK)
     n_tiles_n = tl.cdiv(F, BLOCK_N)
-    m_tiles = (rows + BLOCK_M - 1) // BLOCK_M
-    tiles = m_tiles * n_tiles_n
-    tiles_end = tl.cumsum(tiles, axis=0)
-    total = tl.sum(tiles, axis=0)
+    pack_gt, pack_sr, tiles_begin, tiles_end, total = _tile_table(gi, starts, rows, n_tiles_n, BLOCK_M)
     for t in tl.range(pid, total, n_progs):
-        g, m0, m_end, n0 = _tile_at(t, gi, starts, rows, m_tiles, tiles, tiles_end, n_tiles_n, GROUP_M, BLOCK_M,
+        g, m0, m_end, n0 = _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, n_tiles_n, GROUP_M, BLOCK_M,
                                     BLOCK_N)  # fmt: skip
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
