@@ -35,7 +35,6 @@ from moekit.ops._triton.gg_config import (  # noqa: E402
     expected_groups_hit,
     heuristic_config,
     save_table,
-    y_tma_fits,
 )
 from moekit.ops._triton.grouped_gemm import grouped_gemm  # noqa: E402
 
@@ -81,14 +80,7 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
         (128, 256, bk, 2),
     ):
         for flatten in (True, False):
-            if flatten and elem == 1 and bm * bn >= 128 * 256 and stages > 2:
-                continue  # spills
             out.append(GemmConfig("tiled", bm, bn, k, stages, 8, flatten=flatten))
-    # Each tiled configuration also with the TMA-store epilogue, where it fits.
-    out_elem = 4 if elem == 4 else 2
-    out += [
-        replace(c, y_tma=True) for c in out if c.kind == "tiled" and y_tma_fits(replace(c, y_tma=True), elem, out_elem)
-    ]
     seen, uniq = set(), []
     for c in out:
         if c not in seen:

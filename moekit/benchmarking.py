@@ -91,6 +91,8 @@ def bench_us(
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / n)
+    if use_graph:
+        g.reset()  # its memory pool now, not when a reference cycle is collected (sweeps ran out of memory)
     return statistics.median(samples)
 
 

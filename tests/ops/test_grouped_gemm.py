@@ -213,41 +213,6 @@ def test_interp_stream_x_through_tma(dtype, scatter):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [FP8, torch.float16], ids=["fp8", "fp16"])
-def test_interp_tiled_rows_through_tma_store(dtype, monkeypatch):
-    """The tiled kernel's TMA-store epilogue (``y_tma``): whole 16-row tiles inside a group go
-    through the descriptor, a group's last partial tile through masked stores, so no tile writes
-    over the next group's rows or past sum(m_sizes) (poisoned), and the rows equal the masked
-    stores' (``y_tma=False``) bit for bit."""
-    from dataclasses import replace
-
-    M, G, N, K = 90, 5, 40, 32
-    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=8)
-    ms = torch.tensor([16, 21, 0, 35, 7], dtype=torch.int32)  # full, full + 5, -, 2 full + 3, partial
-    tw = torch.rand(M, generator=_gen(5)) + 0.5
-    tri = _tri()
-    made = []
-    real = tri._descriptor
-    monkeypatch.setattr(tri, "_descriptor", lambda t, block: made.append(tuple(t.shape)) or real(t, block))
-    out_dt = torch.bfloat16 if dtype == FP8 else dtype
-    ys = []
-    for y_tma in (True, False):
-        cfg = replace(_cfg("tiled", 16, 16, 16, tma=True), y_tma=y_tma)
-        y = poison(torch.empty(M, N, dtype=out_dt))
-        made.clear()
-        tri._launch(x, w, ms, xs, ws, None, tw, None, None, True, cfg, M, N, K, G, dtype == FP8, out_dt,
-                    rows_out=y)  # fmt: skip
-        assert ((M, N) in made) == y_tma, made  # the output descriptor is made only for y_tma
-        ys.append(y)
-    n = int(ms.sum())
-    assert_poisoned(ys[0], slice(0, n), msg="rows past sum(m_sizes)")
-    assert torch.equal(ys[0][:n], ys[1][:n])
-    want = ref.grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw) if dtype == FP8 else ref.grouped_gemm(
-        x, w, ms, None, tw)  # fmt: skip
-    assert_close(ys[0][:n].float(), want[:n].float(), tol=1e-2)
-
-
-@pytest.mark.interpreter
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("kind", ["stream", "tiled"])
 def test_interp_scatter_add(kind, deterministic):
@@ -524,40 +489,6 @@ def test_kernels_compile_for_sm90():
     assert_all_compiled(records, 14)
     kinds = [r["kernel"] for r in records]
     assert kinds.count("_gg_gemv_kernel") == 4 and kinds.count("_gg_tiled_kernel") >= 5, kinds
-
-
-@pytest.mark.reference
-def test_tma_store_epilogue_compiles_within_shared_memory_for_sm90():
-    """The tiled kernel's TMA-store epilogue compiled for sm_90 (descriptors forced on meta
-    tensors) at DeepSeek-V3 TP8's down-projection shape: every configuration ``y_tma_fits``
-    accepts compiles with it within the 227 KB a block may use, fused loop or not, bf16 and FP8;
-    one it rejects (bf16 128x256x64, 3 stages, fused: 245,784 bytes with it) compiles without."""
-    from tests.ops._sm90 import assert_all_compiled, compile_launches
-
-    records = compile_launches(
-        """
-        from moekit.ops._triton import grouped_gemm as GG
-        GG._tma_ok = lambda t, block: True  # meta tensors take no descriptors otherwise
-        m = "meta"
-        M, N, K, G = 65536, 7168, 256, 256
-        for fp8 in (False, True):
-            dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
-            x, w = torch.empty(M, K, dtype=dt, device=m), torch.empty(G * N, K, dtype=dt, device=m)
-            xs = torch.empty(M, device=m) if fp8 else None
-            ws = torch.empty(G * N, device=m) if fp8 else None
-            tw = torch.empty(M, device=m)
-            bk = 128 if fp8 else 64
-            for bm, bn, stages, flatten in ((128, 256, 2, True), (128, 256, 3, False), (64, 256, 4, True),
-                                            (128, 128, 4, True), (128, 256, 3, True)):
-                cfg = GG.GemmConfig("tiled", bm, bn, bk, stages, 8, flatten=flatten, y_tma=True)
-                GG.grouped_gemm(x, w, torch.empty(G, dtype=torch.int32, device=m), x_scale=xs, w_scale=ws,
-                                token_weights=tw, config=cfg)
-        """,
-        ["moekit.ops._triton.grouped_gemm"],
-    )
-    assert_all_compiled(records, 10)
-    y_tma = [r["constants"]["Y_TMA"] for r in records]
-    assert y_tma == ["True"] * 4 + ["False"] + ["True"] * 4 + ["False"], y_tma
 
 
 # ==============================================================================================
@@ -855,9 +786,6 @@ def _all_configs(M, N, K, G, fp8):
         for flatten in (True, False):
             out.append(C("tiled", 128, 128, 128 if fp8 else 64, 4, 8, use_tma=use_tma, flatten=flatten))
         out.append(C("tiled", 128, 256, 128 if fp8 else 64, 3, 8, use_tma=use_tma, flatten=not fp8))
-    for flatten in (True, False):  # the TMA-store epilogue (stored rows only; scatter ignores it)
-        out.append(C("tiled", 128, 128, 128 if fp8 else 64, 4, 8, flatten=flatten, y_tma=True))
-    out.append(C("tiled", 128, 256, 128 if fp8 else 64, 2, 8, flatten=True, y_tma=True))
     return out
 
 
@@ -947,42 +875,6 @@ def test_gpu_deterministic_bitwise(M, dtype, cuda):
     rows = _oracle(x, w, ms, x_scale=xs, w_scale=ws)
     want = out0.float().index_add(0, idx, rows)
     assert_close(results[0].float(), want, tol=_tol(dtype))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize(
-    "tile",
-    [(128, 256, 2, True), (128, 256, 3, False), (64, 256, 4, True), (128, 128, 4, True)],
-    ids=lambda t: f"{t[0]}x{t[1]}s{t[2]}{'f' if t[3] else ''}",
-)
-def test_gpu_tiled_rows_through_tma_store(tile, dtype, cuda):
-    """The TMA-store epilogue on the GPU: groups of 0..400 rows (whole tiles, a partial last
-    tile, groups under one tile, empty ones) at DeepSeek-V3 TP8's down-projection shape (K=256):
-    the rows equal the masked stores' bit for bit and rows past sum(m_sizes) stay poisoned."""
-    from dataclasses import replace
-
-    bm, bn, stages, flatten = tile
-    G, N, K = 24, 7168, 256
-    sizes = [0, 1, 64, 127, 128, 129, 255, 256, 257, 400, 3, 0, 191, 192, 200, 17, 130, 64, 65, 300, 0, 128, 5, 2]
-    ms = torch.tensor(sizes, dtype=torch.int32, device=cuda)
-    n = sum(sizes)
-    M = n + 37
-    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=9, device=cuda)
-    tw = torch.rand(M, device=cuda) + 0.5
-    tri = _tri()
-    cfg = tri.GemmConfig("tiled", bm, bn, 128 if dtype == FP8 else 64, stages, 8, flatten=flatten, y_tma=True)
-    assert tri.y_tma_fits(cfg, x.element_size(), 2)
-    ys = []
-    for c in (cfg, replace(cfg, y_tma=False)):
-        y = poison(torch.empty(M, N, dtype=torch.bfloat16, device=cuda))
-        tri._launch(x, w, ms, xs, ws, None, tw, None, None, True, c, M, N, K, G, dtype == FP8, torch.bfloat16,
-                    rows_out=y)  # fmt: skip
-        ys.append(y)
-    assert_poisoned(ys[0], slice(0, n), msg="rows past sum(m_sizes)")
-    assert torch.equal(ys[0][:n], ys[1][:n])
-    want = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
-    assert_close(ys[0][:n].float(), want[:n], tol=_tol(dtype))
 
 
 @pytest.mark.gpu
@@ -1180,7 +1072,7 @@ base = dict(x_ptr=t(M, K, dt=torch.float8_e4m3fn), w_ptr=t(G * N, K, dt=torch.fl
 cases = {
     "gemv": dict(base, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, STAGES=5, USE_PDL=0),
     "stream": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False, USE_PDL=0),
-    "tiled": dict(base, y_desc=t(1, dt=torch.int32), USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, Y_TMA=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+    "tiled": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
                   GROUP_M=8, STAGES=3, USE_PDL=0),
 }
 out = {}

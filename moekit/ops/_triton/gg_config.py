@@ -20,8 +20,7 @@ class GemmConfig:
     """One launch configuration. ``kind``: "gemv" (CUDA cores, per row and N slice; ``block_m``
     is ignored), "stream" (swap-AB, per group and N slice) or "tiled" (persistent). ``use_tma``:
     ask for TMA descriptors (used only when the strides allow; never by "gemv"); ``x_tma``: the
-    streaming kernel reads x through one as well (whole row tiles); ``y_tma``: the tiled kernel
-    stores its rows (no scatter-add) through one, for the tiles inside a group's rows."""
+    streaming kernel reads x through one as well (whole row tiles)."""
 
     kind: str
     block_m: int
@@ -33,7 +32,6 @@ class GemmConfig:
     use_tma: bool = True
     flatten: bool = True
     x_tma: bool = False
-    y_tma: bool = False
 
 
 def expected_groups_hit(M: int, G: int) -> float:
@@ -198,32 +196,14 @@ def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: 
         block_n = 128
     stage_bytes = (block_m + block_n) * block_k * elem
     stages = max(2, min(4, (176 * 1024) // stage_bytes))
-    # The fused (flattened) loop keeps a second epilogue buffer: FP8 128x256 would spill with it,
-    # and with float32 tiles the stages plus that buffer pass the 227 KB a block may use.
-    out_elem = 4 if elem == 4 else 2
     # Tiled kernel: let Triton fuse the persistent tile loop with the K loop (one software pipeline
     # across tiles, as Triton's persistent Hopper matmul does); ``settings.gg_flatten`` turns it off.
-    flatten = (
-        settings.get().gg_flatten
-        and not (elem == 1 and block_m * block_n >= 128 * 256)
-        and stages * stage_bytes + block_m * block_n * out_elem <= 220 * 1024
-    )
+    # The fused loop keeps a second epilogue buffer: with float32 tiles the stages plus that
+    # buffer pass the 227 KB a block may use. (FP8 128x256 tiles spilled in it until the tile
+    # table took two reductions per tile: now 255 registers, no stack, sm_90.)
+    out_elem = 4 if elem == 4 else 2
+    flatten = settings.get().gg_flatten and stages * stage_bytes + block_m * block_n * out_elem <= 220 * 1024
     return GemmConfig("tiled", block_m, block_n, block_k, stages, 8, flatten=flatten)
-
-
-# Shared memory a block may use on sm_90 (227 KB).
-SMEM_LIMIT = 232448
-
-
-def y_tma_fits(cfg: GemmConfig, elem: int, out_elem: int) -> bool:
-    """Whether the tiled kernel's TMA-store epilogue fits ``cfg`` in shared memory: the K-loop
-    stages plus the output tile's staging buffer, which the fused (flattened) loop needs up to
-    twice of (sm_90 compiles: bf16 128x256x64 with 3 stages takes 213,016 bytes unfused, 245,784
-    fused; 128x128x64 with 4 stages 196,640 fused)."""
-    stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * elem
-    tile = cfg.block_m * cfg.block_n * out_elem
-    staging = 2 * tile if cfg.flatten else tile
-    return cfg.stages * stage_bytes + staging + 1024 <= SMEM_LIMIT
 
 
 @settings.on_change

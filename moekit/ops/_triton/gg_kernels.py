@@ -74,28 +74,6 @@ def _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, n_tiles_n, GROUP_M: tl
 
 
 @triton.jit
-def _epilogue_value(acc, offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr,
-                    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TW: tl.constexpr, W_ONLY: tl.constexpr):  # fmt: skip
-    """``acc`` [BM, BN] float32 for rows ``offs_m`` and expert columns ``offs_n`` of group ``g``,
-    scaled (FP8: x and w scales; ``W_ONLY``, weight-only FP8: the w scales), biased and weighted
-    by token: the float32 values the epilogue writes."""
-    col = g.to(tl.int64) * N + offs_n
-    if FP8:
-        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
-        ws = tl.load(ws_ptr + col, mask=n_mask, other=0.0)
-        acc = acc * xs[:, None] * ws[None, :]
-    if W_ONLY:
-        acc = acc * tl.load(ws_ptr + col, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
-        acc = acc + b[None, :]
-    if HAS_TW:
-        tw = tl.load(tw_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
-        acc = acc * tw[:, None]
-    return acc
-
-
-@triton.jit
 def _epilogue(
     acc,
     offs_m,
@@ -118,14 +96,24 @@ def _epilogue(
     SCATTER: tl.constexpr,
     W_ONLY: tl.constexpr = False,
 ):
-    """The epilogue's values (``_epilogue_value``) stored to rows ``offs_m`` of ``y``, or
-    scatter-added (``SCATTER``) to the token rows ``idx[offs_m]``. The store address is computed
-    here, from values loaded here, on purpose: inductor's mutation analysis (torch.compile)
-    follows pointers into called @triton.jit functions coarsely; computing the store address from
-    values loaded in another helper made it count every input pointer of the kernel as written
-    (tests/ops/test_grouped_gemm.py checks)."""
-    acc = _epilogue_value(acc, offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8,
-                          HAS_BIAS, HAS_TW, W_ONLY)  # fmt: skip
+    """``acc`` [BM, BN] float32 for rows ``offs_m`` and expert columns ``offs_n`` of group ``g``:
+    scale (FP8: x and w scales; ``W_ONLY``, weight-only FP8: the w scales), add bias, weight by token, then store or scatter-add. One helper on purpose:
+    inductor's mutation analysis (torch.compile) follows pointers into called @triton.jit
+    functions coarsely; computing the store address from values loaded in another helper made it
+    count every input pointer of the kernel as written (tests/ops/test_grouped_gemm.py checks)."""
+    col = g.to(tl.int64) * N + offs_n
+    if FP8:
+        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+        ws = tl.load(ws_ptr + col, mask=n_mask, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+    if W_ONLY:
+        acc = acc * tl.load(ws_ptr + col, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
+        acc = acc + b[None, :]
+    if HAS_TW:
+        tw = tl.load(tw_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
+        acc = acc * tw[:, None]
     val = acc.to(y_ptr.dtype.element_ty)
     if SCATTER:
         dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
@@ -339,7 +327,6 @@ def _gg_tiled_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
-    y_desc,
     m_sizes_ptr,
     xs_ptr,
     ws_ptr,
@@ -363,7 +350,6 @@ def _gg_tiled_kernel(
     USE_TMA: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
     FLATTEN: tl.constexpr,
-    Y_TMA: tl.constexpr,
     G_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -410,28 +396,7 @@ def _gg_tiled_kernel(
                 acc = tl.dot(a, tl.trans(b), acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-        if Y_TMA:
-            # Stored rows: a tile inside its group's rows leaves through one asynchronous TMA store
-            # (the next tile's loads and MMAs go on while it drains). A group's last, partial tile
-            # takes masked stores instead: a whole-tile store would write over the next group's
-            # first rows.
-            whole = m0 + BLOCK_M <= m_end
-            val = _epilogue_value(acc, offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr,
-                                  FP8, HAS_BIAS, HAS_TW, W_ONLY).to(y_desc.dtype)  # fmt: skip
-            ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-            if FLATTEN:
-                # No branch (an if/else here breaks Triton 3.6's loop flattening): the partial
-                # tile's TMA store goes past the descriptor's last row, where TMA writes nothing,
-                # and a whole tile's masked stores are all masked off.
-                y_desc.store([tl.where(whole, m0, M), n0], val)
-                tl.store(ptrs, val, mask=(m_mask & (m0 + BLOCK_M > m_end))[:, None] & n_mask[None, :])
-            else:
-                if whole:
-                    y_desc.store([m0, n0], val)
-                else:
-                    tl.store(ptrs, val, mask=m_mask[:, None] & n_mask[None, :])
-        else:
-            _epilogue(
-                acc, offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
-                xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
-            )  # fmt: skip
+        _epilogue(
+            acc, offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
+            xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
+        )  # fmt: skip

@@ -23,9 +23,6 @@ Three kernels (the last two share one epilogue):
 - ``_gg_tiled_kernel`` (the *tiled* path, many rows per expert: compute-bound prefill): a
   persistent kernel (one program per SM) walking the output tiles of all groups in a grouped
   (L2-friendly) order, with TMA tensor descriptors for x and w on Hopper when the strides allow.
-  Stored rows (no scatter-add) leave a tile that lies inside its group's rows through a TMA store
-  (asynchronous: the next tile's loads and MMAs go on while it drains); a group's last, partial
-  tile stores with masks, since a whole-tile store would write the next group's first rows.
 
 All read ``m_sizes`` on the device: every program loads the ``[G]`` sizes, computes the group
 offsets with a cumulative sum and clips them to ``M`` (so rows past ``M`` are never touched
@@ -65,7 +62,6 @@ from moekit.ops._triton.gg_config import (  # noqa: F401  (re-exported: the laun
     save_table,
     select_config,
     use_table,
-    y_tma_fits,
 )
 from moekit.ops._triton.gg_kernels import _gg_gemv_kernel, _gg_stream_kernel, _gg_tiled_kernel
 
@@ -170,6 +166,8 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         cfg = gemv_config(M, N, K, 1, sms)  # K tiles sized by the 1-byte weights it streams
     if fp8 and not fast_accum and cfg.kind == "tiled" and cfg.block_n > 128:
         cfg = replace(cfg, block_n=128)  # the promoted accumulator needs registers: 128x256 spills
+    if fp8 and scatter and cfg.kind == "tiled" and cfg.flatten and cfg.block_m * cfg.block_n >= 128 * 256:
+        cfg = replace(cfg, flatten=False)  # the fused loop's scatter-add epilogue spills FP8 128x256 tiles
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     out_rows = out.shape[0] if scatter else M
     # Placeholder for the pointer arguments a launch does not use: never the output. Under
@@ -233,15 +231,8 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     else:
         upper = (cdiv(M, bm) + min(G, M)) * cdiv(N, bn)
         grid = (max(1, min(sms, upper)),)
-        # Stored rows (no scatter): the tiles inside a group's rows leave through a TMA store.
-        y_tma = (use_tma and cfg.y_tma and not scatter and _tma_ok(y, (bm, bn))
-                 and y_tma_fits(cfg, x.element_size(), y.element_size()))  # fmt: skip
-        y_desc = _descriptor(y, [bm, bn]) if y_tma else ph
         launch(_gg_tiled_kernel)[grid](
-            *args[:3],
-            y_desc,
-            *args[3:],
-            Y_TMA=y_tma,
+            *args,
             FAST_ACCUM=bool(fast_accum) or not fp8,
             FLATTEN=cfg.flatten,
             GROUP_M=cfg.group_m,
