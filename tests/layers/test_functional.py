@@ -290,6 +290,10 @@ def test_moe_forward_gpu_cuda_graph_replay():
 
 DECODE_MODELS = ["qwen3-30b-a3b", "deepseek-v3-tp8", "gpt-oss-120b", "llama4-scout"]
 _WEIGHTS: dict = {}
+# The full-size tests hold one model's weights (bf16, FP8 and dequantized copies: 30-40 GB for
+# gpt-oss-120b) per pytest worker: four workers each holding one ran an H200 out of memory
+# (session 15). With ``--dist loadgroup`` (scripts/device_session.sh) they all run on one worker.
+FULL_SIZE = pytest.mark.xdist_group("full_size_models")
 
 
 def _gpu_weights(name, fp8):
@@ -348,6 +352,7 @@ def _forward(s, w, x, logits, fp8, **kw):
                        e_score_correction_bias=w.get("e_score_correction_bias"), **kw)  # fmt: skip
 
 
+@FULL_SIZE
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", DECODE_MODELS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -370,6 +375,7 @@ def test_gpu_decode_and_sorted_pipelines_match_reference(name, fp8, T):
             assert_close(got.float(), want, tol=tol, msg=f"{name} T={T} {path} down={down}")
 
 
+@FULL_SIZE
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", DECODE_MODELS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -394,6 +400,7 @@ def test_gpu_sorted_prefill_fused_swiglu_matches_reference(name, fp8):
         assert_close(got.float(), want, tol=8e-2 if fp8 else 2e-2, msg=f"{name} fused={fused}")
 
 
+@FULL_SIZE
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gpu_decode_cuda_graph_replays_new_routing_and_is_deterministic(fp8):
