@@ -24,7 +24,9 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import torch  # noqa: E402
 
-TILES = [(64, 128, 4), (128, 64, 4), (128, 128, 3), (64, 64, 4), (128, 128, 2)]
+# (rows, columns, stages, fused tile + K loop)
+TILES = [(64, 128, 4, False), (128, 64, 4, False), (128, 128, 3, False), (64, 64, 4, False), (128, 128, 2, False),
+         (128, 128, 3, True), (128, 128, 2, True), (64, 128, 4, True)]  # fmt: skip
 
 
 def _case(model: str, T: int, fp8: bool, seed: int = 0) -> dict:
@@ -114,14 +116,13 @@ def main() -> int:
                 row["unfused_us"] = bench_us([lambda st=st: _unfused(c, st) for st in c["sets"]], replays=10)
                 row["fused_us"] = bench_us([lambda st=st: _fused(c, st) for st in c["sets"]], replays=10)
                 bk = 128 if fp8 else 64
-                for bm, bn, stages in TILES:
-                    alt = GemmConfig("tiled", bm, bn, bk, stages, 8 if bm * bn >= 128 * 64 else 4)
+                for bm, bn, stages, flatten in TILES:
+                    alt = GemmConfig("tiled", bm, bn, bk, stages, 8 if bm * bn >= 128 * 64 else 4, flatten=flatten)
+                    name = f"{bm}x{bn} s{stages}{' fused' if flatten else ''}"
                     try:
-                        row[f"{bm}x{bn} s{stages}"] = bench_us(
-                            [lambda st=st: _fused(c, st, alt) for st in c["sets"]], replays=10
-                        )
+                        row[name] = bench_us([lambda st=st: _fused(c, st, alt) for st in c["sets"]], replays=10)
                     except Exception as exc:  # a tile that does not fit: keep the others
-                        row[f"{bm}x{bn} s{stages}"] = f"{type(exc).__name__}"
+                        row[name] = f"{type(exc).__name__}"
                 print(row, flush=True)
                 rows.append(row)
                 c.clear()

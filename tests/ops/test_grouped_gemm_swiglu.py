@@ -393,6 +393,28 @@ def test_gpu_swiglu_and_down(shape, w_kind, cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("w_kind", ["same", "fp8x"])
+@pytest.mark.parametrize("shape", [(2048, 8, 128, 768, 2048), (1024, 8, 256, 256, 7168)], ids=["qwen3", "deepseek"])
+def test_gpu_swiglu_tiled_fused_loop_same_bits(shape, w_kind, cuda):
+    """The persistent tiled kernel with its tile loop fused into the K loop (``flatten``, a
+    sweep candidate) writes the same bits as the plain loop: same tiles, same K order."""
+    from dataclasses import replace
+
+    from moekit.ops._triton import gg_swiglu as SW
+    from moekit.ops._triton.gg_config import GemmConfig
+
+    T, k, G, F, D = shape
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, D, torch.bfloat16, w_kind, seed=5, device=cuda)
+    bk = 128 if w_kind == "fp8x" else 64
+    for stages in (3, 2):
+        cfg = GemmConfig("tiled", 128, min(128, F), bk, stages, 8, flatten=False)
+        a = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=cfg)
+        b = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=replace(cfg, flatten=True))
+        ok = _valid_rows(gi, T)
+        assert torch.equal(a[ok], b[ok]), f"stages={stages}"
+
+
+@pytest.mark.gpu
 def test_gpu_swiglu_cuda_graph_replays_new_rows(cuda):
     T, k, G, F, D = 4, 8, 128, 768, 2048
     x, w, ms, gi, rs, _, _ = _case(T, k, G, F, D, torch.bfloat16, "same", seed=0, device=cuda, bad_rows=False)
