@@ -9,7 +9,8 @@ Per (model, T, dtype), µs per call (CUDA graphs, medians, inputs rotated past L
 - ``unfused``: gather (+ FP8 row quantization) -> grouped GEMM gate|up -> ``silu_mul`` (+ quant);
 - ``auto``: ``grouped_gemm_swiglu`` reading the token rows by index with its chosen tile (FP8: the
   token rows quantized first, the SwiGLU output after, as ``run_experts`` does);
-- one column per alternative tile ``BMxBNxBK sS`` of the fused kernel.
+- one column per alternative tile ``BMxBN sS`` of the fused kernel (``fused``: its tile loop fused
+  into the K loop), and where ``auto`` streams, per streaming alternative ``stream BMxBNxBK sS``.
 Routing: uniform random top-k (the benchmark's models' shapes).
 """
 
@@ -24,6 +25,10 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import torch  # noqa: E402
 
+# Streaming alternatives where ``auto`` streams (few rows per expert; DeepSeek-V3 TP8 at T=1024 has
+# 32): (columns, K slice for bf16 (FP8: twice), stages), rows as ``auto``. ``auto``'s two weight
+# tiles per stage leave it 2 stages at 128 columns.
+STREAM = [(128, 64, 2), (128, 32, 4), (64, 64, 4), (64, 64, 6), (64, 128, 3), (32, 64, 6), (32, 128, 4)]
 # (rows, columns, stages, fused tile + K loop)
 TILES = [(64, 128, 4, False), (128, 64, 4, False), (128, 128, 3, False), (64, 64, 4, False), (128, 128, 2, False),
          (128, 128, 3, True), (128, 128, 2, True), (64, 128, 4, True)]  # fmt: skip
@@ -116,9 +121,18 @@ def main() -> int:
                 row["unfused_us"] = bench_us([lambda st=st: _unfused(c, st) for st in c["sets"]], replays=10)
                 row["fused_us"] = bench_us([lambda st=st: _fused(c, st) for st in c["sets"]], replays=10)
                 bk = 128 if fp8 else 64
-                for bm, bn, stages, flatten in TILES:
-                    alt = GemmConfig("tiled", bm, bn, bk, stages, 8 if bm * bn >= 128 * 64 else 4, flatten=flatten)
-                    name = f"{bm}x{bn} s{stages}{' fused' if flatten else ''}"
+                alts = [
+                    (f"{bm}x{bn} s{stages}{' fused' if flatten else ''}",
+                     GemmConfig("tiled", bm, bn, bk, stages, 8 if bm * bn >= 128 * 64 else 4, flatten=flatten))
+                    for bm, bn, stages, flatten in TILES
+                ]  # fmt: skip
+                if cfg.kind == "stream":
+                    for bn, sk, stages in STREAM:
+                        k = sk * (2 if fp8 else 1)
+                        warps = 8 if bn * cfg.block_m >= 128 * 128 else 4
+                        alts.append((f"stream {cfg.block_m}x{bn}x{k} s{stages}",
+                                     GemmConfig("stream", cfg.block_m, bn, k, stages, warps)))  # fmt: skip
+                for name, alt in alts:
                     try:
                         row[name] = bench_us([lambda st=st: _fused(c, st, alt) for st in c["sets"]], replays=10)
                     except Exception as exc:  # a tile that does not fit: keep the others
