@@ -491,6 +491,42 @@ def test_kernels_compile_for_sm90():
     assert kinds.count("_gg_gemv_kernel") == 4 and kinds.count("_gg_tiled_kernel") >= 5, kinds
 
 
+@pytest.mark.reference
+def test_prefill_tiles_compile_without_spills_for_sm90():
+    """The tiled kernel's 128x256 tiles at prefill sizes (256-512 rows per expert: DeepSeek-V3
+    TP8's and Qwen3-30B's down projections at T=8192), bf16 and FP8, as the layer runs them: rows
+    stored with float32 token weights (the fused tile + K loop, FP8 included) and scatter-added
+    (FP8 keeps the unfused loop there): no stack frame, within shared memory."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import grouped_gemm as GG
+        m = "meta"
+        for fp8 in (False, True):
+            dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            for M, N, K, G in ((65536, 7168, 256, 256), (65536, 2048, 768, 128)):
+                x, w = torch.empty(M, K, dtype=dt, device=m), torch.empty(G * N, K, dtype=dt, device=m)
+                ms = torch.empty(G, dtype=torch.int32, device=m)
+                xs = torch.empty(M, device=m) if fp8 else None
+                ws = torch.empty(G * N, device=m) if fp8 else None
+                tw = torch.empty(M, device=m)
+                GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+                out = torch.empty(M // 8, N, dtype=torch.bfloat16, device=m)
+                idx = torch.empty(M, dtype=torch.int32, device=m)
+                GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, out=out, scatter_indices=idx)
+        """,
+        ["moekit.ops._triton.grouped_gemm"],
+    )
+    assert_all_compiled(records, 8)
+    tiles = [(r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["constants"]["FP8"], r["constants"]["SCATTER"],
+              r["constants"]["FLATTEN"], r["stack"]) for r in records]  # fmt: skip
+    assert all(t[:2] == ("128", "256") for t in tiles), tiles
+    # fused loop everywhere but FP8's scatter-add; no spills
+    assert all((t[4] == "True") == (t[2] == "False" or t[3] == "False") for t in tiles), tiles
+    assert all(not t[5] for t in tiles), tiles
+
+
 # ==============================================================================================
 # Reference tier: public ops on CPU tensors
 # ==============================================================================================
