@@ -4,7 +4,8 @@
 # whole call ends inside the 10-minute command limit. Writes logs and JSON to $OUT.
 #   PHASES="tests comm bench lanes"   BENCHES="routing gather_scatter ..."   LANES="0:a,b 1:c"
 #   QUICK=1   BUDGET_S=560   BENCH_ARGS_<name>="extra args for benchmarks/bench_<name>.py"
-#   BENCH_ENV_<name>[_<tag>]="VAR=value ..." (environment of one lane entry)
+#   BENCH_ENV_<name>[_<tag>]="VAR=value ..." (environment of one lane entry; "name@tag" entries take
+#   BENCH_ARGS_<name>_<tag>, else BENCH_ARGS_<name>; scripts/ab_trees.sh: earlier commits' trees)
 #   TESTS="tests/ops ..." (GPU tier; on 2 GPUs the grouped-GEMM file runs on GPU 1, GEMM_K="-k expr")
 #   TEST_GPU=0 (tests on GPU 0 only, TEST_K="-k expr", while the lanes run on the others at once)
 #   TEST_WORKERS=4 (pytest workers per GPU; --dist loadgroup puts the full-size model tests, the
@@ -49,7 +50,10 @@ run_lanes() {
         # over both GPUs); logs go to bench_<name>[_<tag>].log.
         b=${entry%%@*}; tag=${entry#*@}; [ "$tag" = "$entry" ] && tag=""
         t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before bench_$entry" >> "$RES/lane$gpu.txt"; break; }
-        extra_var="BENCH_ARGS_$b${tag:+_$tag}"  # per-benchmark arguments, e.g. BENCH_ARGS_layer="--models llama4-scout"
+        # per-benchmark arguments, e.g. BENCH_ARGS_layer="--models llama4-scout"; a tagged entry's
+        # BENCH_ARGS_<name>_<tag> when set, else BENCH_ARGS_<name>
+        extra_var="BENCH_ARGS_$b${tag:+_$tag}"
+        [ -n "$tag" ] && [ -z "${!extra_var+x}" ] && extra_var="BENCH_ARGS_$b"
         script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py
         env_var="BENCH_ENV_$b${tag:+_$tag}"  # environment for this entry, e.g. BENCH_ENV_layer_nopdl="MOEKIT_PDL=0"
         CUDA_VISIBLE_DEVICES=$gpu timeout $((t-10)) env ${!env_var:-} python3 "$script" ${QUICK:+--quick} ${!extra_var:-} \
