@@ -308,27 +308,30 @@ def _experts_forward(self: torch.nn.Module, plan: _Plan, deterministic: bool, ma
                      ) -> torch.Tensor:  # fmt: skip
     """The moekit experts forward on validated inputs (eager, or captured by ``_graphs``);
     ``max_rows``: the decode pipeline's row bound (``choose_path``; ``None``: the layers')."""
-    from moekit.layers.experts import choose_path, run_experts
+    from moekit.layers.experts import choose_path, run_experts, will_store_rows
     from moekit.ops import gather_scale_dense_tokens, grouped_gemm, scatter_add_dense_tokens, shuffle_top_k, silu_mul
 
     T = hidden_states.shape[0]
     dtype = plan.w13.dtype
     x = _rows(hidden_states.to(dtype))
     E, F = plan.E, plan.F
-
-    out = torch.empty((T, plan.D), dtype=dtype, device=x.device)  # zeroed by shuffle_top_k's launch
+    K = top_k_index.shape[1]
+    post_norm = plan.post_norm
+    # The standard SwiGLU experts run moekit's one experts pipeline (the fused decode kernels at
+    # small batches); its summed down rows are stored into out as it is (as moe_forward does), any
+    # other down projection adds into out zeroed by shuffle_top_k's launch.
+    standard = plan.fast_swiglu and plan.b13 is None and plan.b2 is None and not post_norm
+    path = choose_path(T * K, E, top_k=K, max_rows=max_rows) if standard else None
+    out = torch.empty((T, plan.D), dtype=dtype, device=x.device)
+    empty = standard and will_store_rows(out, T * K, E, K, False, deterministic, path)
     counts, expert_ids, token_ids, token_weights, sel_rows = shuffle_top_k(
-        top_k_index, top_k_weights, E, zero_buffer=out
+        top_k_index, top_k_weights, E, zero_buffer=None if empty else out
     )
     m_sizes = counts[:E]
-    post_norm = plan.post_norm
-    if plan.fast_swiglu and plan.b13 is None and plan.b2 is None and not post_norm:
-        # The standard SwiGLU experts: moekit's one experts pipeline (the fused decode kernels at
-        # small batches).
-        path = choose_path(token_ids.shape[0], E, top_k=top_k_index.shape[1], max_rows=max_rows)
+    if standard:
         run_experts(
             x, plan.w13.view(E, 2 * F, plan.D), plan.w2.view(E, plan.D, F), m_sizes, token_ids=token_ids,
-            expert_ids=expert_ids, row_weights=token_weights, selection_rows=sel_rows, out=out,
+            expert_ids=expert_ids, row_weights=token_weights, selection_rows=sel_rows, out=out, out_empty=empty,
             deterministic=deterministic, path=path,
         )  # fmt: skip
         return out.to(hidden_states.dtype)

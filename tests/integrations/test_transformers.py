@@ -385,6 +385,36 @@ def test_experts_module(family, dtype):
     assert z.shape == (0, D)
 
 
+@pytest.mark.reference
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+def test_experts_module_stored_sums_skip_the_zeroing(path, monkeypatch):
+    """Where the down rows are summed per token (from ``DOWN_SUM_MIN_ROWS`` rows, pinned to 1 here)
+    the output is stored without being zeroed first (``shuffle_top_k`` gets no zero buffer), as in
+    ``moe_forward``; elsewhere it is zeroed; both equal transformers' eager experts. Duplicate
+    expert ids included."""
+    import moekit.ops as ops
+    from moekit import settings
+
+    model = _model("qwen3_moe")
+    mt.register()
+    experts = _first_experts(model)
+    E, D = experts.gate_up_proj.shape[0], model.config.hidden_size
+    x = torch.randn(11, D, generator=torch.Generator().manual_seed(4))
+    idx, w = _dup_routing(11, E, 2, seed=4)
+    ref = _call(experts, "eager", x, idx, w)
+    zero = []
+    real = ops.shuffle_top_k
+    monkeypatch.setattr(ops, "shuffle_top_k", lambda *a, **k: zero.append(k.get("zero_buffer")) or real(*a, **k))
+    for min_rows, stored in ((1, True), (10**9, False)):
+        zero.clear()
+        with settings.override(moe_path=path, knobs={"DOWN_SUM_MIN_ROWS": min_rows}):
+            out = _call(experts, "moekit", x, idx, w)
+        assert rel_error(out, ref) < 1e-5, (path, min_rows)
+        # (top-2 is under the decode pipeline's per-token combine, COMBINE_MIN_TOP_K = 6: both
+        # pipelines store the sums)
+        assert len(zero) == 1 and (zero[0] is None) == stored, (path, min_rows, zero)
+
+
 def _nemotron_experts():
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 
