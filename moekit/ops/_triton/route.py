@@ -47,6 +47,7 @@ from moekit.ops._triton.routing import (
     FUSED_SCAN_TOTAL,
     SCAN_CB,
     SCAN_EC,
+    _block_offsets,
     _row_below,
     _scan_blocks_kernel,
     _score_keys,
@@ -313,20 +314,7 @@ def _route_place_kernel(
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
-    if FUSED_SCAN:
-        tot = tl.zeros([BLOCK_E], dtype=tl.int32)
-        pre = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for c0 in range(0, n_blocks, CB):
-            blk = c0 + tl.arange(0, CB)
-            c = tl.load(bcounts_ptr + blk.to(tl.int64)[:, None] * HS + cols[None, :],
-                        mask=(blk < n_blocks)[:, None] & col_ok[None, :], other=0)  # fmt: skip
-            tot += tl.sum(c, axis=0)
-            pre += tl.sum(tl.where((blk < b)[:, None], c, 0), axis=0)
-        if b == 0:
-            tl.store(counts_ptr + cols, tot, mask=col_ok)
-    else:
-        tot = tl.load(counts_ptr + cols, mask=col_ok, other=0)
-        pre = tl.load(bcounts_ptr + b.to(tl.int64) * HS + cols, mask=col_ok, other=0)
+    tot, pre = _block_offsets(bcounts_ptr, counts_ptr, n_blocks, HS, b, cols, col_ok, FUSED_SCAN, BLOCK_E, CB)
     n_rows = tl.sum(tot, axis=0)
     if b == 0:
         tl.store(counts_ptr + E, T)

@@ -368,6 +368,30 @@ def _route_blocks_kernel(
         tl.store(hist_row + cols, carry, mask=cols < HS)
 
 
+@triton.jit
+def _block_offsets(hist_ptr, counts_ptr, NB, HS, b, cols, col_ok, FUSED_SCAN: tl.constexpr, BLOCK_E: tl.constexpr,
+                   CB: tl.constexpr):  # fmt: skip
+    """Block ``b``'s placing program: per expert, the total rows (``tot``) and the rows of the
+    blocks before ``b`` (``pre``). ``FUSED_SCAN``: summed here from the ``NB`` count rows (stride
+    ``HS``; program 0 stores the totals in ``counts``); else read where ``_scan_blocks_kernel`` left
+    them (totals in ``counts``, exclusive prefixes in place of the count rows)."""
+    if FUSED_SCAN:
+        tot = tl.zeros([BLOCK_E], dtype=tl.int32)
+        pre = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for c0 in range(0, NB, CB):
+            blk = c0 + tl.arange(0, CB)
+            h = tl.load(hist_ptr + blk.to(tl.int64)[:, None] * HS + cols[None, :],
+                        mask=(blk < NB)[:, None] & col_ok[None, :], other=0)  # fmt: skip
+            tot += tl.sum(h, axis=0)
+            pre += tl.sum(tl.where((blk < b)[:, None], h, 0), axis=0)
+        if b == 0:
+            tl.store(counts_ptr + cols, tot, mask=col_ok)
+    else:
+        tot = tl.load(counts_ptr + cols, mask=col_ok, other=0)
+        pre = tl.load(hist_ptr + b.to(tl.int64) * HS + cols, mask=col_ok, other=0)
+    return tot, pre
+
+
 @triton.jit(do_not_specialize=["NB"])
 def _scan_blocks_kernel(hist_ptr, counts_ptr, NB, E, HS, EC: tl.constexpr, CB: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """Column scan of the [NB, HS] histograms, in place, into exclusive per-program offsets;
@@ -409,21 +433,7 @@ def _place_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
-    if FUSED_SCAN:
-        tot = tl.zeros([BLOCK_E], dtype=tl.int32)
-        pre = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for c0 in range(0, NB, CB):
-            rows = c0 + tl.arange(0, CB)
-            h = tl.load(
-                hist_ptr + rows[:, None] * HS + cols[None, :], mask=(rows < NB)[:, None] & col_ok[None, :], other=0
-            )
-            tot += tl.sum(h, axis=0)
-            pre += tl.sum(tl.where((rows < pid)[:, None], h, 0), axis=0)
-        if pid == 0:
-            tl.store(counts_ptr + cols, tot, mask=col_ok)
-    else:
-        tot = tl.load(counts_ptr + cols, mask=col_ok, other=0)
-        pre = tl.load(hist_ptr + pid * HS + cols, mask=col_ok, other=0)
+    tot, pre = _block_offsets(hist_ptr, counts_ptr, NB, HS, pid, cols, col_ok, FUSED_SCAN, BLOCK_E, CB)
     off = tl.cumsum(tot, axis=0) - tot + pre
     n_rows = tl.sum(tot, axis=0)
     if pid == 0:
