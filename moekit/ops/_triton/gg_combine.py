@@ -7,7 +7,9 @@ rows of the token's ``K`` choices (``selection_rows[t * K + j]``, the token-majo
 slices ``[K, BLOCK_N, F]`` against the rows of ``z`` on CUDA cores (float32 elementwise
 accumulators, as the grouped GEMM's GEMV kernel), reduces over F, weights each choice, sums the K
 choices in slot order and adds the result to ``out[t]`` with one plain store. No atomics, no
-zero-filled output needed beyond what ``out`` holds, and bitwise reproducible.
+zero-filled output needed beyond what ``out`` holds, and bitwise reproducible. ``moe_decode``
+(``moekit.ops._triton.decode``) launches it ``TOKEN_MAJOR`` (token t's rows are ``t * K + j``)
+and, into an empty ``out``, without ``ACCUM`` (stores, no read of ``out``).
 
 For decode (a few tokens, every choice a different expert) this replaces the scatter-add GEMM,
 whose per-row programs add into the same output row K times with bf16 atomics (H200, Qwen3-30B
@@ -51,6 +53,8 @@ def _combine_kernel(
     BLOCK_F: tl.constexpr,
     EVEN_F: tl.constexpr,
     STAGES: tl.constexpr,
+    TOKEN_MAJOR: tl.constexpr = False,
+    ACCUM: tl.constexpr = True,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
@@ -58,7 +62,10 @@ def _combine_kernel(
     t = pid % T
     nb = pid // T
     slots = tl.arange(0, K_PAD)
-    rows = tl.load(srow_ptr + t.to(tl.int64) * K + slots, mask=slots < K, other=-1)
+    if TOKEN_MAJOR:  # token t's rows are t * K + j (moe_decode: no sorted layout)
+        rows = tl.where(slots < K, t.to(tl.int32) * K + slots, -1)
+    else:
+        rows = tl.load(srow_ptr + t.to(tl.int64) * K + slots, mask=slots < K, other=-1)
     r_ok = (rows >= 0) & (rows < M)
     rows = tl.where(r_ok, rows, 0)
     e = tl.load(eidx_ptr + rows, mask=r_ok, other=0)
@@ -75,7 +82,9 @@ def _combine_kernel(
     if HAS_RW:
         post = post * tl.load(rw_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)[:, None]
     o_ptrs = out_ptr + t.to(tl.int64) * stride_om + offs_n
-    prev = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if ACCUM:
+        prev = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     w_rows = w_ptr + (col * stride_wn)[:, :, None]
     z_rows = z_ptr + (rows.to(tl.int64) * stride_zm)[:, None]
     acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_F), dtype=tl.float32)
@@ -115,30 +124,36 @@ def grouped_gemm_combine(
     z: torch.Tensor,
     w: torch.Tensor,
     expert_indices: torch.Tensor,
-    selection_rows: torch.Tensor,
+    selection_rows: Optional[torch.Tensor],
     out: torch.Tensor,
     row_weights: Optional[torch.Tensor],
     w_scale: Optional[torch.Tensor],
     config: Optional[tuple[int, int, int]] = None,
+    top_k: int = 0,
+    accumulate: bool = True,
 ) -> None:
     """Launcher (validated arguments): ``out[t] += sum_j rw[r] * (z[r] @ w_e.T)`` for the rows
-    ``r = selection_rows[t * K + j]`` (skipped when negative), ``e = expert_indices[r]``."""
+    ``r = selection_rows[t * K + j]`` (skipped when negative), ``e = expert_indices[r]``.
+    ``selection_rows`` None: token-major rows ``r = t * top_k + j``. ``accumulate`` False:
+    ``out[t] =`` (out is not read)."""
     T, N = (int(d) for d in out.shape)
     M, F = (int(d) for d in z.shape)
     if T == 0 or N == 0:
         return
-    K = int(selection_rows.shape[0]) // T
+    K = int(selection_rows.shape[0]) // T if selection_rows is not None else int(top_k)
     k_pad = max(1, next_pow2(K))
     G = int(w.shape[0]) // N
     if G * N >= 2**31:
         raise ValueError(f"grouped_gemm_combine supports G * N below 2**31, got {G * N}")
     bn, bf, stages = config or combine_config(T, N, F, k_pad, w.element_size(), num_sms(z.device))
     ph = torch.empty((1,), dtype=torch.float32, device=z.device)
+    srow = selection_rows if selection_rows is not None else ph
     launch(_combine_kernel)[(T * cdiv(N, bn),)](
-        z, w, out, selection_rows, expert_indices, row_weights if row_weights is not None else ph,
+        z, w, out, srow, expert_indices, row_weights if row_weights is not None else ph,
         w_scale if w_scale is not None else ph, T, N, F, M, G, z.stride(0), w.stride(0), out.stride(0),
         K=K, K_PAD=k_pad, HAS_RW=row_weights is not None, HAS_WS=w_scale is not None,
-        BLOCK_N=bn, BLOCK_F=bf, EVEN_F=F % bf == 0, STAGES=stages, num_warps=4, num_stages=stages,
+        BLOCK_N=bn, BLOCK_F=bf, EVEN_F=F % bf == 0, STAGES=stages, TOKEN_MAJOR=selection_rows is None,
+        ACCUM=bool(accumulate), num_warps=4, num_stages=stages,
     )  # fmt: skip
 
 

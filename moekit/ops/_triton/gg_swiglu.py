@@ -66,6 +66,31 @@ def _swiglu_store(g_acc, u_acc, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm
 
 
 @triton.jit
+def _gemv_pair(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """One row's gate and up products ``[1, BLOCK_N]`` over the whole K: CUDA-core FMAs into
+    elementwise float32 accumulators, one reduction over K at the end (the GEMV kernels here and
+    in ``moekit.ops._triton.decode``)."""
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+            wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+            xv = tl.load(x_row + offs_k)
+        else:
+            k_mask = offs_k < K
+            wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+        xf = xv.to(tl.float32)[None, :]
+        acc_g += wg.to(tl.float32) * xf
+        acc_u += wu.to(tl.float32) * xf
+    return tl.sum(acc_g, axis=1)[None, :], tl.sum(acc_u, axis=1)[None, :]
+
+
+@triton.jit
 def _swiglu_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -123,24 +148,7 @@ def _swiglu_gemv_kernel(
         rs = tl.full((1,), 1.0, tl.float32)
         if HAS_RS:
             rs = tl.load(rs_ptr + m + tl.zeros((1,), tl.int32)).to(tl.float32)
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-                wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-                xv = tl.load(x_row + offs_k)
-            else:
-                k_mask = offs_k < K
-                wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-            xf = xv.to(tl.float32)[None, :]
-            acc_g += wg.to(tl.float32) * xf
-            acc_u += wu.to(tl.float32) * xf
-        hg = tl.sum(acc_g, axis=1)[None, :]
-        hu = tl.sum(acc_u, axis=1)[None, :]
+        hg, hu = _gemv_pair(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N, BLOCK_K, EVEN_K, STAGES)
         offs_m = m + tl.zeros((1,), tl.int32)
         _swiglu_store(hg, hu, offs_m, offs_m >= 0, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
                       HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
