@@ -16,6 +16,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_PDL_MODE`` | ``pdl_mode`` | per kernel | force every PDL kernel's trigger: 1 early, 2 late (experiments) |
 | ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
 | ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 2048 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k; see ``moekit.layers.experts.choose_path``) |
+| ``MOEKIT_DECODE_FUSED`` | ``decode_fused`` | auto | ``moe_forward``'s two-launch decode (``moekit.ops.moe_decode``: routing inside the gate/up GEMV, no sorted layout): ``auto``: 16-bit weights where the decode pipeline would run its GEMV and per-token combine kernels anyway (top-k >= 6, a few rows), ``on``: wherever the decode pipeline runs up to 64 rows, FP8 too (experiments), ``off`` |
 | ``MOEKIT_ROUTE_FUSED_MAX_T`` | ``route_fused_max_t`` | 8 | ``route_and_shuffle`` routes up to this many tokens in one program (one launch); more take a program per block of tokens and a placing launch |
 | ``MOEKIT_SORTED_SWIGLU`` | ``sorted_swiglu`` | 1 | the sorted pipeline's gate/up GEMM reads token rows by index with the SiLU * up in its epilogue (``grouped_gemm_swiglu``'s tiled kernel) where its rows per expert take tensor-core tiles (0: gather, GEMM, ``silu_mul``) |
 | ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True`` and from ``moekit.layers.experts.DOWN_SUM_MIN_ROWS`` routed rows of top-k >= 2) |
@@ -44,6 +45,7 @@ from typing import Any, Optional
 __all__ = ["Settings", "get", "override", "on_change", "reload"]
 
 MOE_PATHS = ("auto", "decode", "sorted")
+DECODE_FUSED = ("auto", "on", "off")
 DOWN_SUMS = ("auto", "atomic", "sum")
 F8_DENSE = ("auto", "triton", "scaled_mm")
 _DEFAULT_PDL_SKIP = frozenset({"_gg_tiled_kernel", "_gg_stream_kernel", "_swiglu_tiled_kernel"})
@@ -57,6 +59,7 @@ class Settings:
     pdl_mode: Optional[int] = None
     moe_path: str = "auto"
     decode_max_rows: int = 2048
+    decode_fused: str = "auto"
     route_fused_max_t: int = 8
     sorted_swiglu: bool = True
     down_sum: str = "auto"
@@ -151,6 +154,7 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         pdl_mode=int(mode) if mode else None,
         moe_path=_choice(env, "MOEKIT_MOE_PATH", "auto", MOE_PATHS),
         decode_max_rows=_int(env, "MOEKIT_DECODE_MAX_ROWS", 2048),
+        decode_fused=_choice(env, "MOEKIT_DECODE_FUSED", "auto", DECODE_FUSED),
         route_fused_max_t=_int(env, "MOEKIT_ROUTE_FUSED_MAX_T", 8),
         sorted_swiglu=_flag(env, "MOEKIT_SORTED_SWIGLU", True),
         down_sum=_choice(env, "MOEKIT_DOWN_SUM", "auto", DOWN_SUMS),
@@ -206,6 +210,8 @@ def override(**changes: Any) -> Iterator[Settings]:
             raise TypeError(f"override: unknown setting {k!r}; settings are {sorted(names)}")
     if "moe_path" in changes and changes["moe_path"] not in MOE_PATHS:
         raise ValueError(f"moe_path must be one of {MOE_PATHS}, got {changes['moe_path']!r}")
+    if "decode_fused" in changes and changes["decode_fused"] not in DECODE_FUSED:
+        raise ValueError(f"decode_fused must be one of {DECODE_FUSED}, got {changes['decode_fused']!r}")
     if "down_sum" in changes and changes["down_sum"] not in DOWN_SUMS:
         raise ValueError(f"down_sum must be one of {DOWN_SUMS}, got {changes['down_sum']!r}")
     before = get()

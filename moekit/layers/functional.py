@@ -4,7 +4,10 @@
 expert-sorted row layout, one launch for decode-sized batches; it also zeroes the output) ->
 ``moekit.layers.experts.run_experts`` (the decode pipeline: gate|up GEMM reading the token rows
 by index with SwiGLU fused, down GEMM with the router weight and the scatter-add; or the sorted
-pipeline: gather (+ FP8 quant) -> grouped GEMM -> SwiGLU -> grouped GEMM + scatter-add). No host
+pipeline: gather (+ FP8 quant) -> grouped GEMM -> SwiGLU -> grouped GEMM + scatter-add). Where
+the decode pipeline would run its GEMV and per-token combine (a token of a top-k >= 6 model with
+16-bit weights, ``moekit.layers.experts.decode_fused``), ``moekit.ops.moe_decode`` does it in two
+launches instead: each GEMV program routes its token itself (no routing launch). No host
 sync anywhere: CUDA-graph capturable.
 
 ``route`` is the same routing as dense ``[T, E]`` torch ops (selection scores and weights), kept
@@ -79,8 +82,8 @@ def moe_forward(
     (sorted pipeline). ``path``: ``"auto"`` (``settings.moe_path``), ``"decode"`` or ``"sorted"``
     (see ``moekit.layers.experts``).
     """
-    from moekit.layers.experts import run_experts, will_store_rows
-    from moekit.ops import route_and_shuffle
+    from moekit.layers.experts import decode_fused, run_experts, will_store_rows
+    from moekit.ops import moe_decode, route_and_shuffle
 
     if not isinstance(cfg, RoutingConfig):
         raise TypeError(f"cfg must be a RoutingConfig, got {type(cfg).__name__}")
@@ -120,6 +123,18 @@ def moe_forward(
     elif w13_e2FD.dtype != x_TD.dtype:
         raise TypeError(f"w13_e2FD must have x_TD's dtype {x_TD.dtype} (or float8_e4m3fn), got {w13_e2FD.dtype}")
     out_dtype = torch.bfloat16 if fp8 else x_TD.dtype
+    if out_dtype == x_TD.dtype and decode_fused(T * cfg.top_k, E, cfg.top_k, fp8, path, cfg.n_group):
+        # Two launches from the logits: routing inside the gate/up GEMV, the per-token combine.
+        if shared_out_TD is not None:
+            check_tensor("shared_out_TD", shared_out_TD, shape=(T, D), dtype=out_dtype, device=dev)
+        out = shared_out_TD if shared_out_TD is not None else torch.empty((T, D), dtype=out_dtype, device=dev)
+        return moe_decode(
+            x_TD, logits_TE, w13_e2FD, w2_eDF, out, cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group,
+            topk_group=cfg.topk_group, e_score_correction_bias=e_score_correction_bias,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            apply_router_weight_on_input=cfg.apply_router_weight_on_input, w13_scale_e2F=w13_scale_e2F,
+            w2_scale_eD=w2_scale_eD, accumulate=shared_out_TD is not None,
+        )  # fmt: skip
     empty = False
     if shared_out_TD is not None:
         check_tensor("shared_out_TD", shared_out_TD, shape=(T, D), dtype=out_dtype, device=dev)

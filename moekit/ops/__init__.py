@@ -2,6 +2,7 @@
 op: Triton kernels on CUDA tensors, float32 references on CPU tensors."""
 
 from moekit.ops.activation import silu_mul, silu_mul_quant
+from moekit.ops.decode import moe_decode, moe_decode_supports
 from moekit.ops.gather_scatter import (
     gather_scale_dense_tokens,
     gather_scale_quant_dense_tokens,
@@ -33,6 +34,8 @@ __all__ = [
     "grouped_gemm_fp8_rowwise",
     "grouped_gemm_swiglu",
     "index_shuffling",
+    "moe_decode",
+    "moe_decode_supports",
     "quantize_fp8_row",
     "rms_norm",
     "route_and_shuffle",

@@ -20,7 +20,7 @@ from moekit.reference.grouped_gemm import (
     grouped_gemm_fp8_rowwise,
     grouped_gemm_swiglu,
 )
-from moekit.reference.moe import moe_forward, swiglu_expert
+from moekit.reference.moe import moe_decode, moe_forward, swiglu_expert
 from moekit.reference.norm import (
     all_reduce_rms_norm,
     moe_tail,
@@ -56,6 +56,7 @@ __all__ = [
     "grouped_gemm_fp8_rowwise",
     "grouped_gemm_swiglu",
     "index_shuffling",
+    "moe_decode",
     "moe_forward",
     "moe_tail",
     "quantize_fp8_row",

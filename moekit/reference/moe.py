@@ -9,7 +9,7 @@ import torch
 from moekit._validate import check_tensor
 from moekit.reference.routing import routing_weights
 
-__all__ = ["swiglu_expert", "moe_forward"]
+__all__ = ["swiglu_expert", "moe_forward", "moe_decode"]
 
 
 def _check_swiglu_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, name13: str, name2: str) -> None:
@@ -105,3 +105,57 @@ def moe_forward(
     if shared_w13_2FD is not None:
         out = out + swiglu_expert(x, shared_w13_2FD, shared_w2_DF)
     return out.to(x_TD.dtype).reshape(x_TD.shape)
+
+
+def moe_decode(
+    x_TD: torch.Tensor,
+    logits_TE: torch.Tensor,
+    w13_e2FD: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    out_TD: torch.Tensor,
+    *,
+    top_k: int,
+    score_func: str = "sigmoid",
+    renormalize: bool = False,
+    n_group: Optional[int] = None,
+    topk_group: Optional[int] = None,
+    e_score_correction_bias: Optional[torch.Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+    apply_router_weight_on_input: bool = False,
+    w13_scale_e2F: Optional[torch.Tensor] = None,
+    w2_scale_eD: Optional[torch.Tensor] = None,
+    accumulate: bool = True,
+) -> torch.Tensor:
+    """``moekit.ops.moe_decode``'s math in float32, with the kernels' roundings: token t's choice
+    ``(w, ids) = routing_weights(logits)``; row ``(t, j)``: ``h = x[t] @ w13[ids].T`` (times the
+    row scales of FP8 weights and, ``apply_router_weight_on_input``, ``w[t, j]``), ``z =
+    silu(h_gate) * h_up`` rounded to x's dtype; ``out[t] (+)= sum_j w[t, j] * (z @ w2[ids].T)``
+    (the weight on the output unless on the input), summed in float32 in slot order, rounded once
+    to out's dtype. Returns ``out_TD``."""
+    T, D = x_TD.shape
+    weights, ids = routing_weights(
+        logits_TE.float(), top_k, score_func, renormalize, n_group=n_group, topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=routed_scaling_factor,
+    )  # fmt: skip
+    F = w2_eDF.shape[2]
+    e = ids.long()
+    w13 = w13_e2FD.float()[e]  # [T, K, 2F, D]
+    if w13_scale_e2F is not None:
+        w13 = w13 * w13_scale_e2F.float().reshape(-1, 2 * F)[e].unsqueeze(-1)
+    h = torch.einsum("tkfd,td->tkf", w13, x_TD.float())
+    if apply_router_weight_on_input:
+        h = h * weights.float().unsqueeze(-1)
+    z = (torch.nn.functional.silu(h[..., :F]) * h[..., F:]).to(x_TD.dtype).float()
+    w2 = w2_eDF.float()[e]  # [T, K, D, F]
+    if w2_scale_eD is not None:
+        w2 = w2 * w2_scale_eD.float().reshape(-1, D)[e].unsqueeze(-1)
+    y = torch.einsum("tkdf,tkf->tkd", w2, z)
+    if not apply_router_weight_on_input:
+        y = y * weights.float().unsqueeze(-1)
+    acc = torch.zeros(T, D, dtype=torch.float32, device=x_TD.device)
+    for j in range(top_k):
+        acc = acc + y[:, j]
+    if accumulate:
+        acc = out_TD.float() + acc
+    out_TD.copy_(acc.to(out_TD.dtype))
+    return out_TD

@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""The decode step from router logits: ``moe_decode``'s two launches against the sorted decode
+pipeline, and their configuration alternatives: a tuning aid for ``moekit.ops._triton.decode``.
+
+    python benchmarks/sweep_decode.py [--models qwen3-30b-a3b,deepseek-v3-tp8] [--tokens 1,2]
+        [--dtype bf16,fp8] [--alts]
+
+Per (model, T, dtype), µs per call (CUDA graphs, medians, 8 routings rotated so the experts'
+weights do not sit in L2), the floor (the hit experts' weight bytes at 4.25 TB/s):
+- ``sorted``: ``moe_forward`` with ``decode_fused`` off (routing launch, gate/up GEMV on the
+  sorted rows, the per-token combine; or the scatter-add GEMV below top-k 6);
+- ``fused``: ``moe_decode`` with its default configurations; ``swiglu``: its first launch alone
+  (routing + gate/up GEMV), so ``fused - swiglu`` is about the combine;
+- with ``--alts``: one column per alternative of either launch, ``A bn x bk sS wW`` (the routing
+  GEMV's columns per program, K tile, stages, warps) and ``B bn x bf sS`` (the combine's columns,
+  F tile, stages), the other launch at its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import torch  # noqa: E402
+
+SETS = 8
+
+
+def _case(model: str, T: int, fp8: bool, seed: int = 0) -> dict:
+    from moekit.layers.functional import quantize_expert_weights
+    from moekit.testing import MODEL_SHAPES
+
+    s = MODEL_SHAPES[model]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = (torch.randn(s.E, 2 * s.F, s.D, generator=g, device="cuda") / s.D**0.5).bfloat16()
+    w2 = (torch.randn(s.E, s.D, s.F, generator=g, device="cuda") / s.F**0.5).bfloat16()
+    s13 = s2 = None
+    if fp8:
+        w13, s13 = quantize_expert_weights(w13)
+        w2, s2 = quantize_expert_weights(w2)
+    bias = torch.randn(s.E, generator=g, device="cuda") / 10 if s.n_group else None
+    sets = [
+        dict(x=torch.randn(T, s.D, generator=g, device="cuda").bfloat16(),
+             logits=torch.randn(T, s.E, generator=g, device="cuda"))
+        for _ in range(SETS)
+    ]  # fmt: skip
+    return dict(s=s, w13=w13, w2=w2, s13=s13, s2=s2, bias=bias, sets=sets, fp8=fp8)
+
+
+def _sorted(c: dict, st: dict):
+    from moekit import settings
+    from moekit.layers.functional import moe_forward
+
+    s = c["s"]
+    with settings.override(decode_fused="off"):
+        return moe_forward(st["x"], None, c["w13"], c["w2"], s.routing_config, logits_TE=st["logits"],
+                           e_score_correction_bias=c["bias"], w13_scale_e2F=c["s13"], w2_scale_eD=c["s2"])  # fmt: skip
+
+
+def _args(c: dict, st: dict):
+    s = c["s"]
+    D, F = s.D, s.F
+    return (st["x"], st["logits"], c["bias"], c["w13"].reshape(-1, D), c["w2"].reshape(-1, F),
+            None if c["s13"] is None else c["s13"].reshape(-1), None if c["s2"] is None else c["s2"].reshape(-1))  # fmt: skip
+
+
+def _routing(s):
+    return (s.top_k, s.score_func, s.renormalize, s.n_group, s.topk_group, s.routed_scaling_factor,
+            s.apply_router_weight_on_input)  # fmt: skip
+
+
+def _fused(c: dict, st: dict, out: torch.Tensor, a=None, b=None):
+    from moekit.ops._triton.decode import moe_decode
+
+    x, lg, bias, w13, w2, s13, s2 = _args(c, st)
+    k, score, renorm, ng, tg, scale, on_in = _routing(c["s"])
+    moe_decode(x, lg, bias, w13, w2, s13, s2, out, k, score, renorm, ng, tg, scale, on_in, False, a, b)
+    return out
+
+
+def _swiglu(c: dict, st: dict, a=None):
+    from moekit.ops._triton.decode import decode_swiglu
+
+    x, lg, bias, w13, _, s13, _ = _args(c, st)
+    k, score, renorm, ng, tg, scale, on_in = _routing(c["s"])
+    return decode_swiglu(x, lg, bias, w13, s13, c["s"].F, k, score, renorm, ng, tg, scale, on_in, a)
+
+
+def _alternatives(fp8: bool) -> list:
+    ks = (512, 1024) if fp8 else (256, 512)
+    a = [("A", (bn, bk, st, w)) for bn, bk, st, w in
+         ((4, ks[0], 5, 4), (8, ks[0], 3, 4), (8, ks[0], 5, 4), (16, ks[0], 3, 4), (8, ks[1], 3, 4),
+          (4, ks[1], 4, 4), (16, ks[0] // 2, 5, 4), (8, ks[0], 4, 8))]  # fmt: skip
+    b = [("B", (bn, bf, st)) for bn, bf, st in
+         ((2, 128, 5), (4, 64, 5), (4, 128, 4), (8, 32, 7), (8, 64, 5), (16, 32, 5), (16, 64, 3), (2, 256, 3))]  # fmt: skip
+    return a + b
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout")
+    ap.add_argument("--tokens", default="1,2")
+    ap.add_argument("--dtype", default="bf16,fp8")
+    ap.add_argument("--alts", action="store_true", help="time each launch's configuration alternatives")
+    ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("sweep_decode needs CUDA; nothing to do on this machine")
+        return 0
+    from moekit.benchmarking import bench_us, floor_us, markdown_table, save_rows
+    from moekit.ops._common import num_sms
+    from moekit.ops._triton.decode import decode_swiglu_config
+    from moekit.ops._triton.gg_combine import combine_config
+
+    rows = []
+    for dt in a.dtype.split(","):
+        fp8 = dt == "fp8"
+        for m in a.models.split(","):
+            for T in (int(t) for t in a.tokens.split(",")):
+                c = _case(m, T, fp8)
+                s = c["s"]
+                M, elem = T * s.top_k, 1 if fp8 else 2
+                sms = num_sms(torch.device("cuda"))
+                kp = 1 << (s.top_k - 1).bit_length()
+                row = {"model": m, "T": T, "dtype": dt,
+                       "A": "x".join(map(str, decode_swiglu_config(M, s.F, s.D, elem, sms))),
+                       "B": "x".join(map(str, combine_config(T, s.D, s.F, kp, elem, sms))),
+                       "floor_us": round(floor_us(M * 3 * s.D * s.F * elem), 1)}  # fmt: skip
+                out = torch.empty(T, s.D, dtype=torch.bfloat16, device="cuda")
+                want = _sorted(c, c["sets"][0])
+                got = _fused(c, c["sets"][0], out)
+                row["same_bits"] = bool(torch.equal(got, want))
+                row["sorted_us"] = bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]], replays=10)
+                row["fused_us"] = bench_us([lambda st=st: _fused(c, st, out) for st in c["sets"]], replays=10)
+                row["swiglu_us"] = bench_us([lambda st=st: _swiglu(c, st) for st in c["sets"]], replays=10)
+                if a.alts:
+                    for which, cfg in _alternatives(fp8):
+                        name = f"{which} " + "x".join(map(str, cfg))
+                        A, B = (cfg, None) if which == "A" else (None, cfg)
+                        try:
+                            row[name] = bench_us([lambda st=st: _fused(c, st, out, A, B) for st in c["sets"]],
+                                                 replays=10)  # fmt: skip
+                        except Exception as exc:  # a configuration that does not fit: keep the others
+                            row[name] = type(exc).__name__
+                print(row, flush=True)
+                rows.append(row)
+                c.clear()
+                torch.cuda.empty_cache()
+    print(markdown_table(rows))
+    save_rows("sweep_decode", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
