@@ -11,9 +11,10 @@ weights do not sit in L2), the floor (the hit experts' weight bytes at 4.25 TB/s
   sorted rows, the per-token combine; or the scatter-add GEMV below top-k 6);
 - ``fused``: ``moe_decode`` with its default configurations; ``swiglu``: its first launch alone
   (routing + gate/up GEMV), so ``fused - swiglu`` is about the combine;
-- with ``--alts``: one column per alternative of either launch, ``A bn x bk sS wW`` (the routing
-  GEMV's columns per program, K tile, stages, warps) and ``B bn x bf sS`` (the combine's columns,
-  F tile, stages), the other launch at its default.
+- with ``--alts``: one column per alternative of either launch, ``A bn x bk x s x w[ x lazy]``
+  (the routing GEMV's columns per program, K tile, stages, warps; ``True``: routing rounds only up
+  to each program's own slot) and ``B bn x bf x s`` (the combine's columns, F tile, stages), the
+  other launch at its default.
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ def main() -> int:
                 row["fused_us"] = bench_us([lambda st=st: _fused(c, st, out) for st in c["sets"]], replays=10)
                 row["swiglu_us"] = bench_us([lambda st=st: _swiglu(c, st) for st in c["sets"]], replays=10)
                 if a.alts:
-                    for which, cfg in _alternatives(fp8):
+                    lazy = [("A", decode_swiglu_config(M, s.F, s.D, elem, sms) + (True,)),
+                            ("A", (16, 512 if fp8 else 256, 3, 4, True))]  # fmt: skip
+                    for which, cfg in lazy + _alternatives(fp8):
                         name = f"{which} " + "x".join(map(str, cfg))
                         A, B = (cfg, None) if which == "A" else (None, cfg)
                         try:

@@ -69,6 +69,7 @@ def _decode_swiglu_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
+    LAZY: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
@@ -89,8 +90,14 @@ def _decode_swiglu_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     l = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + cols[None, :] * stride_le, mask=col_ok[None, :], other=0.0)
-    _, _, ids, w, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, row_ok, scale, TOPK, SCORE,
-                                   HAS_BIAS, RENORM, NG, TOPK_GROUP, 1, BLOCK_E)  # fmt: skip
+    if LAZY:  # the weights (all K rounds) where stored or used; elsewhere rounds up to the own slot
+        need_w = (nb == 0) | WEIGHT_IN
+        _, _, ids, w, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, row_ok, scale, TOPK,
+                                       SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, 1, BLOCK_E,
+                                       tl.where(need_w, TOPK - 1, j), need_w)  # fmt: skip
+    else:
+        _, _, ids, w, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, row_ok, scale, TOPK,
+                                       SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, 1, BLOCK_E, TOPK - 1, True)  # fmt: skip
     mine = slots[None, :] == j
     g = tl.sum(tl.where(mine, ids, 0))
     wj = tl.sum(tl.where(mine, w, 0.0))
@@ -139,9 +146,12 @@ def decode_swiglu(
     topk_group: Optional[int],
     scale: float,
     weight_on_input: bool,
-    config: Optional[tuple[int, int, int, int]] = None,
+    config: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch 1: ``(z [T*K, F], ids [T*K] int32, rw [T*K] float32)``, token-major rows."""
+    """Launch 1: ``(z [T*K, F], ids [T*K] int32, rw [T*K] float32)``, token-major rows.
+    ``config``: ``(BLOCK_N, BLOCK_K, STAGES, warps[, lazy])``; ``lazy``: each program runs the
+    routing rounds up to its own slot only and normalizes the weights only where it stores or
+    uses them (a tuning candidate, off by default)."""
     T, D = (int(d) for d in x.shape)
     E = int(logits.shape[1])
     M = T * top_k
@@ -151,7 +161,9 @@ def decode_swiglu(
     rw = torch.empty((M,), dtype=torch.float32, device=dev)
     if M == 0:
         return z, ids, rw
-    bn, bk, stages, warps = config or decode_swiglu_config(M, F, D, w13.element_size(), num_sms(dev))
+    cfg = config or decode_swiglu_config(M, F, D, w13.element_size(), num_sms(dev))
+    bn, bk, stages, warps = cfg[:4]
+    lazy = bool(cfg[4]) if len(cfg) > 4 else False
     ph = torch.empty((1,), dtype=torch.float32, device=dev)
     launch(_decode_swiglu_kernel)[(M * cdiv(F, bn),)](
         x, logits, bias if bias is not None else ph, w13, w13_scale if w13_scale is not None else ph, z, ids, rw,
@@ -159,7 +171,7 @@ def decode_swiglu(
         TOPK=top_k, K_PAD=next_pow2(top_k), SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None,
         RENORM=bool(renormalize), NG=1 if n_group is None else int(n_group), TOPK_GROUP=int(topk_group or 1),
         BLOCK_E=max(16, next_pow2(E)), WEIGHT_IN=bool(weight_on_input), HAS_WS=w13_scale is not None,
-        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, num_warps=warps, num_stages=stages,
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return z, ids, rw
 
@@ -181,7 +193,7 @@ def moe_decode(
     scale: float,
     weight_on_input: bool,
     accumulate: bool,
-    swiglu_cfg: Optional[tuple[int, int, int, int]] = None,
+    swiglu_cfg: Optional[tuple] = None,
     combine_cfg: Optional[tuple[int, int, int]] = None,
 ) -> None:
     """Launcher (validated arguments; ``route.kernel_supports`` sizes): ``w13 [E * 2F, D]``, ``w2

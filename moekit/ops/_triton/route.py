@@ -128,12 +128,14 @@ def _group_mask(c, BT: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr, TOPK_GR
 @triton.jit
 def _select_topk(l, cols, col_ok, bias, slots, slot_ok, row_ok, scale, K: tl.constexpr, SCORE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 BT: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+                 BT: tl.constexpr, BLOCK_E: tl.constexpr, last, weights):  # fmt: skip
     """A ``[BT, BLOCK_E]`` float32 logits tile to each token's choice: ``(key, thr, ids, w, ok)``,
     the unique selection keys, the K-th largest key per row (``key >= thr``: the chosen experts),
     the experts ``[BT, K_PAD]`` in slot order (value descending, expert ascending; 0 where not
     ``ok``), their float32 weights (normalized, scaled) and the valid (row, slot) mask. Shared by
-    the routing launch and the fused decode GEMV (``moekit.ops._triton.decode``): the same bits."""
+    the routing launch and the fused decode GEMV (``moekit.ops._triton.decode``). ``last``: the
+    last slot to find (``K - 1``: all; the decode GEMV may stop at its own, the later slots then
+    0 and ``thr`` that slot's key); ``weights`` False: the raw gathered scores, not normalized."""
     c, s = _scores(l, col_ok, bias, SCORE, HAS_BIAS)
     if NG > 1:
         c = _group_mask(c, BT, NG, BLOCK_E // NG, TOPK_GROUP)
@@ -142,20 +144,22 @@ def _select_topk(l, cols, col_ok, bias, slots, slot_ok, row_ok, scale, K: tl.con
     thr = tl.max(key, axis=1)
     ids = tl.where(slots[None, :] == 0, (65535 - (thr & 65535)).to(tl.int32)[:, None], 0)
     for j in tl.static_range(1, K):
-        thr = _row_below(key, key, key, thr, 1, True)
-        ids = tl.where(slots[None, :] == j, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
+        if j <= last:
+            thr = _row_below(key, key, key, thr, 1, True)
+            ids = tl.where(slots[None, :] == j, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
     ok = row_ok[:, None] & slot_ok[None, :]
     ids = tl.where(ok, ids, 0)
     w = tl.gather(s, ids, 1)
-    if SCORE == 2:  # softmax over the k logits (the first slot holds their max)
-        w0 = tl.sum(tl.where(slots[None, :] == 0, w, 0.0), axis=1)
-        w = tl.where(slot_ok[None, :], tl.exp(w - w0[:, None]), 0.0)
-        w = w / tl.sum(w, axis=1)[:, None]
-    if RENORM:
-        w = tl.where(slot_ok[None, :], w, 0.0)
-        w = w / tl.sum(w, axis=1)[:, None]
-    w = (w * scale).to(tl.float32)
-    return key, thr, ids, w, ok
+    if weights:
+        if SCORE == 2:  # softmax over the k logits (the first slot holds their max)
+            w0 = tl.sum(tl.where(slots[None, :] == 0, w, 0.0), axis=1)
+            w = tl.where(slot_ok[None, :], tl.exp(w - w0[:, None]), 0.0)
+            w = w / tl.sum(w, axis=1)[:, None]
+        if RENORM:
+            w = tl.where(slot_ok[None, :], w, 0.0)
+            w = w / tl.sum(w, axis=1)[:, None]
+        w = (w * scale).to(tl.float32)
+    return key, thr, ids, w.to(tl.float32), ok
 
 
 @triton.jit
@@ -281,7 +285,7 @@ def _route_fused_kernel(
             ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :] * stride_e
             l = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             key, thr, ids, w, ok = _select_topk(l, cols, col_ok, bias, slots, slot_ok, row_ok, scale, K, SCORE,
-                                                HAS_BIAS, RENORM, NG, TOPK_GROUP, BT, BLOCK_E)  # fmt: skip
+                                                HAS_BIAS, RENORM, NG, TOPK_GROUP, BT, BLOCK_E, K - 1, True)  # fmt: skip
             picked = (key >= thr[:, None]) & row_ok[:, None] & in_range[None, :]
             one = picked.to(tl.int32)
             before = tl.cumsum(one, axis=0) - one + carry[None, :]
