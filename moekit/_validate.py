@@ -134,3 +134,41 @@ def check_no_broadcast(name: str, t: torch.Tensor) -> None:
             f"{name} is written in place and must not have overlapping elements (a stride-0 dim, e.g. an expand()ed "
             f"tensor), got strides {t.stride()} for shape {tuple(t.shape)}"
         )
+
+
+def check_expert_weights(
+    w13_e2FD: object,
+    w2_eDF: object,
+    w13_scale_e2F: object,
+    w2_scale_eD: object,
+    E: int,
+    x: torch.Tensor,
+    contiguous: bool = False,
+) -> tuple[int, bool]:
+    """SwiGLU expert weights for ``E`` experts and rows ``x [T, D]``: ``w13_e2FD [E, 2F, D]`` and
+    ``w2_eDF [E, D, F]`` of x's dtype, or FP8 e4m3fn with float32 row scales ``w13_scale_e2F``
+    (E * 2F values) and ``w2_scale_eD`` (E * D); ``contiguous``: the kernels read them flat.
+    Returns ``(F, fp8)``."""
+    D = x.shape[-1]
+    dev = x.device
+    check_tensor("w13_e2FD", w13_e2FD, ndim=3, device=dev, contiguous=contiguous)
+    if w13_e2FD.shape[0] != E or w13_e2FD.shape[2] != D or w13_e2FD.shape[1] % 2:
+        raise ValueError(
+            f"w13_e2FD must have shape (E, 2F, D) = ({E}, 2F, {D}) for {E} experts, got {tuple(w13_e2FD.shape)}"
+        )
+    F = w13_e2FD.shape[1] // 2
+    check_tensor("w2_eDF", w2_eDF, shape=(E, D, F), dtype=w13_e2FD.dtype, device=dev, contiguous=contiguous)
+    fp8 = w13_e2FD.dtype == FP8_DTYPE
+    if fp8:
+        if w13_scale_e2F is None or w2_scale_eD is None:
+            raise ValueError("FP8 expert weights need w13_scale_e2F and w2_scale_eD")
+        check_tensor("w13_scale_e2F", w13_scale_e2F, dtype=torch.float32, device=dev, contiguous=contiguous)
+        check_tensor("w2_scale_eD", w2_scale_eD, dtype=torch.float32, device=dev, contiguous=contiguous)
+        if w13_scale_e2F.numel() != E * 2 * F or w2_scale_eD.numel() != E * D:
+            raise ValueError(
+                f"w13_scale_e2F / w2_scale_eD must have E*2F = {E * 2 * F} / E*D = {E * D} elements, got "
+                f"{tuple(w13_scale_e2F.shape)} / {tuple(w2_scale_eD.shape)}"
+            )
+    elif w13_e2FD.dtype != x.dtype:
+        raise TypeError(f"w13_e2FD must have x_TD's dtype {x.dtype} (or float8_e4m3fn), got {w13_e2FD.dtype}")
+    return F, fp8

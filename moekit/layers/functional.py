@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from moekit._validate import FP8_DTYPE, check_tensor
+from moekit._validate import check_expert_weights, check_tensor
 from moekit.layers.config import RoutingConfig
 from moekit.ops.routing import SCORE_DTYPES, dense_route
 
@@ -102,26 +102,7 @@ def moe_forward(
         raise ValueError(f"logits_TE must have shape ({T}, E) for x_TD's T={T} tokens, got {tuple(logits_TE.shape)}")
     E = logits_TE.shape[1]
     cfg.check_experts(E)
-    check_tensor("w13_e2FD", w13_e2FD, ndim=3, device=dev)
-    if w13_e2FD.shape[0] != E or w13_e2FD.shape[2] != D or w13_e2FD.shape[1] % 2:
-        raise ValueError(
-            f"w13_e2FD must have shape (E, 2F, D) = ({E}, 2F, {D}) for {E} experts, got {tuple(w13_e2FD.shape)}"
-        )
-    F = w13_e2FD.shape[1] // 2
-    check_tensor("w2_eDF", w2_eDF, shape=(E, D, F), dtype=w13_e2FD.dtype, device=dev)
-    fp8 = w13_e2FD.dtype == FP8_DTYPE
-    if fp8:
-        if w13_scale_e2F is None or w2_scale_eD is None:
-            raise ValueError("FP8 expert weights need w13_scale_e2F and w2_scale_eD")
-        check_tensor("w13_scale_e2F", w13_scale_e2F, dtype=torch.float32, device=dev)
-        check_tensor("w2_scale_eD", w2_scale_eD, dtype=torch.float32, device=dev)
-        if w13_scale_e2F.numel() != E * 2 * F or w2_scale_eD.numel() != E * D:
-            raise ValueError(
-                f"w13_scale_e2F / w2_scale_eD must have E*2F = {E * 2 * F} / E*D = {E * D} elements, got "
-                f"{tuple(w13_scale_e2F.shape)} / {tuple(w2_scale_eD.shape)}"
-            )
-    elif w13_e2FD.dtype != x_TD.dtype:
-        raise TypeError(f"w13_e2FD must have x_TD's dtype {x_TD.dtype} (or float8_e4m3fn), got {w13_e2FD.dtype}")
+    _, fp8 = check_expert_weights(w13_e2FD, w2_eDF, w13_scale_e2F, w2_scale_eD, E, x_TD)
     out_dtype = torch.bfloat16 if fp8 else x_TD.dtype
     if out_dtype == x_TD.dtype and decode_fused(T * cfg.top_k, E, cfg.top_k, fp8, path, cfg.n_group):
         # Two launches from the logits: routing inside the gate/up GEMV, the per-token combine.

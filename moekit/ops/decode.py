@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op
 
-from moekit._validate import FP8_DTYPE, check_tensor
+from moekit._validate import check_expert_weights, check_tensor
 from moekit.ops._common import call_op, use_triton
 from moekit.ops.routing import SCORE_DTYPES, check_routing_options
 
@@ -125,25 +125,8 @@ def moe_decode(
         if score_func == "topk_softmax":
             raise ValueError("score_func='topk_softmax' does not take e_score_correction_bias")
         check_tensor("e_score_correction_bias", e_score_correction_bias, dtype=SCORE_DTYPES, shape=(E,), device=dev)
-    fp8 = w13_e2FD.dtype == FP8_DTYPE
-    check_tensor("w13_e2FD", w13_e2FD, ndim=3, dtype=FP8_DTYPE if fp8 else x_TD.dtype, device=dev, contiguous=True)
-    if w13_e2FD.shape[0] != E or w13_e2FD.shape[2] != D or w13_e2FD.shape[1] % 2:
-        raise ValueError(
-            f"w13_e2FD must have shape (E, 2F, D) = ({E}, 2F, {D}) for {E} experts, got {tuple(w13_e2FD.shape)}"
-        )
-    F = w13_e2FD.shape[1] // 2
-    check_tensor("w2_eDF", w2_eDF, shape=(E, D, F), dtype=w13_e2FD.dtype, device=dev, contiguous=True)
-    if fp8:
-        if w13_scale_e2F is None or w2_scale_eD is None:
-            raise ValueError("FP8 expert weights need w13_scale_e2F and w2_scale_eD")
-        check_tensor("w13_scale_e2F", w13_scale_e2F, dtype=torch.float32, device=dev, contiguous=True)
-        check_tensor("w2_scale_eD", w2_scale_eD, dtype=torch.float32, device=dev, contiguous=True)
-        if w13_scale_e2F.numel() != E * 2 * F or w2_scale_eD.numel() != E * D:
-            raise ValueError(
-                f"w13_scale_e2F / w2_scale_eD must have E*2F = {E * 2 * F} / E*D = {E * D} elements, got "
-                f"{tuple(w13_scale_e2F.shape)} / {tuple(w2_scale_eD.shape)}"
-            )
-    elif w13_scale_e2F is not None or w2_scale_eD is not None:
+    _, fp8 = check_expert_weights(w13_e2FD, w2_eDF, w13_scale_e2F, w2_scale_eD, E, x_TD, contiguous=True)
+    if not fp8 and (w13_scale_e2F is not None or w2_scale_eD is not None):
         raise ValueError("w13_scale_e2F / w2_scale_eD go with FP8 (float8_e4m3fn) expert weights only")
     check_tensor("out_TD", out_TD, shape=(T, D), dtype=x_TD.dtype, device=dev, contiguous=True)
     if T * top_k >= 2**31:
