@@ -301,6 +301,24 @@ def _grouped_gemm_combine(device: torch.device) -> float:
     return _close(got.float(), want.float(), "out", dtype=dt)
 
 
+@check("moe_decode")
+def _moe_decode(device: torch.device) -> float:
+    from moekit.ops import moe_decode
+
+    dt = _dt(device)
+    T, E, k, D, F = 3, 16, 4, 64, 32
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(T, D, generator=g).to(dt)
+    logits = torch.argsort(torch.rand(T, E, generator=g), dim=1).float()  # tie-free scores
+    w13 = (torch.randn(E, 2 * F, D, generator=g) / D**0.5).to(dt)
+    w2 = (torch.randn(E, D, F, generator=g) / F**0.5).to(dt)
+    out = torch.randn(T, D, generator=g).to(dt)
+    got = moe_decode(x.to(device), logits.to(device), w13.to(device), w2.to(device), out.to(device).clone(), k,
+                     "softmax", True)  # fmt: skip
+    want = ref.moe_decode(x, logits, w13, w2, out.clone(), top_k=k, score_func="softmax", renormalize=True)
+    return _close(got.float(), want.float(), "out", dtype=dt)
+
+
 @check("combine_rows")
 def _combine_rows(device: torch.device) -> float:
     from moekit.ops import combine_rows

@@ -445,6 +445,30 @@ def b_grouped_gemm_combine(draw):
     return kw
 
 
+def b_moe_decode(draw):
+    T, E, D, F = draw(st.integers(0, 3)), draw(st.sampled_from([4, 8, 16])), draw(st.sampled_from([8, 32])), \
+        draw(st.sampled_from([8, 24]))  # fmt: skip
+    score = draw(st.sampled_from(["softmax", "sigmoid", "topk_softmax"]))
+    k = draw(st.integers(1, min(E, 4)))
+    dtype = draw(st.sampled_from(FLOATS))
+    kw = dict(x_TD=make((T, D), dtype, seed=seeds(draw)), logits_TE=make((T, E), draw(st.sampled_from(FLOATS)),
+              seed=seeds(draw)), w13_e2FD=make((E, 2 * F, D), dtype, seed=seeds(draw), scale=D**-0.5),
+              w2_eDF=make((E, D, F), dtype, seed=seeds(draw), scale=F**-0.5), out_TD=make((T, D), dtype, seed=seeds(draw)),
+              top_k=k, score_func=score, renormalize=draw(st.booleans()), accumulate=draw(st.booleans()),
+              apply_router_weight_on_input=draw(st.booleans()))  # fmt: skip
+    if score == "sigmoid" and E >= 16 and draw(st.booleans()):
+        kw.update(n_group=4, topk_group=draw(st.integers(1, 4)), routed_scaling_factor=2.5,
+                  e_score_correction_bias=make((E,), torch.float32, seed=seeds(draw), scale=0.1))  # fmt: skip
+        kw["top_k"] = min(k, kw["topk_group"] * (E // 4))
+    if dtype == torch.bfloat16 and draw(st.booleans()):
+        kw["w13_e2FD"] = (kw["w13_e2FD"].float() * 8).to(FP8)
+        kw["w2_eDF"] = (kw["w2_eDF"].float() * 8).to(FP8)
+        g = torch.Generator().manual_seed(seeds(draw))
+        kw["w13_scale_e2F"] = torch.rand(E, 2 * F, generator=g) / 8
+        kw["w2_scale_eD"] = torch.rand(E, D, generator=g) / 8
+    return kw
+
+
 def b_combine_rows(draw):
     T, K, M, D = draw(st.integers(0, 8)), draw(st.integers(1, 4)), draw(st.integers(0, 20)), draw(st.integers(1, 24))
     dtype = draw(st.sampled_from(FLOATS))
@@ -877,6 +901,16 @@ def c_grouped_gemm_swiglu(kw):
     z = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
     assert got.shape == (len(src), F)
     assert_near(got[done], z[done].to(out_dtype), "vs naive", dtype=out_dtype, scale=K**0.5)
+
+
+def c_moe_decode(kw):
+    out = kw["out_TD"]
+    before = out.clone()
+    assert ops.moe_decode(**kw) is out
+    rk = clone_args(kw)
+    rk["out_TD"] = before.clone()
+    ref.moe_decode(**rk)
+    assert_near(out, rk["out_TD"], "vs reference", dtype=out.dtype, scale=(kw["top_k"] * kw["x_TD"].shape[1]) ** 0.5)
 
 
 def c_grouped_gemm_combine(kw):
@@ -1317,6 +1351,24 @@ BAD_CASES: dict[str, tuple[Callable, list]] = {
                 ),
             ),
             m_set("w_scale", lambda kw: torch.ones(3, dtype=torch.float64)),
+        ],
+    ),  # fmt: skip
+    "moe_decode": (
+        b_moe_decode,
+        [
+            m_not_tensor("x_TD"),
+            m_dtype("x_TD", torch.int32),
+            m_unsqueeze("x_TD"),
+            m_not_tensor("logits_TE"),
+            m_dtype("logits_TE", torch.int32),
+            m_grow("logits_TE"),
+            m_dtype("out_TD", torch.int32),
+            m_grow("out_TD"),
+            m_set("w2_eDF", lambda kw: kw["w2_eDF"][:, :, :-1].contiguous()),
+            m_set("w13_e2FD", lambda kw: kw["w13_e2FD"][:, 1:].contiguous()),
+            m_set("top_k", 0),
+            m_set("top_k", lambda kw: kw["logits_TE"].shape[1] + 1),
+            m_set("score_func", "relu"),
         ],
     ),  # fmt: skip
     "grouped_gemm_combine": (

@@ -35,7 +35,6 @@ __all__ = [
     "grouped_gemm_swiglu",
     "index_shuffling",
     "moe_decode",
-    "moe_decode_supports",
     "quantize_fp8_row",
     "rms_norm",
     "route_and_shuffle",

@@ -159,6 +159,9 @@ def test_pdl_kernels_compile_for_sm90():
             SW.grouped_gemm_swiglu(e(64, 2048), e(128 * 1536, 2048), e(128, dtype=i32), e(M, dtype=i32), None, None, None)
         CB.grouped_gemm_combine(e(8, 768), e(128 * 2048, 768), e(8, dtype=i32), e(8, dtype=i32), e(1, 2048), None, None)
         CR.combine_rows(e(64, 2048), e(512, 2048), e(512, dtype=i32))
+        from moekit.ops._triton import decode as DC
+        DC.moe_decode(e(1, 2048), e(1, 128), None, e(128 * 1536, 2048), e(128 * 2048, 768), None, None, e(1, 2048), 8,
+                      "softmax", True, None, None, 1.0, False, False)
         """,
         ["moekit.ops._triton." + n for n in _MODULES],
         pdl=True,
