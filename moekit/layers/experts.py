@@ -99,18 +99,26 @@ def choose_path(rows: int, experts: int, path: Optional[str] = None, fp8: bool =
 DECODE_FUSED_ON_MAX_ROWS = 64
 
 
+# Most experts whose scores ``decode_fused`` (auto) has every GEMV program route: the routing's
+# rounds of reductions run over all E scores before each program's weight stream starts.
+DECODE_FUSED_MAX_EXPERTS = 128
+
+
 def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[str] = None,
                  n_group: Optional[int] = None) -> bool:  # fmt: skip
     """Whether ``moe_forward`` runs ``moekit.ops.moe_decode`` (two launches from the logits: the
     token's routing inside the gate/up GEMV, then the per-token combine) for ``rows`` routed rows
-    (T x top-k) over ``experts``: ``settings.decode_fused``; ``auto``: 16-bit weights where the
-    decode pipeline would run its GEMV and its per-token combine anyway (``_combine_pays``);
-    ``on``: up to ``DECODE_FUSED_ON_MAX_ROWS`` rows on the decode path, FP8 too.
+    (T x top-k) over ``experts``: ``settings.decode_fused``; ``auto``: 16-bit weights, at most
+    ``DECODE_FUSED_MAX_EXPERTS`` experts, where the decode pipeline would run its GEMV and its
+    per-token combine anyway (``_combine_pays``); ``on``: up to ``DECODE_FUSED_ON_MAX_ROWS`` rows
+    on the decode path, FP8 and any expert count too.
 
-    Measured (H200, session 16, same call, layer from logits, T=1): bf16 Qwen3-30B 30.2 -> 29.3
-    µs, DeepSeek-V3 TP8 36.0 -> 34.4; FP8 slower, 22.6 -> 27.3 and 27.8 -> 30.0: every GEMV
-    program routes its token (K rounds of reductions over E scores before its weight stream
-    starts), and the FP8 GEMV's twice as many programs per SM wait on each other's routing."""
+    Measured (H200, session 16, layer from logits, T=1, fused vs the sorted decode pipeline in
+    the same call): bf16 Qwen3-30B (E=128) 30.2 -> 29.3 and 30.2 -> 29.2 µs in two calls;
+    DeepSeek-V3 TP8 (E=256, grouped) 36.0 -> 34.4 in one call, 35.3 -> 38.0 in the other; FP8
+    slower in both (Qwen3 22.6 -> 27.3, 22.9 -> 26.6): every GEMV program routes its token (K
+    rounds of reductions over the E scores before its weight stream starts), and the FP8 GEMV's
+    twice as many programs per SM wait on each other's routing."""
     from moekit.ops.decode import moe_decode_supports
 
     mode = settings.get().decode_fused
@@ -120,7 +128,7 @@ def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[
         return False
     if mode == "on":
         return rows <= DECODE_FUSED_ON_MAX_ROWS
-    return not fp8 and _combine_pays(rows, experts, top_k)
+    return not fp8 and experts <= DECODE_FUSED_MAX_EXPERTS and _combine_pays(rows, experts, top_k)
 
 
 # Routed rows from which the sorted pipeline's down projection stores its rows and sums them per

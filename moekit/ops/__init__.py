@@ -2,7 +2,7 @@
 op: Triton kernels on CUDA tensors, float32 references on CPU tensors."""
 
 from moekit.ops.activation import silu_mul, silu_mul_quant
-from moekit.ops.decode import moe_decode, moe_decode_supports
+from moekit.ops.decode import moe_decode
 from moekit.ops.gather_scatter import (
     gather_scale_dense_tokens,
     gather_scale_quant_dense_tokens,

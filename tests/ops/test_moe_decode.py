@@ -10,7 +10,8 @@ import torch
 
 from moekit import reference as ref
 from moekit import settings
-from moekit.ops import moe_decode, moe_decode_supports
+from moekit.ops import moe_decode
+from moekit.ops.decode import moe_decode_supports
 from moekit.reference.quantize import quantize_fp8_row
 from moekit.testing import assert_close
 
@@ -202,7 +203,8 @@ def test_moe_forward_takes_it_where_the_decode_pipeline_would_combine():
     from moekit.layers.experts import decode_fused
     from moekit.layers.functional import RoutingConfig, moe_forward
 
-    assert decode_fused(8, 128, 8, False) and decode_fused(8, 256, 8, False, n_group=8)  # T=1, Qwen3 / DeepSeek
+    assert decode_fused(8, 128, 8, False)  # T=1, Qwen3-30B
+    assert not decode_fused(8, 256, 8, False, n_group=8)  # DeepSeek-V3: routing over 256 scores, mixed
     assert not decode_fused(8, 128, 8, True)  # FP8 weights: measured slower (each program's routing)
     assert not decode_fused(64, 128, 8, False)  # T=8: the streaming kernels on the sorted rows
     assert not decode_fused(4, 128, 4, False) and not decode_fused(1, 16, 1, False)  # top-4 / top-1: scatter GEMV
@@ -210,6 +212,7 @@ def test_moe_forward_takes_it_where_the_decode_pipeline_would_combine():
     assert not decode_fused(8, 128, 8, False, path="sorted")
     with settings.override(decode_fused="on"):
         assert decode_fused(4, 128, 4, False) and decode_fused(32, 128, 8, False) and decode_fused(8, 128, 8, True)
+        assert decode_fused(8, 256, 8, False, n_group=8)
         assert not decode_fused(128, 128, 8, False)
     with settings.override(decode_fused="off"):
         assert not decode_fused(8, 128, 8, False)
