@@ -32,7 +32,7 @@ from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_combine import grouped_gemm_combine
 from moekit.ops._triton.gg_config import gemv_config
 from moekit.ops._triton.gg_swiglu import _gemv_pair, _swiglu_store
-from moekit.ops._triton.route import SCORE_CODES, _select_topk
+from moekit.ops._triton.route_select import SCORE_CODES, _select_topk
 
 
 @triton.jit(do_not_specialize=["T"])
