@@ -104,10 +104,10 @@ def moe_forward(
     cfg.check_experts(E)
     _, fp8 = check_expert_weights(w13_e2FD, w2_eDF, w13_scale_e2F, w2_scale_eD, E, x_TD)
     out_dtype = torch.bfloat16 if fp8 else x_TD.dtype
+    if shared_out_TD is not None:
+        check_tensor("shared_out_TD", shared_out_TD, shape=(T, D), dtype=out_dtype, device=dev)
     if out_dtype == x_TD.dtype and decode_fused(T * cfg.top_k, E, cfg.top_k, fp8, path, cfg.n_group):
         # Two launches from the logits: routing inside the gate/up GEMV, the per-token combine.
-        if shared_out_TD is not None:
-            check_tensor("shared_out_TD", shared_out_TD, shape=(T, D), dtype=out_dtype, device=dev)
         out = shared_out_TD if shared_out_TD is not None else torch.empty((T, D), dtype=out_dtype, device=dev)
         return moe_decode(
             x_TD, logits_TE, w13_e2FD, w2_eDF, out, cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group,
@@ -118,7 +118,6 @@ def moe_forward(
         )  # fmt: skip
     empty = False
     if shared_out_TD is not None:
-        check_tensor("shared_out_TD", shared_out_TD, shape=(T, D), dtype=out_dtype, device=dev)
         out = shared_out_TD
     else:
         out = torch.empty((T, D), dtype=out_dtype, device=dev)

@@ -21,7 +21,7 @@ from torch.library import triton_op
 
 from moekit._validate import check_expert_weights, check_tensor
 from moekit.ops._common import call_op, use_triton
-from moekit.ops.routing import SCORE_DTYPES, check_routing_options
+from moekit.ops.routing import SCORE_DTYPES, check_correction_bias, check_routing_options
 
 _ref = importlib.import_module("moekit.reference.moe")
 
@@ -121,10 +121,7 @@ def moe_decode(
             f"moe_decode takes E <= 512 experts, top_k <= 16 and power-of-two expert groups filling E, got E={E}, "
             f"top_k={top_k}, n_group={n_group}"
         )
-    if e_score_correction_bias is not None:
-        if score_func == "topk_softmax":
-            raise ValueError("score_func='topk_softmax' does not take e_score_correction_bias")
-        check_tensor("e_score_correction_bias", e_score_correction_bias, dtype=SCORE_DTYPES, shape=(E,), device=dev)
+    check_correction_bias(e_score_correction_bias, score_func, E, dev)
     _, fp8 = check_expert_weights(w13_e2FD, w2_eDF, w13_scale_e2F, w2_scale_eD, E, x_TD, contiguous=True)
     if not fp8 and (w13_scale_e2F is not None or w2_scale_eD is not None):
         raise ValueError("w13_scale_e2F / w2_scale_eD go with FP8 (float8_e4m3fn) expert weights only")

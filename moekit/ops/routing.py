@@ -81,6 +81,15 @@ def check_routing_options(
             )
 
 
+def check_correction_bias(bias: object, score_func: str, E: int, device: torch.device) -> None:
+    """``e_score_correction_bias``: None, or ``[E]`` scores (not with ``topk_softmax``)."""
+    if bias is None:
+        return
+    if score_func == "topk_softmax":
+        raise ValueError("score_func='topk_softmax' does not take e_score_correction_bias")
+    check_tensor("e_score_correction_bias", bias, dtype=SCORE_DTYPES, shape=(E,), device=device)
+
+
 def dense_route(
     logits_TE: torch.Tensor,
     top_k: int,
@@ -312,11 +321,7 @@ def route_and_shuffle(
     start, end = expert_range(
         E, expert_index_start, expert_index_end, start_name="expert_index_start", end_name="expert_index_end"
     )
-    if e_score_correction_bias is not None:
-        if score_func == "topk_softmax":
-            raise ValueError("score_func='topk_softmax' does not take e_score_correction_bias")
-        check_tensor("e_score_correction_bias", e_score_correction_bias, dtype=SCORE_DTYPES, shape=(E,),
-                     device=logits_TE.device)  # fmt: skip
+    check_correction_bias(e_score_correction_bias, score_func, E, logits_TE.device)
     if zero_buffer is not None:
         check_tensor("zero_buffer", zero_buffer, device=logits_TE.device, contiguous=True)
     if T * top_k >= 2**31:

@@ -30,8 +30,7 @@ import triton.language as tl
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_combine import grouped_gemm_combine
-from moekit.ops._triton.gg_config import gemv_config
-from moekit.ops._triton.gg_swiglu import _gemv_pair, _swiglu_store
+from moekit.ops._triton.gg_swiglu import _gate_up_scales, _gemv_pair, _swiglu_store, swiglu_gemv_config
 from moekit.ops._triton.route_select import SCORE_CODES, _select_topk
 
 
@@ -108,11 +107,7 @@ def _decode_swiglu_kernel(
     n_mask = offs_n < F
     gate = g.to(tl.int64) * 2 * F + offs_n
     up = gate + F
-    ws_g = tl.full((BLOCK_N,), 1.0, tl.float32)
-    ws_u = ws_g
-    if HAS_WS:
-        ws_g = tl.load(ws_ptr + gate, mask=n_mask, other=0.0)
-        ws_u = tl.load(ws_ptr + up, mask=n_mask, other=0.0)
+    ws_g, ws_u = _gate_up_scales(ws_ptr, gate, up, n_mask, HAS_WS, BLOCK_N)
     rs = tl.full((1,), 1.0, tl.float32)
     if WEIGHT_IN:
         rs = wj + rs * 0.0
@@ -124,12 +119,10 @@ def _decode_swiglu_kernel(
 
 
 def decode_swiglu_config(M: int, F: int, D: int, w_elem: int, sms: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, BLOCK_K, STAGES, warps)`` of the routing GEMV for ``M`` rows: the gate/up GEMV's
-    (``grouped_gemm_swiglu``: ``gemv_config`` with two weight tiles per stage, ~32 KB in flight
-    per program)."""
-    cfg = gemv_config(M, F, D, w_elem, sms)
-    stages = 1 + max(2, min(6, (16 * 1024) // (cfg.block_n * cfg.block_k * w_elem)))
-    return cfg.block_n, cfg.block_k, stages, cfg.warps
+    """``(BLOCK_N, BLOCK_K, STAGES, warps)`` of the routing GEMV for ``M`` rows: the gate/up
+    GEMV's (``gg_swiglu.swiglu_gemv_config``)."""
+    cfg = swiglu_gemv_config(M, F, D, w_elem, sms)
+    return cfg.block_n, cfg.block_k, cfg.stages, cfg.warps
 
 
 def decode_swiglu(

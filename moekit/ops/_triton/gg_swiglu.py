@@ -66,6 +66,17 @@ def _swiglu_store(g_acc, u_acc, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm
 
 
 @triton.jit
+def _gate_up_scales(ws_ptr, gate, up, n_mask, HAS_WS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The FP8 weight rows' scales of a program's gate and up columns (ones without ``HAS_WS``)."""
+    ws_g = tl.full((BLOCK_N,), 1.0, tl.float32)
+    ws_u = ws_g
+    if HAS_WS:
+        ws_g = tl.load(ws_ptr + gate, mask=n_mask, other=0.0)
+        ws_u = tl.load(ws_ptr + up, mask=n_mask, other=0.0)
+    return ws_g, ws_u
+
+
+@triton.jit
 def _gemv_pair(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """One row's gate and up products ``[1, BLOCK_N]`` over the whole K: CUDA-core FMAs into
@@ -140,11 +151,7 @@ def _swiglu_gemv_kernel(
         xs = tl.full((1,), 1.0, tl.float32)
         if HAS_XS:
             xs = tl.load(xs_ptr + src + tl.zeros((1,), tl.int32))
-        ws_g = tl.full((BLOCK_N,), 1.0, tl.float32)
-        ws_u = ws_g
-        if HAS_WS:
-            ws_g = tl.load(ws_ptr + gate, mask=n_mask, other=0.0)
-            ws_u = tl.load(ws_ptr + up, mask=n_mask, other=0.0)
+        ws_g, ws_u = _gate_up_scales(ws_ptr, gate, up, n_mask, HAS_WS, BLOCK_N)
         rs = tl.full((1,), 1.0, tl.float32)
         if HAS_RS:
             rs = tl.load(rs_ptr + m + tl.zeros((1,), tl.int32)).to(tl.float32)
@@ -206,11 +213,7 @@ def _swiglu_stream_kernel(
         gate_row0 = g * 2 * F + n0  # < G * 2F < 2**31 (checked by the launcher)
         up_row0 = gate_row0 + F
         gate = gate_row0.to(tl.int64) + tl.arange(0, BLOCK_N)
-        ws_g = tl.full((BLOCK_N,), 1.0, tl.float32)
-        ws_u = ws_g
-        if HAS_WS:
-            ws_g = tl.load(ws_ptr + gate, mask=n_mask, other=0.0)
-            ws_u = tl.load(ws_ptr + gate + F, mask=n_mask, other=0.0)
+        ws_g, ws_u = _gate_up_scales(ws_ptr, gate, gate + F, n_mask, HAS_WS, BLOCK_N)
         for m0 in range(m_begin, m_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_mask = offs_m < m_end
@@ -331,11 +334,7 @@ def _swiglu_tiled_kernel(
         xs = tl.full((BLOCK_M,), 1.0, tl.float32)
         if HAS_XS:
             xs = tl.load(xs_ptr + src, mask=row_ok, other=0.0)
-        ws_g = tl.full((BLOCK_N,), 1.0, tl.float32)
-        ws_u = ws_g
-        if HAS_WS:
-            ws_g = tl.load(ws_ptr + gate, mask=n_mask, other=0.0)
-            ws_u = tl.load(ws_ptr + gate + F, mask=n_mask, other=0.0)
+        ws_g, ws_u = _gate_up_scales(ws_ptr, gate, gate + F, n_mask, HAS_WS, BLOCK_N)
         rs = tl.full((BLOCK_M,), 1.0, tl.float32)
         if HAS_RS:
             rs = tl.load(rs_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
@@ -357,6 +356,14 @@ def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int
     return GemmConfig("tiled", 128, block_n, block_k, 3, 8, flatten=False)
 
 
+def swiglu_gemv_config(M: int, F: int, K: int, w_elem: int, sms: int) -> GemmConfig:
+    """The gate/up GEMV's configuration (here and in ``moe_decode``'s routing GEMV):
+    ``gemv_config``'s, with two weight tiles per stage: ~32 KB in flight per program, as the plain
+    GEMV."""
+    cfg = gemv_config(M, F, K, w_elem, sms)
+    return replace(cfg, stages=1 + max(2, min(6, (16 * 1024) // (cfg.block_n * cfg.block_k * w_elem))))
+
+
 @functools.lru_cache(maxsize=4096)
 def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_elem: int = 0) -> GemmConfig:
     """The grouped GEMM's rules for an ``[M, F]`` output (GEMV when rows rarely share an expert,
@@ -365,11 +372,7 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     shape (cleared when the settings change: ``settings.on_change``)."""
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     if use_gemv(M, hits):
-        elem = w_elem or elem
-        cfg = gemv_config(M, F, K, elem, sms)
-        # Two weight tiles per stage: keep ~32 KB in flight per program, as the plain GEMV.
-        stages = 1 + max(2, min(6, (16 * 1024) // (cfg.block_n * cfg.block_k * elem)))
-        return replace(cfg, stages=stages)
+        return swiglu_gemv_config(M, F, K, w_elem or elem, sms)
     cfg = heuristic_config(M, F, K, G, fp8, elem, sms)
     if cfg.kind != "stream":  # many rows per expert: persistent tensor-core tiles
         return swiglu_tiled_config(M, F, K, hits, elem, sms)
