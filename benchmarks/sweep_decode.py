@@ -11,10 +11,12 @@ weights do not sit in L2), the floor (the hit experts' weight bytes at 4.25 TB/s
   sorted rows, the per-token combine; or the scatter-add GEMV below top-k 6);
 - ``fused``: ``moe_decode`` with its default configurations; ``swiglu``: its first launch alone
   (routing + gate/up GEMV), so ``fused - swiglu`` is about the combine;
-- with ``--alts``: one column per alternative of either launch, ``A bn x bk x s x w[ x lazy]``
-  (the routing GEMV's columns per program, K tile, stages, warps; ``True``: routing rounds only up
-  to each program's own slot) and ``B bn x bf x s`` (the combine's columns, F tile, stages), the
-  other launch at its default.
+- with ``--alts``: one column per alternative of the combine, ``B bn x bf x s`` (columns, F tile,
+  stages), timed twice (the list, then the list reversed, ``B ... #2``): the spread between the two
+  passes is the call's noise;
+- with ``--alts-gemv``: one column per alternative of the routing GEMV, ``A bn x bk x s x w[ x
+  lazy]`` (columns per program, K tile, stages, warps; ``True``: routing rounds only up to each
+  program's own slot), the combine at its default.
 """
 
 from __future__ import annotations
@@ -91,14 +93,17 @@ def _swiglu(c: dict, st: dict, a=None):
     return decode_swiglu(x, lg, bias, w13, s13, c["s"].F, k, score, renorm, ng, tg, scale, on_in, a)
 
 
-def _alternatives(fp8: bool) -> list:
+def _gemv_alternatives(fp8: bool) -> list:
     ks = (512, 1024) if fp8 else (256, 512)
-    a = [("A", (bn, bk, st, w)) for bn, bk, st, w in
-         ((4, ks[0], 5, 4), (8, ks[0], 3, 4), (8, ks[0], 5, 4), (16, ks[0], 3, 4), (8, ks[1], 3, 4),
-          (4, ks[1], 4, 4), (16, ks[0] // 2, 5, 4), (8, ks[0], 4, 8))]  # fmt: skip
-    b = [("B", (bn, bf, st)) for bn, bf, st in
-         ((2, 128, 5), (4, 64, 5), (4, 128, 4), (8, 32, 7), (8, 64, 5), (16, 32, 5), (16, 64, 3), (2, 256, 3))]  # fmt: skip
-    return a + b
+    return [("A", (bn, bk, st, w)) for bn, bk, st, w in
+            ((4, ks[0], 5, 4), (8, ks[0], 3, 4), (8, ks[0], 5, 4), (16, ks[0], 3, 4), (8, ks[1], 3, 4),
+             (4, ks[1], 4, 4), (16, ks[0] // 2, 5, 4), (8, ks[0], 4, 8))]  # fmt: skip
+
+
+def _combine_alternatives() -> list:
+    return [("B", (bn, bf, st)) for bn, bf, st in
+            ((16, 64, 3), (16, 128, 3), (8, 128, 4), (8, 64, 5), (4, 128, 4), (4, 64, 5), (2, 128, 5), (4, 256, 3))]  # fmt: skip
+
 
 
 def main() -> int:
@@ -106,7 +111,8 @@ def main() -> int:
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout")
     ap.add_argument("--tokens", default="1,2")
     ap.add_argument("--dtype", default="bf16,fp8")
-    ap.add_argument("--alts", action="store_true", help="time each launch's configuration alternatives")
+    ap.add_argument("--alts", action="store_true", help="time the prefetch variants and the combine's alternatives")
+    ap.add_argument("--alts-gemv", action="store_true", help="time the routing GEMV's alternatives")
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -138,11 +144,16 @@ def main() -> int:
                 row["sorted_us"] = bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]], replays=10)
                 row["fused_us"] = bench_us([lambda st=st: _fused(c, st, out) for st in c["sets"]], replays=10)
                 row["swiglu_us"] = bench_us([lambda st=st: _swiglu(c, st) for st in c["sets"]], replays=10)
+                alts = []
                 if a.alts:
-                    lazy = [("A", decode_swiglu_config(M, s.F, s.D, elem, sms) + (True,)),
-                            ("A", (16, 512 if fp8 else 256, 3, 4, True))]  # fmt: skip
-                    for which, cfg in lazy + _alternatives(fp8):
-                        name = f"{which} " + "x".join(map(str, cfg))
+                    b = _combine_alternatives()
+                    alts += b + [(f"{w}#2", cfg) for w, cfg in reversed(b)]
+                if a.alts_gemv:
+                    alts += [("A", decode_swiglu_config(M, s.F, s.D, elem, sms) + (True,)),
+                             ("A", (16, 512 if fp8 else 256, 3, 4, True))] + _gemv_alternatives(fp8)  # fmt: skip
+                if alts:
+                    for which, cfg in alts:
+                        name = f"{which[0]} " + "x".join(map(str, cfg)) + which[1:]
                         A, B = (cfg, None) if which == "A" else (None, cfg)
                         try:
                             row[name] = bench_us([lambda st=st: _fused(c, st, out, A, B) for st in c["sets"]],

@@ -7,7 +7,9 @@
 #   BENCH_ENV_<name>[_<tag>]="VAR=value ..." (environment of one lane entry; "name@tag" entries take
 #   BENCH_ARGS_<name>_<tag>, else BENCH_ARGS_<name>; scripts/ab_trees.sh: earlier commits' trees)
 #   TESTS="tests/ops ..." (GPU tier; on 2 GPUs the grouped-GEMM file runs on GPU 1, GEMM_K="-k expr")
-#   TEST_GPU=0 (tests on GPU 0 only, TEST_K="-k expr", while the lanes run on the others at once)
+#   TEST_GPU=0 (tests on GPU 0 only, while the lanes run on the others at once); TEST_K="-k expr"
+#   TEST_FLAGS="-q" (pytest verbosity of the GPU tier; "-v" names each test as it ends, which a
+#   time-limited run that is cut before its summary still shows)
 #   TEST_WORKERS=4 (pytest workers per GPU; --dist loadgroup puts the full-size model tests, the
 #   xdist_group "full_size_models", on one worker: four of them at once ran an H200 out of memory)
 #   (a name without a bench_<name>.py runs benchmarks/<name>.py: the sweep_*.py tuning aids)
@@ -77,22 +79,22 @@ if [[ " $PHASES " == *" tests "* ]]; then
   t=$(( $(left) * ${TESTS_SHARE:-55} / 100 ))
   echo "== gpu tests (limit ${t}s) on $NGPU GPU(s)"
   if [ -n "${TEST_GPU:-}" ]; then
-    CUDA_VISIBLE_DEVICES=$TEST_GPU timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider --dist loadgroup -n ${TEST_WORKERS:-4} \
+    CUDA_VISIBLE_DEVICES=$TEST_GPU timeout $t python3 -m pytest ${TEST_FLAGS:--q} -rs -m gpu -p no:cacheprovider --dist loadgroup -n ${TEST_WORKERS:-4} \
       --timeout ${TEST_TIMEOUT:-240} --durations=12 ${TEST_K:+-k "$TEST_K"} $TESTS > "$RES/tests_all.log" 2>&1
   elif [ "$NGPU" -ge 2 ]; then
     # GEMM tests on GPU 1 (when $TESTS names tests/ops or the GEMM file), everything else on GPU 0,
     # each with a few workers.
     p1=""
     if [[ " $TESTS " == *" tests/ops "* || "$TESTS" == *test_grouped_gemm* ]]; then
-      CUDA_VISIBLE_DEVICES=1 timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider --dist loadgroup -n 4 --timeout ${TEST_TIMEOUT:-240} --durations=12 \
+      CUDA_VISIBLE_DEVICES=1 timeout $t python3 -m pytest ${TEST_FLAGS:--q} -rs -m gpu -p no:cacheprovider --dist loadgroup -n 4 --timeout ${TEST_TIMEOUT:-240} --durations=12 \
         ${GEMM_K:+-k "$GEMM_K"} tests/ops/test_grouped_gemm.py > "$RES/tests_gemm.log" 2>&1 &
       p1=$!
     fi
-    CUDA_VISIBLE_DEVICES=0 timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider --dist loadgroup -n 4 --timeout ${TEST_TIMEOUT:-240} --durations=12 \
+    CUDA_VISIBLE_DEVICES=0 timeout $t python3 -m pytest ${TEST_FLAGS:--q} -rs -m gpu -p no:cacheprovider --dist loadgroup -n 4 --timeout ${TEST_TIMEOUT:-240} --durations=12 \
       $TESTS --ignore=tests/ops/test_grouped_gemm.py > "$RES/tests_other.log" 2>&1
     [ -n "$p1" ] && wait $p1
   else
-    timeout $t python3 -m pytest -q -rs -m gpu -p no:cacheprovider --dist loadgroup -n ${TEST_WORKERS:-4} --timeout ${TEST_TIMEOUT:-240} --durations=12 $TESTS > "$RES/tests_all.log" 2>&1
+    timeout $t python3 -m pytest ${TEST_FLAGS:--q} -rs -m gpu -p no:cacheprovider --dist loadgroup -n ${TEST_WORKERS:-4} --timeout ${TEST_TIMEOUT:-240} --durations=12 ${TEST_K:+-k "$TEST_K"} $TESTS > "$RES/tests_all.log" 2>&1
   fi
   for f in "$RES"/tests_*.log; do echo "-- $f"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$f" | tail -n 25; done
 fi

@@ -103,10 +103,27 @@ def _combine_kernel(
 
 
 def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_F, STAGES)``: the widest slice (up to 16 columns) that still gives about two
-    programs per SM; ``[K, BLOCK_N, BLOCK_F]`` weight tiles of about 8 KB (16 KB of accumulators),
-    ``BLOCK_F`` a power of two dividing F when one of at least 64 does (no masks); about 32 KB of
-    weights in flight per program."""
+    """``(BLOCK_N, BLOCK_F, STAGES)``.
+
+    Four or more choices (H200, session 17, ``sweep_decode.py --alts``, each alternative timed
+    twice, the passes within ~0.5 µs; T=1 and T=4 of Qwen3-30B, DeepSeek-V3 TP8, gpt-oss-120b):
+    - when 16-column programs make at most one wave (``T * N / 16 <= SMs``: each SM streams one
+      program's long run of rows, no tail), 16 columns, 128-byte F tiles, 3 stages (Qwen3-30B bf16
+      T=1: 26.2 µs against 31.1 for the rule below);
+    - else ``[K, BLOCK_N, 128]`` weight tiles of about 8 KB (bf16 top-8: 4 columns, FP8 or top-4:
+      8), 4 stages, at least a wave of programs (FP8 T=1 DeepSeek 24.6 -> 23.4, gpt-oss 46.2 ->
+      42.5, T=4 DeepSeek 61.4 -> 56.6 against 4 columns; session 16's rule below lost 5-9 µs).
+    Fewer choices (top-1: Scout 71 vs 88 µs narrow): the widest slice (up to 16 columns) that still
+    gives about two programs per SM; ``[K, BLOCK_N, BLOCK_F]`` weight tiles of about 8 KB (16 KB
+    of accumulators), ``BLOCK_F`` a power of two dividing F when one of at least 64 does (no
+    masks); about 32 KB of weights in flight per program."""
+    if k_pad >= 4:
+        if T * cdiv(N, 16) <= sms:
+            return 16, max(16, min(next_pow2(F), 128 // w_elem)), 3
+        block_n = min(8, max(1, 8192 // (k_pad * 128 * w_elem)))
+        while block_n > 1 and T * cdiv(N, block_n) < sms:
+            block_n //= 2
+        return block_n, min(128, max(16, next_pow2(F))), 4
     block_n = 1
     for bn in (16, 8, 4, 2):
         if T * cdiv(N, bn) >= (9 * sms) // 5:
