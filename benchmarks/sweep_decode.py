@@ -8,7 +8,8 @@ pipeline, and their configuration alternatives: a tuning aid for ``moekit.ops._t
 Per (model, T, dtype), µs per call (CUDA graphs, medians, 8 routings rotated so the experts'
 weights do not sit in L2), the floor (the hit experts' weight bytes at 4.25 TB/s):
 - ``sorted``: ``moe_forward`` with ``decode_fused`` off (routing launch, gate/up GEMV on the
-  sorted rows, the per-token combine; or the scatter-add GEMV below top-k 6);
+  sorted rows, the per-token combine; or the scatter-add GEMV below top-k 6); below top-k 6 also
+  ``sorted_combine``: the same with the per-token combine (knob ``COMBINE_MIN_TOP_K`` pinned to 1);
 - ``fused``: ``moe_decode`` with its default configurations; ``swiglu``: its first launch alone
   (routing + gate/up GEMV), so ``fused - swiglu`` is about the combine;
 - with ``--alts``: one column per alternative of the combine, ``B bn x bf x s`` (columns, F tile,
@@ -118,7 +119,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("sweep_decode needs CUDA; nothing to do on this machine")
         return 0
+    from moekit import settings
     from moekit.benchmarking import bench_us, floor_us, markdown_table, save_rows
+    from moekit.layers.experts import COMBINE_MIN_TOP_K
     from moekit.ops._common import num_sms
     from moekit.ops._triton.decode import decode_swiglu_config
     from moekit.ops._triton.gg_combine import combine_config
@@ -144,6 +147,10 @@ def main() -> int:
                 row["sorted_us"] = bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]], replays=10)
                 row["fused_us"] = bench_us([lambda st=st: _fused(c, st, out) for st in c["sets"]], replays=10)
                 row["swiglu_us"] = bench_us([lambda st=st: _swiglu(c, st) for st in c["sets"]], replays=10)
+                if s.top_k < COMBINE_MIN_TOP_K:
+                    with settings.override(knobs={"COMBINE_MIN_TOP_K": 1}):
+                        row["sorted_combine"] = bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]],
+                                                         replays=10)  # fmt: skip
                 alts = []
                 if a.alts:
                     b = _combine_alternatives()

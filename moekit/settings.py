@@ -74,7 +74,8 @@ class Settings:
     bench_dir: Optional[str] = None
     # Not from the environment: kernel-choice knobs that tests pin to reach every path. Each
     # overrides the module constant of the same name (a leading underscore dropped), the default
-    # when unpinned; modules are under moekit.ops._triton (DOWN_SUM_MIN_ROWS: moekit.layers.experts):
+    # when unpinned; modules are under moekit.ops._triton (DOWN_SUM_MIN_ROWS and COMBINE_MIN_TOP_K:
+    # moekit.layers.experts):
     #   PIPE_MIN_BYTES_SILU               activation (silu_mul_quant persistent kernel)  256 MiB
     #   PIPE_MIN_BYTES                    quantize (quantize_fp8_row persistent kernel)   64 MiB
     #   SCAN_CB                           routing (histogram scan tile, programs)           1024
@@ -85,6 +86,7 @@ class Settings:
     #   ROUTE_SPLIT_WARPS                 route (split path routing program warps)             8
     #   ZERO_RIDE_MAX                     route (zero_buffer zeroed in the launch, elements)  1M
     #   DOWN_SUM_MIN_ROWS                 experts (down rows summed, not scatter-added)      32768
+    #   COMBINE_MIN_TOP_K                 experts (decode: per-token combine from this top-k)    6
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -106,6 +108,7 @@ KNOBS = (
     "FUSED_SCAN_MAX", "ROUTE_SPLIT_TILE", "ROUTE_SPLIT_WARPS", "ZERO_RIDE_MAX", "DOWN_SUM_MIN_ROWS",
     "GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", "GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", "GATHER_STREAM_PROGRAMS_PER_SM",
     "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
+    "COMBINE_MIN_TOP_K",
 )  # fmt: skip
 
 

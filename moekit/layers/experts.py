@@ -57,6 +57,10 @@ DECODE_ROWS_PER_EXPERT = 48
 # element in bf16 against one store); k=4 gpt-oss-120b 70.2 vs 63.7 and k=1 Scout FP8 52.2 vs 45.6,
 # where the GEMV's long contiguous K tiles win and its few atomics cost little. The same bound
 # decides where the bf16 decode pipeline also runs on its streaming kernels (``choose_path``).
+# Session 17's combine tiles may have moved it: moe_decode's combine on gpt-oss-120b (k=4) at T=1
+# read 43.0 µs against the scatter-add GEMV's 48.1 (FP8), 57.5 against 57.8 (bf16); the sorted
+# decode pipeline with the combine at k=4 is not measured yet (``sweep_decode.py``'s
+# ``sorted_combine`` column, the knob pinned to 1).
 COMBINE_MIN_TOP_K = 6
 
 
@@ -157,8 +161,8 @@ def down_sums_rows(deterministic: bool = False, rows: int = 0, top_k: int = 1) -
 
 def _combine_pays(rows: int, experts: int, top_k: int) -> bool:
     """Rows that rarely share an expert (the grouped GEMM's GEMV range), top-k of at least
-    ``COMBINE_MIN_TOP_K``."""
-    return top_k >= COMBINE_MIN_TOP_K and use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
+    ``COMBINE_MIN_TOP_K`` (knob of the same name)."""
+    return top_k >= settings.get().knob("COMBINE_MIN_TOP_K", COMBINE_MIN_TOP_K) and use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
 
 
 def _down_mode(out, has_selection: bool, rows_dtype, rows: int, experts: int, top_k: int, decode: bool,

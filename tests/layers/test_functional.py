@@ -264,6 +264,25 @@ def test_run_experts_into_an_empty_out_every_down_mode():
         assert_close(got, want, tol=1e-4)
 
 
+@pytest.mark.reference
+def test_combine_min_top_k_knob_takes_the_per_token_combine():
+    """Top-4 decode rows take the scatter-add GEMV by default and the per-token combine with the
+    ``COMBINE_MIN_TOP_K`` knob pinned below 4; both give the layer's result."""
+    from moekit import settings
+    from moekit.layers import experts
+
+    s = _small("gpt-oss-120b", E=32, top_k=4)
+    w = random_expert_weights(s, dtype=torch.float32, seed=3)
+    x = torch.randn(1, s.D, generator=torch.Generator().manual_seed(3))
+    want = _reference(x, {k: v for k, v in w.items() if not k.startswith("shared")}, s)
+    out = torch.empty(1, s.D)
+    for knobs, mode in (({}, "scatter"), ({"COMBINE_MIN_TOP_K": 4}, "combine")):
+        with settings.override(moe_path="decode", knobs=knobs):
+            assert experts._down_mode(out, True, out.dtype, s.top_k, s.E, s.top_k, True, False) == mode
+            got = moe_forward(x, w["router_DE"], w["w13_e2FD"], w["w2_eDF"], _cfg(s))
+        assert_close(got, want, tol=1e-4)
+
+
 @pytest.mark.gpu
 def test_moe_forward_gpu_cuda_graph_replay():
     s = _small("qwen3-30b-a3b", E=12, top_k=3)
