@@ -17,7 +17,7 @@ weights do not sit in L2), the floor (the hit experts' weight bytes at 4.25 TB/s
   passes is the call's noise;
 - with ``--alts-gemv``: one column per alternative of the routing GEMV, ``A bn x bk x s x w[ x
   lazy]`` (columns per program, K tile, stages, warps; ``True``: routing rounds only up to each
-  program's own slot), the combine at its default.
+  program's own slot), the combine at its default; also timed twice (``A ... #2``).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main() -> int:
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout")
     ap.add_argument("--tokens", default="1,2")
     ap.add_argument("--dtype", default="bf16,fp8")
-    ap.add_argument("--alts", action="store_true", help="time the prefetch variants and the combine's alternatives")
+    ap.add_argument("--alts", action="store_true", help="time the combine's alternatives (two passes)")
     ap.add_argument("--alts-gemv", action="store_true", help="time the routing GEMV's alternatives")
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
@@ -153,11 +153,11 @@ def main() -> int:
                                                          replays=10)  # fmt: skip
                 alts = []
                 if a.alts:
-                    b = _combine_alternatives()
-                    alts += b + [(f"{w}#2", cfg) for w, cfg in reversed(b)]
+                    alts += _combine_alternatives()
                 if a.alts_gemv:
                     alts += [("A", decode_swiglu_config(M, s.F, s.D, elem, sms) + (True,)),
                              ("A", (16, 512 if fp8 else 256, 3, 4, True))] + _gemv_alternatives(fp8)  # fmt: skip
+                alts += [(f"{w}#2", cfg) for w, cfg in reversed(alts)]  # the second pass, reversed
                 if alts:
                     for which, cfg in alts:
                         name = f"{which[0]} " + "x".join(map(str, cfg)) + which[1:]
