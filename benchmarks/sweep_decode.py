@@ -106,7 +106,6 @@ def _combine_alternatives() -> list:
             ((16, 64, 3), (16, 128, 3), (8, 128, 4), (8, 64, 5), (4, 128, 4), (4, 64, 5), (2, 128, 5), (4, 256, 3))]  # fmt: skip
 
 
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout")

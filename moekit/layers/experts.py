@@ -162,7 +162,9 @@ def down_sums_rows(deterministic: bool = False, rows: int = 0, top_k: int = 1) -
 def _combine_pays(rows: int, experts: int, top_k: int) -> bool:
     """Rows that rarely share an expert (the grouped GEMM's GEMV range), top-k of at least
     ``COMBINE_MIN_TOP_K`` (knob of the same name)."""
-    return top_k >= settings.get().knob("COMBINE_MIN_TOP_K", COMBINE_MIN_TOP_K) and use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
+    if top_k < settings.get().knob("COMBINE_MIN_TOP_K", COMBINE_MIN_TOP_K):
+        return False
+    return use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
 
 
 def _down_mode(out, has_selection: bool, rows_dtype, rows: int, experts: int, top_k: int, decode: bool,
