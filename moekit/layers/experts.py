@@ -105,7 +105,10 @@ DECODE_FUSED_ON_MAX_ROWS = 64
 
 # Most experts whose scores ``decode_fused`` (auto) has every GEMV program route: the routing's
 # rounds of reductions run over all E scores before each program's weight stream starts.
-DECODE_FUSED_MAX_EXPERTS = 128
+# DeepSeek-V3 TP8 (E=256, grouped) bf16 T=1, fused vs the sorted decode pipeline, same call: 36.0
+# -> 34.4 and 35.3 -> 38.0 µs (session 16); 33.7 vs 35.1, 29.7 vs 30.6, 29.8 vs 31.3, 29.9 vs 30.6
+# (session 17, runs 1-3, the last two with the new combine tiles).
+DECODE_FUSED_MAX_EXPERTS = 256
 
 
 def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[str] = None,
@@ -117,10 +120,11 @@ def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[
     per-token combine anyway (``_combine_pays``); ``on``: up to ``DECODE_FUSED_ON_MAX_ROWS`` rows
     on the decode path, FP8 and any expert count too.
 
-    Measured (H200, session 16, layer from logits, T=1, fused vs the sorted decode pipeline in
-    the same call): bf16 Qwen3-30B (E=128) 30.2 -> 29.3 and 30.2 -> 29.2 µs in two calls;
-    DeepSeek-V3 TP8 (E=256, grouped) 36.0 -> 34.4 in one call, 35.3 -> 38.0 in the other; FP8
-    slower in both (Qwen3 22.6 -> 27.3, 22.9 -> 26.6): every GEMV program routes its token (K
+    Measured (H200, layer from logits, T=1, fused vs the sorted decode pipeline in the same
+    call): bf16 Qwen3-30B (E=128) 30.2 -> 29.3 and 30.2 -> 29.2 µs (session 16), 28.6 -> 26.2
+    (session 17, the new combine tiles); DeepSeek-V3 TP8 (E=256, grouped) faster in five calls
+    of six by 0.7-1.6 µs (``DECODE_FUSED_MAX_EXPERTS``); FP8 slower (Qwen3 22.6 -> 27.3, 22.9 ->
+    26.6 in session 16, 19.5 -> 20.7 in session 17): every GEMV program routes its token (K
     rounds of reductions over the E scores before its weight stream starts), and the FP8 GEMV's
     twice as many programs per SM wait on each other's routing."""
     from moekit.ops.decode import moe_decode_supports

@@ -6,7 +6,7 @@ expert-sorted row layout, one launch for decode-sized batches; it also zeroes th
 by index with SwiGLU fused, down GEMM with the router weight and the scatter-add; or the sorted
 pipeline: gather (+ FP8 quant) -> grouped GEMM -> SwiGLU -> grouped GEMM + scatter-add). Where
 the decode pipeline would run its GEMV and per-token combine (a token of a top-k >= 6 model with
-16-bit weights and at most 128 experts, ``moekit.layers.experts.decode_fused``),
+16-bit weights and at most 256 experts, ``moekit.layers.experts.decode_fused``),
 ``moekit.ops.moe_decode`` does it in two launches instead: each GEMV program routes its token
 itself (no routing launch). No host sync anywhere: CUDA-graph capturable.
 

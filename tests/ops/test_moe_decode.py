@@ -204,7 +204,8 @@ def test_moe_forward_takes_it_where_the_decode_pipeline_would_combine():
     from moekit.layers.functional import RoutingConfig, moe_forward
 
     assert decode_fused(8, 128, 8, False)  # T=1, Qwen3-30B
-    assert not decode_fused(8, 256, 8, False, n_group=8)  # DeepSeek-V3: routing over 256 scores, mixed
+    assert decode_fused(8, 256, 8, False, n_group=8)  # DeepSeek-V3 TP8: 256 scores, grouped
+    assert not decode_fused(8, 512, 8, False)  # past DECODE_FUSED_MAX_EXPERTS
     assert not decode_fused(8, 128, 8, True)  # FP8 weights: measured slower (each program's routing)
     assert not decode_fused(64, 128, 8, False)  # T=8: the streaming kernels on the sorted rows
     assert not decode_fused(4, 128, 4, False) and not decode_fused(1, 16, 1, False)  # top-4 / top-1: scatter GEMV
