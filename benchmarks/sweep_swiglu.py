@@ -10,7 +10,9 @@ Per (model, T, dtype), µs per call (CUDA graphs, medians, inputs rotated past L
 - ``auto``: ``grouped_gemm_swiglu`` reading the token rows by index with its chosen tile (FP8: the
   token rows quantized first, the SwiGLU output after, as ``run_experts`` does);
 - one column per alternative tile ``BMxBN sS`` of the fused kernel (``fused``: its tile loop fused
-  into the K loop), and where ``auto`` streams, per streaming alternative ``stream BMxBNxBK sS``.
+  into the K loop), and where ``auto`` streams, per streaming alternative ``stream BMxBNxBK sS``;
+- ``worst_rel``: the alternatives' largest deviation from ``auto``'s output (max abs over max abs,
+  the routed rows of the first input set): a tile that computes something else shows here.
 Routing: uniform random top-k (the benchmark's models' shapes).
 """
 
@@ -86,6 +88,19 @@ def _fused(c: dict, st: dict, config=None):
     return grouped_gemm_swiglu(st["x"], c["w13"], st["ms"], st["tidx"], None, None, None, config=config)
 
 
+def _z(out) -> torch.Tensor:
+    """The SwiGLU output as float32 (FP8: dequantized)."""
+    if isinstance(out, tuple):
+        q, scale = out
+        return q.float() * scale.float().reshape(-1, 1)
+    return out.float()
+
+
+def _valid(st: dict) -> torch.Tensor:
+    """Rows that hold a routed token (the tail past the routed rows is left unwritten)."""
+    return torch.arange(st["tidx"].shape[0], device=st["tidx"].device) < st["ms"].sum()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout")
@@ -132,8 +147,15 @@ def main() -> int:
                         warps = 8 if bn * cfg.block_m >= 128 * 128 else 4
                         alts.append((f"stream {cfg.block_m}x{bn}x{k} s{stages}",
                                      GemmConfig("stream", cfg.block_m, bn, k, stages, warps)))  # fmt: skip
+                st0 = c["sets"][0]
+                want = _z(_fused(c, st0))
+                ok = _valid(st0)
+                row["worst_rel"] = 0.0  # the alternatives' largest deviation from auto's z (valid rows)
                 for name, alt in alts:
                     try:
+                        got = _z(_fused(c, st0, alt))
+                        err = ((got[ok] - want[ok]).abs().max() / want[ok].abs().max().clamp_min(1e-30)).item()
+                        row["worst_rel"] = max(row["worst_rel"], err)
                         row[name] = bench_us([lambda st=st: _fused(c, st, alt) for st in c["sets"]], replays=10)
                     except Exception as exc:  # a tile that does not fit: keep the others
                         row[name] = f"{type(exc).__name__}"
