@@ -122,8 +122,8 @@ def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[
 
     Measured (H200, layer from logits, T=1, fused vs the sorted decode pipeline in the same
     call): bf16 Qwen3-30B (E=128) 30.2 -> 29.3 and 30.2 -> 29.2 µs (session 16), 28.6 -> 26.2
-    (session 17, the new combine tiles); DeepSeek-V3 TP8 (E=256, grouped) faster in five calls
-    of six by 0.7-1.6 µs (``DECODE_FUSED_MAX_EXPERTS``); FP8 slower (Qwen3 22.6 -> 27.3, 22.9 ->
+    (session 17, the new combine tiles); DeepSeek-V3 TP8 (E=256, grouped) faster in four calls
+    of five by 0.7-1.6 µs (``DECODE_FUSED_MAX_EXPERTS``); FP8 slower (Qwen3 22.6 -> 27.3, 22.9 ->
     26.6 in session 16, 19.5 -> 20.7 in session 17): every GEMV program routes its token (K
     rounds of reductions over the E scores before its weight stream starts), and the FP8 GEMV's
     twice as many programs per SM wait on each other's routing."""
