@@ -160,7 +160,7 @@ def main() -> int:
                 if alts:
                     for which, cfg in alts:
                         name = f"{which[0]} " + "x".join(map(str, cfg)) + which[1:]
-                        A, B = (cfg, None) if which == "A" else (None, cfg)
+                        A, B = (cfg, None) if which[0] == "A" else (None, cfg)  # "A#2": the second pass
                         try:
                             row[name] = bench_us([lambda st=st: _fused(c, st, out, A, B) for st in c["sets"]],
                                                  replays=10)  # fmt: skip

@@ -318,6 +318,36 @@ def test_gpu_moe_forward_graph_replays_new_routing_bitwise(w_kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("w_kind", ["bf16", "fp8"])
+def test_gpu_moe_forward_deepseek_auto_is_moe_decode(w_kind):
+    """DeepSeek-V3 TP8 at T=1 (256 experts, grouped routing with a correction bias): ``auto`` takes
+    moe_decode for bf16 weights (``decode_fused`` up to 256 experts) and gives its bits, the
+    sorted pipeline for FP8; both within bf16 rounding of the sorted pipeline and the reference."""
+    from moekit.layers.experts import decode_fused
+    from moekit.layers.functional import RoutingConfig, moe_forward
+
+    x, logits, w13, w2, kw, k = _gpu_case("deepseek-v3-tp8", 1, w_kind, seed=7)
+    E = logits.shape[1]
+    cfg = RoutingConfig(top_k=k, score_func="sigmoid", renormalize=True, n_group=kw["n_group"],
+                        topk_group=kw["topk_group"], routed_scaling_factor=kw["routed_scaling_factor"],
+                        apply_router_weight_on_input=False)  # fmt: skip
+    extra = dict(logits_TE=logits, e_score_correction_bias=kw["e_score_correction_bias"],
+                 w13_scale_e2F=kw["w13_scale_e2F"], w2_scale_eD=kw["w2_scale_eD"])  # fmt: skip
+    fused = decode_fused(k, E, k, w_kind == "fp8", n_group=kw["n_group"])
+    assert fused == (w_kind == "bf16")
+    got = moe_forward(x, None, w13, w2, cfg, **extra)
+    with settings.override(decode_fused="on"):
+        on = moe_forward(x, None, w13, w2, cfg, **extra)
+    with settings.override(decode_fused="off"):
+        off = moe_forward(x, None, w13, w2, cfg, **extra)
+    assert torch.equal(got, on if fused else off)
+    assert_close(got.float(), off.float(), tol=1e-2, msg=w_kind)
+    want = ref.moe_decode(x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), torch.zeros(1, x.shape[1]).bfloat16(),
+                          top_k=k, **{n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in kw.items()})  # fmt: skip
+    assert_close(got.cpu().float(), want.float(), tol=2e-2, msg=w_kind)
+
+
+@pytest.mark.gpu
 def test_gpu_moe_forward_compiles_fullgraph_with_moe_decode():
     from moekit.layers.functional import RoutingConfig, moe_forward
 
