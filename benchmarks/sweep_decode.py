@@ -15,9 +15,12 @@ weights do not sit in L2), the floor (the hit experts' weight bytes at 4.25 TB/s
 - with ``--alts``: one column per alternative of the combine, ``B bn x bf x s`` (columns, F tile,
   stages), timed twice (the list, then the list reversed, ``B ... #2``): the spread between the two
   passes is the call's noise;
-- with ``--alts-gemv``: one column per alternative of the routing GEMV, ``A bn x bk x s x w[ x
-  lazy]`` (columns per program, K tile, stages, warps; ``True``: routing rounds only up to each
-  program's own slot), the combine at its default; also timed twice (``A ... #2``).
+- with ``--alts-gemv``: one column per alternative of the routing GEMV, ``A bn x bk x s x w x
+  lazy`` (columns per program, K tile, stages, warps; ``True``: routing rounds only up to each
+  program's own slot, the default; ``False``: the default tile with every program's routing run
+  whole), the combine at its default; also timed twice (``A ... #2``);
+- for FP8, ``sorted_old_gemv``: the sorted pipeline with the gate/up GEMV's 16-bit tile rule (knob
+  ``SWIGLU_GEMV_FP8_WAVE`` off).
 """
 
 from __future__ import annotations
@@ -95,10 +98,14 @@ def _swiglu(c: dict, st: dict, a=None):
 
 
 def _gemv_alternatives(fp8: bool) -> list:
-    ks = (512, 1024) if fp8 else (256, 512)
-    return [("A", (bn, bk, st, w)) for bn, bk, st, w in
-            ((4, ks[0], 5, 4), (8, ks[0], 3, 4), (8, ks[0], 5, 4), (16, ks[0], 3, 4), (8, ks[1], 3, 4),
-             (4, ks[1], 4, 4), (16, ks[0] // 2, 5, 4), (8, ks[0], 4, 8))]  # fmt: skip
+    """Lazy-routing tiles around the defaults: FP8 tiles of 4096 and 8192 weights (~128 and ~200
+    registers), bf16 tiles of 8 and 16 KB."""
+    tiles = (
+        ((16, 256, 5), (8, 512, 5), (8, 1024, 3), (4, 1024, 4), (16, 512, 3))
+        if fp8
+        else ((16, 256, 3), (8, 512, 3), (8, 1024, 3), (4, 512, 4), (8, 256, 5))
+    )
+    return [("A", (bn, bk, st, 4, True)) for bn, bk, st in tiles]
 
 
 def _combine_alternatives() -> list:
@@ -146,6 +153,10 @@ def main() -> int:
                 row["sorted_us"] = bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]], replays=10)
                 row["fused_us"] = bench_us([lambda st=st: _fused(c, st, out) for st in c["sets"]], replays=10)
                 row["swiglu_us"] = bench_us([lambda st=st: _swiglu(c, st) for st in c["sets"]], replays=10)
+                if fp8:  # the sorted pipeline with the 16-bit rule's FP8 gate/up GEMV tiles
+                    with settings.override(knobs={"SWIGLU_GEMV_FP8_WAVE": False}):
+                        row["sorted_old_gemv"] = bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]],
+                                                          replays=10)  # fmt: skip
                 if s.top_k < COMBINE_MIN_TOP_K:
                     with settings.override(knobs={"COMBINE_MIN_TOP_K": 1}):
                         row["sorted_combine"] = bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]],
@@ -154,8 +165,7 @@ def main() -> int:
                 if a.alts:
                     alts += _combine_alternatives()
                 if a.alts_gemv:
-                    alts += [("A", decode_swiglu_config(M, s.F, s.D, elem, sms) + (True,)),
-                             ("A", (16, 512 if fp8 else 256, 3, 4, True))] + _gemv_alternatives(fp8)  # fmt: skip
+                    alts += [("A", decode_swiglu_config(M, s.F, s.D, elem, sms) + (False,))] + _gemv_alternatives(fp8)
                 alts += [(f"{w}#2", cfg) for w, cfg in reversed(alts)]  # the second pass, reversed
                 if alts:
                     for which, cfg in alts:

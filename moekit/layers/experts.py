@@ -111,22 +111,32 @@ DECODE_FUSED_ON_MAX_ROWS = 64
 DECODE_FUSED_MAX_EXPERTS = 256
 
 
+# Smallest top-k for which ``decode_fused`` (auto) takes moe_decode. H200, session 18 (lazy
+# routing, the FP8 GEMV tiles of ``gg_swiglu._fp8_gemv_config``), moe_decode against the sorted
+# decode pipeline (its scatter-add GEMV below ``COMBINE_MIN_TOP_K``), same call: gpt-oss-120b
+# (top-4) bf16 T=1 57.4 vs 58.5 µs, T=2 102.1 vs 106.3; FP8 (session 18 tiles, eager routing)
+# T=1 39.2 vs 47.2, T=2 65.4 vs 80.7. Top-1 and top-2 keep the sorted pipeline (not measured).
+DECODE_FUSED_MIN_TOP_K = 4
+
+
 def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[str] = None,
                  n_group: Optional[int] = None) -> bool:  # fmt: skip
     """Whether ``moe_forward`` runs ``moekit.ops.moe_decode`` (two launches from the logits: the
     token's routing inside the gate/up GEMV, then the per-token combine) for ``rows`` routed rows
-    (T x top-k) over ``experts``: ``settings.decode_fused``; ``auto``: 16-bit weights, at most
-    ``DECODE_FUSED_MAX_EXPERTS`` experts, where the decode pipeline would run its GEMV and its
-    per-token combine anyway (``_combine_pays``); ``on``: up to ``DECODE_FUSED_ON_MAX_ROWS`` rows
-    on the decode path, FP8 and any expert count too.
+    (T x top-k) over ``experts``: ``settings.decode_fused``; ``auto``: at most
+    ``DECODE_FUSED_MAX_EXPERTS`` experts, top-k of at least ``DECODE_FUSED_MIN_TOP_K`` (knob of
+    the same name), rows that rarely share an expert (the grouped GEMM's GEMV range: a token or
+    two), 16-bit or FP8 weights; ``on``: up to ``DECODE_FUSED_ON_MAX_ROWS`` rows on the decode
+    path, any expert count and top-k.
 
-    Measured (H200, layer from logits, T=1, fused vs the sorted decode pipeline in the same
-    call): bf16 Qwen3-30B (E=128) 30.2 -> 29.3 and 30.2 -> 29.2 µs (session 16), 28.6 -> 26.2
-    (session 17, the new combine tiles); DeepSeek-V3 TP8 (E=256, grouped) faster in four calls
-    of five by 0.7-1.6 µs (``DECODE_FUSED_MAX_EXPERTS``); FP8 slower (Qwen3 22.6 -> 27.3, 22.9 ->
-    26.6 in session 16, 19.5 -> 20.7 in session 17): every GEMV program routes its token (K
-    rounds of reductions over the E scores before its weight stream starts), and the FP8 GEMV's
-    twice as many programs per SM wait on each other's routing."""
+    Measured (H200, T=1, fused vs the sorted decode pipeline in the same call): bf16 Qwen3-30B
+    (E=128) 30.2 -> 29.3 and 30.2 -> 29.2 µs (session 16), 28.6 -> 26.2 (session 17, the new
+    combine tiles), 29.1 -> 24.8 (session 18, lazy routing); DeepSeek-V3 TP8 (E=256, grouped)
+    faster in four calls of five by 0.7-1.6 µs (``DECODE_FUSED_MAX_EXPERTS``), 31.0 -> 28.6
+    (session 18). FP8 was slower until session 18 (Qwen3 22.6 -> 27.3 in session 16, 19.5 ->
+    20.7 in session 17: the GEMV's 768 programs of 206 registers ran in 1.45 waves, each wave
+    paying its routing); with one wave of 128-register programs and lazy routing: Qwen3 19.3 ->
+    ~18.3, DeepSeek 21.6 -> ~19.4, gpt-oss (top-4) 47.2 -> ~39 (``DECODE_FUSED_MIN_TOP_K``)."""
     from moekit.ops.decode import moe_decode_supports
 
     mode = settings.get().decode_fused
@@ -136,7 +146,11 @@ def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[
         return False
     if mode == "on":
         return rows <= DECODE_FUSED_ON_MAX_ROWS
-    return not fp8 and experts <= DECODE_FUSED_MAX_EXPERTS and _combine_pays(rows, experts, top_k)
+    if experts > DECODE_FUSED_MAX_EXPERTS:
+        return False
+    if top_k < settings.get().knob("DECODE_FUSED_MIN_TOP_K", DECODE_FUSED_MIN_TOP_K):
+        return False
+    return use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
 
 
 # Routed rows from which the sorted pipeline's down projection stores its rows and sums them per

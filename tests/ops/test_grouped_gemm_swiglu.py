@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moekit import reference as ref
+from moekit import settings
 from moekit.ops import grouped_gemm, grouped_gemm_combine, grouped_gemm_swiglu
 from moekit.reference.quantize import quantize_fp8_row
 from moekit.testing import assert_close, assert_poisoned, poison, random_m_sizes
@@ -267,6 +268,24 @@ def test_opcheck_and_compile_cpu():
     fn = torch.compile(lambda *a: grouped_gemm_swiglu(a[0], a[1], a[2], gather_indices=a[3], row_scales=a[4]),
                        fullgraph=True)  # fmt: skip
     assert_close(fn(x, w, ms, gi, rs), grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs), tol=1e-6)
+
+
+@pytest.mark.reference
+def test_fp8_gemv_tiles_keep_the_grid_in_one_wave():
+    """The FP8 gate/up GEMV's rule on 132 SMs: 4096-weight tiles (<= 128 registers, 4 programs per
+    SM) unless the grid is at most two programs per SM, ~32 KB in flight, no short-row limit on
+    the columns; the knob ``SWIGLU_GEMV_FP8_WAVE`` off gives the 16-bit rule's tiles."""
+    from moekit.ops._triton.gg_swiglu import swiglu_gemv_config
+
+    tile = lambda c: (c.block_n, c.block_k, c.stages, c.warps)  # noqa: E731
+    assert tile(swiglu_gemv_config(8, 768, 2048, 1, 132)) == (16, 256, 5, 4)  # Qwen3-30B T=1: 384 programs
+    assert tile(swiglu_gemv_config(8, 256, 7168, 1, 132)) == (8, 1024, 3, 4)  # DeepSeek-V3 TP8: 256
+    assert tile(swiglu_gemv_config(4, 2880, 2880, 1, 132)) == (16, 256, 5, 4)  # gpt-oss-120b, K masked
+    assert tile(swiglu_gemv_config(1, 8192, 5120, 1, 132)) == (16, 256, 5, 4)  # Llama 4 Scout: 512
+    assert tile(swiglu_gemv_config(1, 40, 96, 1, 132)) == (1, 128, 7, 4)  # tiny: K tile from K
+    assert tile(swiglu_gemv_config(8, 768, 2048, 2, 132)) == (16, 256, 3, 4)  # bf16: unchanged
+    with settings.override(knobs={"SWIGLU_GEMV_FP8_WAVE": False}):
+        assert tile(swiglu_gemv_config(8, 768, 2048, 1, 132)) == (8, 512, 5, 4)
 
 
 @pytest.mark.reference

@@ -197,18 +197,25 @@ def test_errors_name_what_was_expected():
 
 @pytest.mark.reference
 def test_moe_forward_takes_it_where_the_decode_pipeline_would_combine():
-    """``decode_fused``: ``auto`` where the decode pipeline would run its GEMV and per-token
-    combine (top-k >= 6, a token); ``on`` up to 64 rows of any top-k; ``off`` never; and
-    ``moe_forward`` on CPU gives the same result either way."""
+    """``decode_fused``: ``auto`` for top-k >= 4 on rows that rarely share an expert (a token or
+    two), bf16 or FP8, at most 256 experts; ``on`` up to 64 rows of any top-k; ``off`` never; the
+    knob ``DECODE_FUSED_MIN_TOP_K`` moves the top-k bound; and ``moe_forward`` on CPU gives the
+    same result either way."""
     from moekit.layers.experts import decode_fused
     from moekit.layers.functional import RoutingConfig, moe_forward
 
     assert decode_fused(8, 128, 8, False)  # T=1, Qwen3-30B
     assert decode_fused(8, 256, 8, False, n_group=8)  # DeepSeek-V3 TP8: 256 scores, grouped
     assert not decode_fused(8, 512, 8, False)  # past DECODE_FUSED_MAX_EXPERTS
-    assert not decode_fused(8, 128, 8, True)  # FP8 weights: measured slower (each program's routing)
+    assert decode_fused(8, 128, 8, True) and decode_fused(8, 256, 8, True, n_group=8)  # FP8 weights
     assert not decode_fused(64, 128, 8, False)  # T=8: the streaming kernels on the sorted rows
-    assert not decode_fused(4, 128, 4, False) and not decode_fused(1, 16, 1, False)  # top-4 / top-1: scatter GEMV
+    assert decode_fused(4, 128, 4, False) and decode_fused(8, 128, 4, True)  # gpt-oss-120b T=1, 2
+    assert not decode_fused(12, 128, 4, False)  # T=3 of top-4: past the GEMV's rows
+    assert not decode_fused(1, 16, 1, False) and not decode_fused(2, 8, 2, False)  # top-1 / top-2: sorted
+    with settings.override(knobs={"DECODE_FUSED_MIN_TOP_K": 2}):
+        assert decode_fused(2, 8, 2, False) and not decode_fused(4, 128, 1, False)
+    with settings.override(knobs={"DECODE_FUSED_MIN_TOP_K": 6}):
+        assert not decode_fused(4, 128, 4, False) and decode_fused(8, 128, 8, False)
     assert not decode_fused(8, 1024, 8, False)  # past the routing kernel's experts
     assert not decode_fused(8, 128, 8, False, path="sorted")
     with settings.override(decode_fused="on"):
@@ -321,8 +328,8 @@ def test_gpu_moe_forward_graph_replays_new_routing_bitwise(w_kind):
 @pytest.mark.parametrize("w_kind", ["bf16", "fp8"])
 def test_gpu_moe_forward_deepseek_auto_is_moe_decode(w_kind):
     """DeepSeek-V3 TP8 at T=1 (256 experts, grouped routing with a correction bias): ``auto`` takes
-    moe_decode for bf16 weights (``decode_fused`` up to 256 experts) and gives its bits, the
-    sorted pipeline for FP8; both within bf16 rounding of the sorted pipeline and the reference."""
+    moe_decode (``decode_fused`` up to 256 experts, bf16 and FP8) and gives its bits, within bf16
+    rounding of the sorted pipeline and the reference."""
     from moekit.layers.experts import decode_fused
     from moekit.layers.functional import RoutingConfig, moe_forward
 
@@ -334,7 +341,7 @@ def test_gpu_moe_forward_deepseek_auto_is_moe_decode(w_kind):
     extra = dict(logits_TE=logits, e_score_correction_bias=kw["e_score_correction_bias"],
                  w13_scale_e2F=kw["w13_scale_e2F"], w2_scale_eD=kw["w2_scale_eD"])  # fmt: skip
     fused = decode_fused(k, E, k, w_kind == "fp8", n_group=kw["n_group"])
-    assert fused == (w_kind == "bf16")
+    assert fused
     got = moe_forward(x, None, w13, w2, cfg, **extra)
     with settings.override(decode_fused="on"):
         on = moe_forward(x, None, w13, w2, cfg, **extra)

@@ -142,9 +142,11 @@ def decode_swiglu(
     config: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch 1: ``(z [T*K, F], ids [T*K] int32, rw [T*K] float32)``, token-major rows.
-    ``config``: ``(BLOCK_N, BLOCK_K, STAGES, warps[, lazy])``; ``lazy``: each program runs the
-    routing rounds up to its own slot only and normalizes the weights only where it stores or
-    uses them (a tuning candidate, off by default)."""
+    ``config``: ``(BLOCK_N, BLOCK_K, STAGES, warps[, lazy])``; ``lazy`` (default True): each
+    program runs the routing rounds up to its own slot only and normalizes the weights only where
+    it stores or uses them (the same bits). H200, session 18, moe_decode at T=1, two passes each:
+    lazy 1.2-2.0 µs faster in 10 of 12 (model, tile) pairs (Qwen3-30B bf16 24.8 vs 26.3, DeepSeek-V3
+    TP8 bf16 28.6 vs 29.9, gpt-oss-120b bf16 57.4 vs 59.0, Qwen3 FP8 19.6 vs 20.8), level in two."""
     T, D = (int(d) for d in x.shape)
     E = int(logits.shape[1])
     M = T * top_k
@@ -156,7 +158,7 @@ def decode_swiglu(
         return z, ids, rw
     cfg = config or decode_swiglu_config(M, F, D, w13.element_size(), num_sms(dev))
     bn, bk, stages, warps = cfg[:4]
-    lazy = bool(cfg[4]) if len(cfg) > 4 else False
+    lazy = bool(cfg[4]) if len(cfg) > 4 else True
     ph = torch.empty((1,), dtype=torch.float32, device=dev)
     launch(_decode_swiglu_kernel)[(M * cdiv(F, bn),)](
         x, logits, bias if bias is not None else ph, w13, w13_scale if w13_scale is not None else ph, z, ids, rw,

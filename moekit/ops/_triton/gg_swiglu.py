@@ -356,10 +356,43 @@ def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int
     return GemmConfig("tiled", 128, block_n, block_k, 3, 8, flatten=False)
 
 
+# Float32 accumulator elements of one FP8 gate/up GEMV program (gate and up tiles each
+# ``BLOCK_N x BLOCK_K``), at 4 warps: 4096 per tile keeps a program at <= 128 registers (4
+# programs per SM); 8192 per tile (~200 registers, 2 per SM) only where the grid is at most two
+# programs per SM anyway. sm_90 ptxas (tests/ops/_sm90.py): 16x256 and 8x512 125-128 registers,
+# 16x512 and 8x1024 198-206.
+_FP8_GEMV_TILE = 4096
+
+
+def _fp8_gemv_config(M: int, F: int, K: int, sms: int) -> GemmConfig:
+    """The FP8 gate/up GEMV: ``block_n`` the widest (up to 16) that still gives ~1.8 programs per
+    SM (no short-row limit), the K tile from the accumulator budget (``_FP8_GEMV_TILE``: the grid
+    in one wave of resident programs), ~32 KB of weights in flight per program. Measured on the
+    H200 (session 18, moe_decode from logits at T=1, µs, same call, two passes each): Qwen3-30B
+    (K=2048) 16x256x5 19.5 vs the old 8x512x5 20.8 and 16x512x3 21.5 (206 registers: 2 programs
+    per SM, 384 programs in 1.45 waves); gpt-oss-120b (K=2880) 16x256x5 39.2 vs 4x512x7 43.4;
+    DeepSeek-V3 TP8 (K=7168, 256 programs) 8x1024x3 20.4 vs 8x512x5 23.5 and 16x256x5 29.8."""
+    block_n = 1
+    for bn in (16, 8, 4, 2):
+        if M * cdiv(F, bn) >= (9 * sms) // 5:
+            block_n = bn
+            break
+    tile = 2 * _FP8_GEMV_TILE if M * cdiv(F, block_n) <= 2 * sms else _FP8_GEMV_TILE
+    block_k = min(1024, max(16, tile // block_n), max(16, next_pow2(K)))
+    div = K & -K  # the largest power of two dividing K: no K masks where one of >= 128 does
+    if div >= 128:
+        block_k = min(block_k, div)
+    stages = 1 + max(2, min(6, (32 * 1024) // (2 * block_n * block_k)))
+    return GemmConfig("gemv", 1, block_n, block_k, stages, 4, use_tma=False)
+
+
 def swiglu_gemv_config(M: int, F: int, K: int, w_elem: int, sms: int) -> GemmConfig:
-    """The gate/up GEMV's configuration (here and in ``moe_decode``'s routing GEMV):
-    ``gemv_config``'s, with two weight tiles per stage: ~32 KB in flight per program, as the plain
+    """The gate/up GEMV's configuration (here and in ``moe_decode``'s routing GEMV): FP8 weights
+    ``_fp8_gemv_config`` (knob ``SWIGLU_GEMV_FP8_WAVE`` False: the 16-bit rule), else
+    ``gemv_config``'s with two weight tiles per stage: ~32 KB in flight per program, as the plain
     GEMV."""
+    if w_elem == 1 and settings.get().knob("SWIGLU_GEMV_FP8_WAVE", True):
+        return _fp8_gemv_config(M, F, K, sms)
     cfg = gemv_config(M, F, K, w_elem, sms)
     return replace(cfg, stages=1 + max(2, min(6, (16 * 1024) // (cfg.block_n * cfg.block_k * w_elem))))
 
