@@ -48,7 +48,7 @@ def layer_table(data: dict) -> str:
             "torch µs", "% of floor", "moekit / vLLM", "moekit / MSLK"]  # fmt: skip
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in data["rows"]:
-        other = r.get("sorted_us") if r.get("path") == "decode" else r.get("decode_us")
+        other = r.get("sorted_us") if r.get("path") in ("decode", "fused") else r.get("decode_us")
         m = r.get("moekit_us")
         pct = "—" if not m else f"{100 * r['floor_us'] / m:.0f}%"
         lines.append("| " + " | ".join([

@@ -4,17 +4,19 @@ two launches, with no routing launch and no sorted layout.
 1. ``_decode_swiglu_kernel``: program ``(m, nb)`` owns row ``m = t * K + j`` (token t's j-th
    choice: token-major, nothing sorted) and a ``BLOCK_N`` slice of the SwiGLU output ``z [T*K,
    F]``. It routes token t itself (``route._select_topk``, the routing launch's own code: the
-   same experts; the weights within float32 rounding, reduced in another thread layout), then streams the chosen expert's gate and up rows against
-   ``x[t]`` (``gg_swiglu._gemv_pair``) and stores ``silu(gate) * up``. The ``nb == 0`` programs
-   store the choice (expert ``ids [T*K]`` int32, weight ``rw [T*K]`` float32) for launch 2.
+   same experts; the weights within float32 rounding, reduced in another thread layout), then
+   streams the chosen expert's gate and up rows against ``x[t]`` (``gg_swiglu._gemv_pair``) and
+   stores ``silu(gate) * up``. The ``nb == 0`` programs store the choice (expert ``ids [T*K]`` int32, weight ``rw [T*K]`` float32) for launch 2.
 2. ``gg_combine._combine_kernel`` launched token-major: token t's K rows ``t * K + j`` through
    their experts' down weights, weighted and summed in slot order, stored (or added) into
    ``out[t]`` with one plain store.
 
-Routing in every GEMV program costs each program K rounds of row reductions over the E logits
-before its weight stream starts, against the routing launch and its gap on the decode critical
-path (H200, session 16: bf16 top-8 T=1 about 1-1.6 µs faster than the sorted decode pipeline,
-FP8 2-5 µs slower, its GEMV having twice the programs per SM; ``moekit.layers.experts.decode_fused``).
+Routing in every GEMV program costs each program rounds of row reductions over the E logits
+before its weight stream starts (lazy: up to its own slot), against the routing launch and its
+gap on the decode critical path (H200, session 18, T=1: Qwen3-30B bf16 24.6 µs against the sorted
+decode pipeline's 28.4, FP8 17.8 vs 18.8, gpt-oss-120b FP8 40.9 vs 45.0; session 16's FP8 loss
+came from a GEMV grid of 1.45 waves, each wave paying its routing;
+``moekit.layers.experts.decode_fused``).
 In the interpreter the sorted decode pipeline's kernels give the same bits (the same products,
 the same slot order).
 """
