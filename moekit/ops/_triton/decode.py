@@ -6,7 +6,8 @@ two launches, with no routing launch and no sorted layout.
    F]``. It routes token t itself (``route._select_topk``, the routing launch's own code: the
    same experts; the weights within float32 rounding, reduced in another thread layout), then
    streams the chosen expert's gate and up rows against ``x[t]`` (``gg_swiglu._gemv_pair``) and
-   stores ``silu(gate) * up``. The ``nb == 0`` programs store the choice (expert ``ids [T*K]`` int32, weight ``rw [T*K]`` float32) for launch 2.
+   stores ``silu(gate) * up``. The ``nb == 0`` programs store the choice (expert ``ids [T*K]``
+   int32, weight ``rw [T*K]`` float32) for launch 2.
 2. ``gg_combine._combine_kernel`` launched token-major: token t's K rows ``t * K + j`` through
    their experts' down weights, weighted and summed in slot order, stored (or added) into
    ``out[t]`` with one plain store.
