@@ -219,9 +219,9 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
         from moekit.layers.experts import choose_path, decode_fused
 
         row["path"] = choose_path(T * s.top_k, s.E, fp8=fp8, top_k=s.top_k)
-        if row["path"] == "decode" and (torch.bfloat16 if fp8 else dtype) == dtype:
-            if decode_fused(T * s.top_k, s.E, s.top_k, fp8, n_group=cfg.n_group):
-                row["path"] = "fused"  # moe_decode: two launches from the logits
+        if (torch.bfloat16 if fp8 else dtype) == dtype and decode_fused(T * s.top_k, s.E, s.top_k, fp8,
+                                                                        n_group=cfg.n_group):  # fmt: skip
+            row["path"] = "fused"  # moe_decode: two launches from the logits
         row["moekit_err"] = _check("moekit", ours(sets[0]), ref0, tol)
         row["moekit_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
         if cuda and T <= 2048:  # the other pipeline on the same rows

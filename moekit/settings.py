@@ -16,7 +16,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_PDL_MODE`` | ``pdl_mode`` | per kernel | force every PDL kernel's trigger: 1 early, 2 late (experiments) |
 | ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
 | ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 2048 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k; see ``moekit.layers.experts.choose_path``) |
-| ``MOEKIT_DECODE_FUSED`` | ``decode_fused`` | auto | ``moe_forward``'s two-launch decode (``moekit.ops.moe_decode``: routing inside the gate/up GEMV, no sorted layout): ``auto``: top-k >= 4, at most 256 experts, rows that rarely share an expert (a token or two), 16-bit or FP8 weights; ``on``: wherever the decode pipeline runs up to 64 rows, any top-k (experiments); ``off`` |
+| ``MOEKIT_DECODE_FUSED`` | ``decode_fused`` | auto | ``moe_forward``'s two-launch decode (``moekit.ops.moe_decode``: routing inside the gate/up GEMV, no sorted layout): ``auto``: top-k >= 4, at most 256 experts, at most 4 tokens, 16-bit or FP8 weights; ``on``: wherever the decode pipeline runs up to 64 rows, any top-k (experiments); ``off`` |
 | ``MOEKIT_ROUTE_FUSED_MAX_T`` | ``route_fused_max_t`` | 8 | ``route_and_shuffle`` routes up to this many tokens in one program (one launch); more take a program per block of tokens and a placing launch |
 | ``MOEKIT_SORTED_SWIGLU`` | ``sorted_swiglu`` | 1 | the sorted pipeline's gate/up GEMM reads token rows by index with the SiLU * up in its epilogue (``grouped_gemm_swiglu``'s tiled kernel) where its rows per expert take tensor-core tiles (0: gather, GEMM, ``silu_mul``) |
 | ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True`` and from ``moekit.layers.experts.DOWN_SUM_MIN_ROWS`` routed rows of top-k >= 2) |
@@ -88,6 +88,7 @@ class Settings:
     #   DOWN_SUM_MIN_ROWS                 experts (down rows summed, not scatter-added)      32768
     #   COMBINE_MIN_TOP_K                 experts (decode: per-token combine from this top-k)    6
     #   DECODE_FUSED_MIN_TOP_K            experts (decode_fused auto: moe_decode from this top-k) 4
+    #   DECODE_FUSED_MAX_TOKENS           experts (decode_fused auto: moe_decode up to these tokens) 4
     #   SWIGLU_GEMV_FP8_WAVE              gg_swiglu (FP8 gate/up GEMV tiles sized for one wave) True
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
@@ -110,7 +111,8 @@ KNOBS = (
     "FUSED_SCAN_MAX", "ROUTE_SPLIT_TILE", "ROUTE_SPLIT_WARPS", "ZERO_RIDE_MAX", "DOWN_SUM_MIN_ROWS",
     "GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", "GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", "GATHER_STREAM_PROGRAMS_PER_SM",
     "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
-    "COMBINE_MIN_TOP_K", "DECODE_FUSED_MIN_TOP_K", "SWIGLU_GEMV_FP8_WAVE",
+    "COMBINE_MIN_TOP_K", "DECODE_FUSED_MIN_TOP_K", "DECODE_FUSED_MAX_TOKENS",
+    "SWIGLU_GEMV_FP8_WAVE",
 )  # fmt: skip
 
 
@@ -230,3 +232,21 @@ def override(**changes: Any) -> Iterator[Settings]:
         yield get()
     finally:
         _set(before)
+
+
+def _register_with_torch_compile() -> None:
+    """Settings are read while torch.compile traces moekit's Python (path and configuration
+    choices). Registered as a pytree constant, a compiled region that read them is guarded on
+    their value (``==``): a changed setting recompiles it, and torch 2.11's Dynamo, which can
+    take the frozen ``_current`` for a constant, builds that guard instead of failing with
+    "Unexpected type Settings" (H200, session 18: ``test_gpu_decode_compiles_fullgraph``)."""
+    try:
+        import torch.utils._pytree as pytree
+    except ImportError:  # settings alone, without torch
+        return
+    register = getattr(pytree, "register_constant", None)
+    if register is not None and not pytree.is_constant_class(Settings):
+        register(Settings)
+
+
+_register_with_torch_compile()

@@ -114,9 +114,18 @@ DECODE_FUSED_MAX_EXPERTS = 256
 # Smallest top-k for which ``decode_fused`` (auto) takes moe_decode. H200, session 18 (lazy
 # routing, the FP8 GEMV tiles of ``gg_swiglu._fp8_gemv_config``), moe_decode against the sorted
 # decode pipeline (its scatter-add GEMV below ``COMBINE_MIN_TOP_K``), same call: gpt-oss-120b
-# (top-4) bf16 T=1 57.4 vs 58.5 µs, T=2 102.1 vs 106.3; FP8 (session 18 tiles, eager routing)
-# T=1 39.2 vs 47.2, T=2 65.4 vs 80.7. Top-1 and top-2 keep the sorted pipeline (not measured).
+# (top-4) bf16 T=1 55.7 vs 56.9 µs, T=2 97.4 vs 102.2; FP8 T=1 40.9 vs 45.0, T=2 62.5 vs 74.2.
+# Top-2 and top-1 keep the sorted pipelines: Mixtral-8x7B T=1 bf16 181.2 vs 172.5, FP8 113.9 vs
+# 94.0; Llama 4 Scout FP8 T=1 45.0 vs 41.2.
 DECODE_FUSED_MIN_TOP_K = 4
+
+# Most tokens for which ``decode_fused`` (auto) takes moe_decode: one GEMV program per routed row
+# and column slice, so rows of one expert read its weights side by side (from L2). H200, session
+# 18 run 3, same call, moe_decode vs the path ``auto`` took before (µs): Qwen3-30B bf16 T=2 42.1
+# vs 46.7, T=4 71.0 vs 79.5; FP8 28.1 vs 37.8, 45.1 vs 56.9; DeepSeek-V3 TP8 bf16 48.5 vs 57.8,
+# 82.3 vs 93.2; FP8 30.3 vs 51.0, 52.5 vs 67.4; gpt-oss-120b bf16 101.0 vs 103.6, 186.9 vs 200.2;
+# FP8 63.5 vs 74.9, 112.0 vs 118.0. Not measured past T=4.
+DECODE_FUSED_MAX_TOKENS = 4
 
 
 def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[str] = None,
@@ -124,33 +133,33 @@ def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[
     """Whether ``moe_forward`` runs ``moekit.ops.moe_decode`` (two launches from the logits: the
     token's routing inside the gate/up GEMV, then the per-token combine) for ``rows`` routed rows
     (T x top-k) over ``experts``: ``settings.decode_fused``; ``auto``: at most
-    ``DECODE_FUSED_MAX_EXPERTS`` experts, top-k of at least ``DECODE_FUSED_MIN_TOP_K`` (knob of
-    the same name), rows that rarely share an expert (the grouped GEMM's GEMV range: a token or
-    two), 16-bit or FP8 weights; ``on``: up to ``DECODE_FUSED_ON_MAX_ROWS`` rows on the decode
-    path, any expert count and top-k.
+    ``DECODE_FUSED_MAX_EXPERTS`` experts, top-k of at least ``DECODE_FUSED_MIN_TOP_K`` and at most
+    ``DECODE_FUSED_MAX_TOKENS`` tokens (knobs of the same names), 16-bit or FP8 weights, unless the
+    path is pinned to ``sorted``; ``on``: up to ``DECODE_FUSED_ON_MAX_ROWS`` rows where the path
+    is ``decode``, any expert count and top-k.
 
-    Measured (H200, T=1, fused vs the sorted decode pipeline in the same call): bf16 Qwen3-30B
-    (E=128) 30.2 -> 29.3 and 30.2 -> 29.2 µs (session 16), 28.6 -> 26.2 (session 17, the new
-    combine tiles), 29.1 -> 24.8 (session 18, lazy routing); DeepSeek-V3 TP8 (E=256, grouped)
-    faster in four calls of five by 0.7-1.6 µs (``DECODE_FUSED_MAX_EXPERTS``), 31.0 -> 28.6
+    Measured (H200, layer from logits, fused vs the pipelines ``auto`` took before, same call):
+    bf16 Qwen3-30B (E=128) T=1 30.2 -> 29.3 µs (session 16), 28.6 -> 26.2 (session 17, the new
+    combine tiles), 28.4 -> 24.6 (session 18, lazy routing); DeepSeek-V3 TP8 (E=256, grouped)
+    faster in four calls of five by 0.7-1.6 µs (``DECODE_FUSED_MAX_EXPERTS``), 30.8 -> 29.3
     (session 18). FP8 was slower until session 18 (Qwen3 22.6 -> 27.3 in session 16, 19.5 ->
     20.7 in session 17: the GEMV's 768 programs of 206 registers ran in 1.45 waves, each wave
-    paying its routing); with one wave of 128-register programs and lazy routing: Qwen3 19.3 ->
-    ~18.3, DeepSeek 21.6 -> ~19.4, gpt-oss (top-4) 47.2 -> ~39 (``DECODE_FUSED_MIN_TOP_K``)."""
+    paying its routing); with one wave of 128-register programs and lazy routing: Qwen3 18.8 ->
+    17.8, DeepSeek 22.4 -> 19.0, gpt-oss (top-4) 45.0 -> 40.9. T = 2 to 4:
+    ``DECODE_FUSED_MAX_TOKENS``."""
     from moekit.ops.decode import moe_decode_supports
 
-    mode = settings.get().decode_fused
+    s = settings.get()
+    mode = s.decode_fused
     if mode == "off" or rows == 0 or not moe_decode_supports(experts, top_k, n_group):
         return False
-    if choose_path(rows, experts, path, fp8=fp8, top_k=top_k) != "decode":
-        return False
     if mode == "on":
-        return rows <= DECODE_FUSED_ON_MAX_ROWS
-    if experts > DECODE_FUSED_MAX_EXPERTS:
+        return choose_path(rows, experts, path, fp8=fp8, top_k=top_k) == "decode" and rows <= DECODE_FUSED_ON_MAX_ROWS
+    if (path or s.moe_path) == "sorted" or experts > DECODE_FUSED_MAX_EXPERTS:
         return False
-    if top_k < settings.get().knob("DECODE_FUSED_MIN_TOP_K", DECODE_FUSED_MIN_TOP_K):
+    if top_k < s.knob("DECODE_FUSED_MIN_TOP_K", DECODE_FUSED_MIN_TOP_K):
         return False
-    return use_gemv(rows, max(1.0, expected_groups_hit(rows, max(experts, 1))))
+    return rows <= top_k * s.knob("DECODE_FUSED_MAX_TOKENS", DECODE_FUSED_MAX_TOKENS)
 
 
 # Routed rows from which the sorted pipeline's down projection stores its rows and sums them per

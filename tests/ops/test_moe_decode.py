@@ -196,11 +196,11 @@ def test_errors_name_what_was_expected():
 
 
 @pytest.mark.reference
-def test_moe_forward_takes_it_where_the_decode_pipeline_would_combine():
-    """``decode_fused``: ``auto`` for top-k >= 4 on rows that rarely share an expert (a token or
-    two), bf16 or FP8, at most 256 experts; ``on`` up to 64 rows of any top-k; ``off`` never; the
-    knob ``DECODE_FUSED_MIN_TOP_K`` moves the top-k bound; and ``moe_forward`` on CPU gives the
-    same result either way."""
+def test_moe_forward_takes_it_up_to_four_tokens_of_top_k_4_or_more():
+    """``decode_fused``: ``auto`` for top-k >= 4 up to 4 tokens, bf16 or FP8, at most 256 experts,
+    unless the path is pinned to ``sorted``; ``on`` up to 64 rows of any top-k on the decode path;
+    ``off`` never; the knobs ``DECODE_FUSED_MIN_TOP_K`` / ``DECODE_FUSED_MAX_TOKENS`` move the
+    bounds; and ``moe_forward`` on CPU gives the same result either way."""
     from moekit.layers.experts import decode_fused
     from moekit.layers.functional import RoutingConfig, moe_forward
 
@@ -208,29 +208,34 @@ def test_moe_forward_takes_it_where_the_decode_pipeline_would_combine():
     assert decode_fused(8, 256, 8, False, n_group=8)  # DeepSeek-V3 TP8: 256 scores, grouped
     assert not decode_fused(8, 512, 8, False)  # past DECODE_FUSED_MAX_EXPERTS
     assert decode_fused(8, 128, 8, True) and decode_fused(8, 256, 8, True, n_group=8)  # FP8 weights
-    assert not decode_fused(64, 128, 8, False)  # T=8: the streaming kernels on the sorted rows
-    assert decode_fused(4, 128, 4, False) and decode_fused(8, 128, 4, True)  # gpt-oss-120b T=1, 2
-    assert not decode_fused(12, 128, 4, False)  # T=3 of top-4: past the GEMV's rows
+    assert decode_fused(32, 128, 8, False) and decode_fused(32, 256, 8, True, n_group=8)  # T=4
+    assert not decode_fused(40, 128, 8, False)  # T=5: the sorted pipelines
+    assert decode_fused(4, 128, 4, False) and decode_fused(16, 128, 4, True)  # gpt-oss-120b T=1, 4
+    assert not decode_fused(20, 128, 4, False)
     assert not decode_fused(1, 16, 1, False) and not decode_fused(2, 8, 2, False)  # top-1 / top-2: sorted
-    with settings.override(knobs={"DECODE_FUSED_MIN_TOP_K": 2}):
+    assert not decode_fused(8, 128, 8, False, path="sorted")
+    with settings.override(moe_path="sorted"):
+        assert not decode_fused(8, 128, 8, False)
+    with settings.override(knobs={"DECODE_FUSED_MIN_TOP_K": 2, "DECODE_FUSED_MAX_TOKENS": 1}):
         assert decode_fused(2, 8, 2, False) and not decode_fused(4, 128, 1, False)
+        assert not decode_fused(16, 128, 8, False)
     with settings.override(knobs={"DECODE_FUSED_MIN_TOP_K": 6}):
         assert not decode_fused(4, 128, 4, False) and decode_fused(8, 128, 8, False)
     assert not decode_fused(8, 1024, 8, False)  # past the routing kernel's experts
-    assert not decode_fused(8, 128, 8, False, path="sorted")
     with settings.override(decode_fused="on"):
         assert decode_fused(4, 128, 4, False) and decode_fused(32, 128, 8, False) and decode_fused(8, 128, 8, True)
         assert decode_fused(8, 256, 8, False, n_group=8)
         assert not decode_fused(128, 128, 8, False)
     with settings.override(decode_fused="off"):
         assert not decode_fused(8, 128, 8, False)
-    T, E, D, F, k = 1, 32, 32, 16, 8
-    x, logits, w13, w2, kw = _case(T, E, D, F, k, "softmax_renorm", seed=3)
+    E, D, F, k = 32, 32, 16, 8
     cfg = RoutingConfig(top_k=k, score_func="softmax", renormalize=True, apply_router_weight_on_input=False)
-    got = moe_forward(x, None, w13, w2, cfg, logits_TE=logits)
-    with settings.override(decode_fused="off"):
-        want = moe_forward(x, None, w13, w2, cfg, logits_TE=logits)
-    assert torch.equal(got, want)
+    for T in (4, 1):
+        x, logits, w13, w2, kw = _case(T, E, D, F, k, "softmax_renorm", seed=3)
+        got = moe_forward(x, None, w13, w2, cfg, logits_TE=logits)
+        with settings.override(decode_fused="off"):
+            want = moe_forward(x, None, w13, w2, cfg, logits_TE=logits)
+        assert torch.equal(got, want), T
     shared = torch.randn(T, D).bfloat16()
     got = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, shared_out_TD=shared.clone())
     assert_close(got.float(), (shared.float() + want.float()), tol=2e-2)
