@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moekit import reference as ref
+from moekit.layers.experts import decode_fused
 from moekit.layers import BaselineMoE, MetaShufflingMoE, MoEArgs, RoutedExperts, ScaledParameter, SharedExperts
 from moekit.testing import MODEL_SHAPES, assert_close, random_expert_weights
 
@@ -79,7 +80,14 @@ def test_layers_match_oracle(case, prec, shape):
     want = _oracle(base, x)
     assert_close(y_base.float(), want, tol=tol_ref, msg="baseline vs oracle")
     assert_close(y_ms.float(), want, tol=tol_ref, msg="metashuffling vs oracle")
-    assert_close(y_ms.float(), y_base.float(), tol=tol_base, msg="metashuffling vs baseline")
+    T = x.numel() // x.shape[-1]
+    if prec == "fp8" and decode_fused(T * args.top_k, args.num_experts, args.top_k, True, n_group=args.n_group):
+        # moe_decode's FP8 is weight-only (the activations and the SwiGLU output stay 16-bit): it
+        # follows the float32 oracle, not the baseline's quantized activations (qwen-k8 1x64:
+        # 0.4% from the oracle, 4.8% from the baseline, which is itself 4.7% from the oracle).
+        assert_close(y_ms.float(), want, tol=tol_base, msg="weight-only metashuffling vs oracle")
+    else:
+        assert_close(y_ms.float(), y_base.float(), tol=tol_base, msg="metashuffling vs baseline")
 
 
 @pytest.mark.reference
