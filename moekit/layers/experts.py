@@ -57,10 +57,10 @@ DECODE_ROWS_PER_EXPERT = 48
 # element in bf16 against one store); k=4 gpt-oss-120b 70.2 vs 63.7 and k=1 Scout FP8 52.2 vs 45.6,
 # where the GEMV's long contiguous K tiles win and its few atomics cost little. The same bound
 # decides where the bf16 decode pipeline also runs on its streaming kernels (``choose_path``).
-# Session 17's combine tiles may have moved it: moe_decode's combine on gpt-oss-120b (k=4) at T=1
-# read 43.0 µs against the scatter-add GEMV's 48.1 (FP8), 57.5 against 57.8 (bf16); the sorted
-# decode pipeline with the combine at k=4 is not measured yet (``sweep_decode.py``'s
-# ``sorted_combine`` column, the knob pinned to 1).
+# With session 17's combine tiles (session 18, ``sweep_decode.py``'s ``sorted_combine`` column,
+# the knob pinned to 1), the sorted decode pipeline at k=4 (gpt-oss-120b) runs the combine faster
+# in FP8 (T=1 40.6 vs 45.0 µs, T=2 64.7 vs 74.2) but slower in bf16 (57.2 vs 56.9, 104.4 vs
+# 102.2); moe_decode (``decode_fused``), faster than both, takes those rows anyway.
 COMBINE_MIN_TOP_K = 6
 
 
@@ -138,7 +138,8 @@ def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[
     path is pinned to ``sorted``; ``on``: up to ``DECODE_FUSED_ON_MAX_ROWS`` rows where the path
     is ``decode``, any expert count and top-k.
 
-    Measured (H200, layer from logits, fused vs the pipelines ``auto`` took before, same call):
+    Measured (H200, fused vs the pipelines ``auto`` took before, same call; the layer benchmark
+    through session 17, ``sweep_decode.py`` in session 18):
     bf16 Qwen3-30B (E=128) T=1 30.2 -> 29.3 µs (session 16), 28.6 -> 26.2 (session 17, the new
     combine tiles), 28.4 -> 24.6 (session 18, lazy routing); DeepSeek-V3 TP8 (E=256, grouped)
     faster in four calls of five by 0.7-1.6 µs (``DECODE_FUSED_MAX_EXPERTS``), 30.8 -> 29.3
