@@ -405,3 +405,11 @@ def test_kernels_compile_without_spills_for_sm90():
     assert_all_compiled(records, 32)
     assert {r["kernel"] for r in records} == {"_decode_swiglu_kernel", "_combine_kernel"}
     assert all(not r["stack"] for r in records), [(r["kernel"], r["stack"]) for r in records]
+    # The FP8 GEMV's tile rule (gg_swiglu._fp8_gemv_config) counts on 4096-weight tiles fitting 4
+    # programs per SM (<= 128 registers at 4 warps): the grid then runs in one wave.
+    # (constants are recorded as their repr)
+    tile = lambda r: int(r["constants"]["BLOCK_N"]) * int(r["constants"]["BLOCK_K"])  # noqa: E731
+    fp8_small = [r for r in records if r["kernel"] == "_decode_swiglu_kernel" and r["constants"]["HAS_WS"] == "True"
+                 and tile(r) <= 4096]  # fmt: skip
+    assert len(fp8_small) >= 4, len(fp8_small)
+    assert all(r["regs"] is None or r["regs"] <= 128 for r in fp8_small), [(tile(r), r["regs"]) for r in fp8_small]
