@@ -6,7 +6,8 @@ pipeline, and their configuration alternatives: a tuning aid for ``moekit.ops._t
         [--dtype bf16,fp8] [--alts]
 
 Per (model, T, dtype), µs per call (CUDA graphs, medians, 8 routings rotated so the experts'
-weights do not sit in L2), the floor (the hit experts' weight bytes at 4.25 TB/s):
+weights do not sit in L2), the floor (the hit experts' weight bytes at 4.25 TB/s; past one token
+the expected number hit by uniform random routing, ``E * (1 - (1 - k/E)^T)``):
 - ``sorted``: ``moe_forward`` with ``decode_fused`` off (routing launch, gate/up GEMV on the
   sorted rows, the per-token combine; or the scatter-add GEMV below top-k 6); below top-k 6 also
   ``sorted_combine``: the same with the per-token combine (knob ``COMBINE_MIN_TOP_K`` pinned to 1);
@@ -97,6 +98,11 @@ def _swiglu(c: dict, st: dict, a=None):
     return decode_swiglu(x, lg, bias, w13, s13, c["s"].F, k, score, renorm, ng, tg, scale, on_in, a)
 
 
+def _hits(E: int, k: int, T: int) -> float:
+    """Experts hit by T tokens of uniform random top-k routing, expected (k at T=1)."""
+    return E * (1.0 - (1.0 - k / E) ** T)
+
+
 def _gemv_alternatives(fp8: bool) -> list:
     """Lazy-routing tiles around the defaults: FP8 tiles of 4096 and 8192 weights (~128 and ~200
     registers), bf16 tiles of 8 and 16 KB."""
@@ -145,7 +151,7 @@ def main() -> int:
                 row = {"model": m, "T": T, "dtype": dt,
                        "A": "x".join(map(str, decode_swiglu_config(M, s.F, s.D, elem, sms))),
                        "B": "x".join(map(str, combine_config(T, s.D, s.F, kp, elem, sms))),
-                       "floor_us": round(floor_us(M * 3 * s.D * s.F * elem), 1)}  # fmt: skip
+                       "floor_us": round(floor_us(_hits(s.E, s.top_k, T) * 3 * s.D * s.F * elem), 1)}  # fmt: skip
                 out = torch.empty(T, s.D, dtype=torch.bfloat16, device="cuda")
                 want = _sorted(c, c["sets"][0])
                 got = _fused(c, c["sets"][0], out)
