@@ -26,6 +26,7 @@ import triton.language as tl
 
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
+from moekit.ops._triton.gg_config import widest_slice
 
 
 @triton.jit
@@ -124,11 +125,7 @@ def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) ->
         while block_n > 1 and T * cdiv(N, block_n) < sms:
             block_n //= 2
         return block_n, min(128, max(16, next_pow2(F))), 4
-    block_n = 1
-    for bn in (16, 8, 4, 2):
-        if T * cdiv(N, bn) >= (9 * sms) // 5:
-            block_n = bn
-            break
+    block_n = widest_slice(T, N, sms)
     target = max(16, 4096 // (k_pad * block_n))
     div = F & -F
     block_f = min(target, div) if div >= 64 else min(target, max(16, next_pow2(F)))

@@ -105,6 +105,15 @@ def use_gemv(M: int, hits: float) -> bool:
 _STREAM_SMEM = 110 * 1024
 
 
+def widest_slice(rows: int, N: int, sms: int, most: int = 16) -> int:
+    """Columns per GEMV-like program: the widest of 16, 8, 4, 2 (at most ``most``) whose grid
+    (``rows x cdiv(N, columns)``) still gives about two programs per SM (1.8), else 1."""
+    for bn in (16, 8, 4, 2):
+        if bn <= most and rows * cdiv(N, bn) >= (9 * sms) // 5:
+            return bn
+    return 1
+
+
 def gemv_config(M: int, N: int, K: int, elem: int, sms: int) -> GemmConfig:
     """GEMV kernel: weight slices of ``block_n`` rows, K tiles of about 8 KB of weights (at most
     512 FP8 values; a power of two dividing K when one of at least 128 elements does: no K masks),
@@ -113,12 +122,8 @@ def gemv_config(M: int, N: int, K: int, elem: int, sms: int) -> GemmConfig:
     the H200 (one row, routings rotated past the L2): Scout TP8 w13 bf16 8 rows 5.5 µs vs 6.2 at
     4; Maverick TP8 w2 16 KB programs (bf16 8 rows 5.9 vs 6.4 at 16; FP8 16 rows 4.1 vs 4.6 at
     8); DeepSeek w2 FP8 8 rows 7.8 vs 8.8 at 16; Llama 4 w2 FP8 (K = 8192) 16 rows 13.8 vs 14.7."""
-    block_n = 1
     row_bytes = K * elem
-    for bn in (16, 8, 4, 2):
-        if M * cdiv(N, bn) >= (9 * sms) // 5 and (row_bytes >= 4096 or bn * row_bytes <= 16384):
-            block_n = bn
-            break
+    block_n = widest_slice(M, N, sms, 16 if row_bytes >= 4096 else 16384 // max(row_bytes, 1))
     # K tiles of ~8 KB of weights, at most 512 wide for FP8 (run 6: DeepSeek w2 8 x 512 7.8 µs vs
     # 8 x 1024 8.9; Maverick / Qwen3 / Llama 4 at or within 5% of their best with 512).
     target = max(64, 8192 // (block_n * elem))

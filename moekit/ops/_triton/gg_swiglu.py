@@ -43,6 +43,7 @@ from moekit.ops._triton.gg_config import (
     gemv_config,
     heuristic_config,
     use_gemv,
+    widest_slice,
 )
 from moekit.ops._triton.gg_kernels import _group_table, _pick, _tile_at, _tile_table
 
@@ -372,11 +373,7 @@ def _fp8_gemv_config(M: int, F: int, K: int, sms: int) -> GemmConfig:
     (K=2048) 16x256x5 19.5 vs the old 8x512x5 20.8 and 16x512x3 21.5 (206 registers: 2 programs
     per SM, 384 programs in 1.45 waves); gpt-oss-120b (K=2880) 16x256x5 39.2 vs 4x512x7 43.4;
     DeepSeek-V3 TP8 (K=7168, 256 programs) 8x1024x3 20.4 vs 8x512x5 23.5 and 16x256x5 29.8."""
-    block_n = 1
-    for bn in (16, 8, 4, 2):
-        if M * cdiv(F, bn) >= (9 * sms) // 5:
-            block_n = bn
-            break
+    block_n = widest_slice(M, F, sms)
     tile = 2 * _FP8_GEMV_TILE if M * cdiv(F, block_n) <= 2 * sms else _FP8_GEMV_TILE
     block_k = min(1024, max(16, tile // block_n), max(16, next_pow2(K)))
     div = K & -K  # the largest power of two dividing K: no K masks where one of >= 128 does
