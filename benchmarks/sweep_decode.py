@@ -69,6 +69,15 @@ def _sorted(c: dict, st: dict):
                            e_score_correction_bias=c["bias"], w13_scale_e2F=c["s13"], w2_scale_eD=c["s2"])  # fmt: skip
 
 
+def _sorted_us(c: dict, **knobs) -> float:
+    """µs per call of the sorted decode pipeline over the case's routings, ``knobs`` pinned."""
+    from moekit import settings
+    from moekit.benchmarking import bench_us
+
+    with settings.override(knobs=knobs):
+        return bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]], replays=10)
+
+
 def _args(c: dict, st: dict):
     s = c["s"]
     D, F = s.D, s.F
@@ -131,7 +140,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("sweep_decode needs CUDA; nothing to do on this machine")
         return 0
-    from moekit import settings
     from moekit.benchmarking import bench_us, floor_us, markdown_table, save_rows
     from moekit.layers.experts import COMBINE_MIN_TOP_K
     from moekit.ops._common import num_sms
@@ -156,17 +164,13 @@ def main() -> int:
                 want = _sorted(c, c["sets"][0])
                 got = _fused(c, c["sets"][0], out)
                 row["same_bits"] = bool(torch.equal(got, want))
-                row["sorted_us"] = bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]], replays=10)
+                row["sorted_us"] = _sorted_us(c)
                 row["fused_us"] = bench_us([lambda st=st: _fused(c, st, out) for st in c["sets"]], replays=10)
                 row["swiglu_us"] = bench_us([lambda st=st: _swiglu(c, st) for st in c["sets"]], replays=10)
                 if fp8:  # the sorted pipeline with the 16-bit rule's FP8 gate/up GEMV tiles
-                    with settings.override(knobs={"SWIGLU_GEMV_FP8_WAVE": False}):
-                        row["sorted_old_gemv"] = bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]],
-                                                          replays=10)  # fmt: skip
+                    row["sorted_old_gemv"] = _sorted_us(c, SWIGLU_GEMV_FP8_WAVE=False)
                 if s.top_k < COMBINE_MIN_TOP_K:
-                    with settings.override(knobs={"COMBINE_MIN_TOP_K": 1}):
-                        row["sorted_combine"] = bench_us([lambda st=st: _sorted(c, st) for st in c["sets"]],
-                                                         replays=10)  # fmt: skip
+                    row["sorted_combine"] = _sorted_us(c, COMBINE_MIN_TOP_K=1)
                 alts = []
                 if a.alts:
                     alts += _combine_alternatives()
