@@ -7,7 +7,7 @@
 #   BENCH_ENV_<name>[_<tag>]="VAR=value ..." (environment of one lane entry; "name@tag" entries take
 #   BENCH_ARGS_<name>_<tag>, else BENCH_ARGS_<name>; scripts/ab_trees.sh: earlier commits' trees)
 #   TESTS="tests/ops ..." (GPU tier; on 2 GPUs the grouped-GEMM file runs on GPU 1, GEMM_K="-k expr")
-#   TEST_GPU=0 (tests on GPU 0 only, while the lanes run on the others at once); TEST_K="-k expr"
+#   TEST_GPU=0 (tests on GPU 0 only, while the lanes run on the others at once); TEST_K="expr" (pytest -k; the script adds the -k)
 #   TEST_FLAGS="-q" (pytest verbosity of the GPU tier; "-v" names each test as it ends, which a
 #   time-limited run that is cut before its summary still shows)
 #   TEST_WORKERS=4 (pytest workers per GPU; --dist loadgroup puts the full-size model tests, the

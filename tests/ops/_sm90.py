@@ -87,7 +87,11 @@ def compile_one(kernel, args, kwargs):
         rec["shared"] = int(k.metadata.shared)
         rec["regs"], rec["stack"] = registers(k.asm["cubin"])
     except Exception as e:  # noqa: BLE001
-        rec["error"] = f"{type(e).__name__}: {e}"[-2000:]
+        root = e  # a nested jit function's error is chained: keep the innermost message too
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__
+        msg = f"{type(e).__name__}: {e}"[-2000:]
+        rec["error"] = msg if root is e else msg + f"\n  caused by {type(root).__name__}: {root}"[:1500]
     RECORDS.append(rec)
 
 
