@@ -20,6 +20,7 @@ the expected number hit by uniform random routing, ``E * (1 - (1 - k/E)^T)``):
   lazy`` (columns per program, K tile, stages, warps; ``True``: routing rounds only up to each
   program's own slot, the default; ``False``: the default tile with every program's routing run
   whole), the combine at its default; also timed twice (``A ... #2``);
+- ``--sets N``: rotate N routings instead of 8 (1: the same experts every call);
 - for FP8, ``sorted_old_gemv``: the sorted pipeline with the gate/up GEMV's 16-bit tile rule (knob
   ``SWIGLU_GEMV_FP8_WAVE`` off).
 """
@@ -38,7 +39,7 @@ import torch  # noqa: E402
 SETS = 8
 
 
-def _case(model: str, T: int, fp8: bool, seed: int = 0) -> dict:
+def _case(model: str, T: int, fp8: bool, seed: int = 0, n_sets: int = SETS) -> dict:
     from moekit.layers.functional import quantize_expert_weights
     from moekit.testing import MODEL_SHAPES
 
@@ -54,7 +55,7 @@ def _case(model: str, T: int, fp8: bool, seed: int = 0) -> dict:
     sets = [
         dict(x=torch.randn(T, s.D, generator=g, device="cuda").bfloat16(),
              logits=torch.randn(T, s.E, generator=g, device="cuda"))
-        for _ in range(SETS)
+        for _ in range(n_sets)
     ]  # fmt: skip
     return dict(s=s, w13=w13, w2=w2, s13=s13, s2=s2, bias=bias, sets=sets, fp8=fp8)
 
@@ -124,8 +125,10 @@ def _gemv_alternatives(fp8: bool) -> list:
 
 
 def _combine_alternatives() -> list:
+    """Session 17's tiles, then wider F tiles (FP8 rows are half the bytes of bf16 ones)."""
     return [("B", (bn, bf, st)) for bn, bf, st in
-            ((16, 64, 3), (16, 128, 3), (8, 128, 4), (8, 64, 5), (4, 128, 4), (4, 64, 5), (2, 128, 5), (4, 256, 3))]  # fmt: skip
+            ((16, 64, 3), (16, 128, 3), (8, 128, 4), (8, 64, 5), (4, 128, 4), (4, 64, 5), (2, 128, 5), (4, 256, 3),
+             (8, 256, 3), (8, 256, 4), (4, 512, 3), (2, 512, 4), (16, 256, 2))]  # fmt: skip
 
 
 def main() -> int:
@@ -135,6 +138,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16,fp8")
     ap.add_argument("--alts", action="store_true", help="time the combine's alternatives (two passes)")
     ap.add_argument("--alts-gemv", action="store_true", help="time the routing GEMV's alternatives")
+    ap.add_argument("--sets", type=int, default=SETS, help="routings rotated per timing (default 8)")
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -151,7 +155,7 @@ def main() -> int:
         fp8 = dt == "fp8"
         for m in a.models.split(","):
             for T in (int(t) for t in a.tokens.split(",")):
-                c = _case(m, T, fp8)
+                c = _case(m, T, fp8, n_sets=a.sets)
                 s = c["s"]
                 M, elem = T * s.top_k, 1 if fp8 else 2
                 sms = num_sms(torch.device("cuda"))
