@@ -111,9 +111,14 @@ def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) ->
     - when 16-column programs make at most one wave (``T * N / 16 <= SMs``: each SM streams one
       program's long run of rows, no tail), 16 columns, 128-byte F tiles, 3 stages (Qwen3-30B bf16
       T=1: 26.2 µs against 31.1 for the rule below);
-    - else ``[K, BLOCK_N, 128]`` weight tiles of about 8 KB (bf16 top-8: 4 columns, FP8 or top-4:
-      8), 4 stages, at least a wave of programs (FP8 T=1 DeepSeek 24.6 -> 23.4, gpt-oss 46.2 ->
-      42.5, T=4 DeepSeek 61.4 -> 56.6 against 4 columns; session 16's rule below lost 5-9 µs).
+    - else ``[K, BLOCK_N, BLOCK_F]`` weight tiles of about 8 KB (bf16 top-8: 4 columns, FP8 or
+      top-4: 8), 4 stages, at least a wave of programs (FP8 T=1 DeepSeek 24.6 -> 23.4, gpt-oss 46.2
+      -> 42.5, T=4 DeepSeek 61.4 -> 56.6 against 4 columns; session 16's rule below lost 5-9 µs).
+      ``BLOCK_F`` 128, wider where 8 columns of 128 still make a smaller tile: FP8 top-4 takes
+      256 (session 19, two passes each: gpt-oss-120b FP8 T=1 moe_decode 36.2 / 36.1 µs against
+      41.5 / 41.2, T=4 108.1 / 107.0 against 112.0 / 112.4; with 8 KB tiles already, 256-wide
+      ones lost: Qwen3-30B FP8 T=4 47.2 / 47.7 against 45.9 / 44.8, DeepSeek-V3 TP8 FP8 T=1
+      21.4 / 21.5 against 19.0 / 18.9).
     Fewer choices (top-1: Scout 71 vs 88 µs narrow): the widest slice (up to 16 columns) that still
     gives about two programs per SM; ``[K, BLOCK_N, BLOCK_F]`` weight tiles of about 8 KB (16 KB
     of accumulators), ``BLOCK_F`` a power of two dividing F when one of at least 64 does (no
@@ -122,9 +127,10 @@ def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) ->
         if T * cdiv(N, 16) <= sms:
             return 16, max(16, min(next_pow2(F), 128 // w_elem)), 3
         block_n = min(8, max(1, 8192 // (k_pad * 128 * w_elem)))
+        block_f = 128 * max(1, 8192 // (k_pad * block_n * 128 * w_elem))
         while block_n > 1 and T * cdiv(N, block_n) < sms:
             block_n //= 2
-        return block_n, min(128, max(16, next_pow2(F))), 4
+        return block_n, min(block_f, max(16, next_pow2(F))), 4
     block_n = widest_slice(T, N, sms)
     target = max(16, 4096 // (k_pad * block_n))
     div = F & -F
