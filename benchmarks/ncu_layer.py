@@ -3,13 +3,18 @@
 logits, as ``bench_layer.py`` times them), read by Nsight Compute: duration, DRAM bytes and
 throughput, achieved occupancy, registers and grid, each kernel replayed from a cold L2.
 
-    python benchmarks/ncu_layer.py [--models qwen3-30b-a3b,deepseek-v3-tp8] [--tokens 1,4] [--dtype bf16,fp8]
+    python benchmarks/ncu_layer.py [--models qwen3-30b-a3b,deepseek-v3-tp8] [--tokens 1,4] [--dtype bf16,fp8] [--stalls]
 
 runs ``ncu`` on itself (``--clock-control none``: the clocks as they are) over one forward per
 case, after warm-up calls that compile every kernel, and prints one table row per kernel. A
 diagnosis aid (kernels run one at a time, without the PDL overlap of a CUDA-graph replay), not a
 benchmark of record. Needs Nsight Compute (``ncu`` on the PATH or under /opt/nvidia) and a GPU
-whose counters the machine exposes.
+whose counters the machine exposes. ``--stalls`` adds, per kernel, instructions executed, cycles
+and the average number of warps stalled per issue for each reason (ncu's
+``smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio``; ``long_sb``: waiting on
+global memory, ``wait``/``short_sb``/``math``: fixed latencies and pipes, ``barrier``,
+``not_sel``: ready but another warp issued). Each case's forward starts with a marker launch
+(``torch.cuda._sleep``), which splits the rows into cases whatever kernels the path launches.
 """
 
 from __future__ import annotations
@@ -36,6 +41,19 @@ METRICS = {
     "launch__block_size": "block",
     "lts__t_sector_hit_rate.pct": "L2 hit %",
 }
+#: ``--stalls``: what the warps of a kernel wait on (average warps stalled per issued instruction).
+STALLS = {
+    "smsp__inst_executed.sum": "inst",
+    "sm__cycles_elapsed.avg": "cycles",
+    **{f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio": label for r, label in (
+        ("long_scoreboard", "long_sb"), ("short_scoreboard", "short_sb"), ("wait", "wait"),
+        ("math_pipe_throttle", "math"), ("mio_throttle", "mio"), ("lg_throttle", "lg"), ("barrier", "barrier"),
+        ("membar", "membar"), ("no_instruction", "no_inst"), ("dispatch_stall", "dispatch"),
+        ("not_selected", "not_sel"), ("selected", "selected"), ("drain", "drain"), ("sleeping", "sleeping"),
+        ("branch_resolving", "branch"), ("imc_miss", "imc"),
+    )},
+}  # fmt: skip
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: the first launch of every profiled case
 
 
 def _ncu() -> str:
@@ -81,6 +99,7 @@ def run_cases(models: list[str], tokens: list[int], dtypes: list[str]) -> None:
     for name, fwd in cases:
         print(f"@@case {name}", flush=True)
         torch.cuda.cudart().cudaProfilerStart()
+        torch.cuda._sleep(1)  # the case marker (MARKER)
         fwd()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
@@ -91,6 +110,7 @@ def main() -> int:
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3-tp8")
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--dtype", default="bf16,fp8")
+    ap.add_argument("--stalls", action="store_true", help="add instructions, cycles and warp stall reasons")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
@@ -103,31 +123,36 @@ def main() -> int:
     if a.child:
         run_cases(models, tokens, dtypes)
         return 0
+    metrics = {**METRICS, **STALLS} if a.stalls else METRICS
     cmd = [_ncu(), "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw", "--print-units",
            "base",
-           "--metrics", ",".join(METRICS), sys.executable, os.path.abspath(__file__), "--child",
+           "--metrics", ",".join(metrics), sys.executable, os.path.abspath(__file__), "--child",
            "--models", a.models, "--tokens", a.tokens, "--dtype", a.dtype]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    out = proc.stdout
     if proc.returncode != 0:
-        print(out[-3000:], proc.stderr[-3000:])
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
         return 1
+    print(table(proc.stdout, metrics))
+    return 0
+
+
+def table(out: str, metrics: dict) -> str:
+    """The Markdown table of ncu's ``--csv --page raw`` output ``out``: one row per kernel, named
+    by the case whose marker launch came before it (the markers themselves are not listed)."""
     # The child's case markers come in order, one per profiled range; ncu's CSV rows after them.
     order = [ln[len("@@case ") :] for ln in out.splitlines() if ln.startswith("@@case ")]
     lines = [ln for ln in out.splitlines() if ln.startswith('"')]
     rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
     rows = [r for r in rows if r.get("ID", "").isdigit()]  # skip the units row
-    print("| case | kernel | " + " | ".join(METRICS.values()) + " |")
-    print("|---|---|" + "---|" * len(METRICS))
+    text = ["| case | kernel | " + " | ".join(metrics.values()) + " |", "|---|---|" + "---|" * len(metrics)]
     case_i = -1
     for r in rows:
-        # the kernels of one case are consecutive, and route_and_shuffle's first launch opens
-        # every case's forward
         name = r.get("Kernel Name", "?")
-        if name.startswith("_route_fused_kernel") or case_i < 0:
+        if MARKER in name:
             case_i += 1
+            continue
         vals = []
-        for m, label in METRICS.items():
+        for m, label in metrics.items():
             v = r.get(m, "")
             try:
                 f = float(v.replace(",", ""))
@@ -135,13 +160,14 @@ def main() -> int:
                     f /= 1000.0  # ns
                 elif label == "MB read":
                     f /= 1e6
-                v = f"{f:.1f}" if f < 1e6 else f"{f:.0f}"
+                counts = label in ("inst", "cycles", "regs", "grid", "block")
+                v = f"{f:.1f}" if f < 1e6 and not counts else f"{f:.0f}"
             except ValueError:
                 pass
             vals.append(v)
         case = order[case_i] if 0 <= case_i < len(order) else "?"
-        print(f"| {case} | {name[:48]} | " + " | ".join(vals) + " |")
-    return 0
+        text.append(f"| {case} | {name[:48]} | " + " | ".join(vals) + " |")
+    return "\n".join(text)
 
 
 if __name__ == "__main__":

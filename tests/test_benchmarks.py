@@ -52,3 +52,34 @@ def test_results_table_renders_any_benchmarks_rows():
                                                           {"op": "b", "us": None, "M": 12.5}]}  # fmt: skip
     t = results_table.generic_table(data).splitlines()
     assert t[2] == "| op | us | M |" and t[4] == "| a | 3.14 | — |" and t[5] == "| b | — | 12.5 |"
+
+
+@pytest.mark.reference
+def test_ncu_table_splits_cases_at_the_marker_launch():
+    """``ncu_layer.table``: rows are attributed to the case whose marker launch precedes them,
+    whatever kernels the path launches (moe_decode has no routing launch), markers left out,
+    units row skipped, times in µs and bytes in MB."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import ncu_layer
+    finally:
+        sys.path.pop(0)
+    m = {"gpu__time_duration.sum": "us", "dram__bytes_read.sum": "MB read", "smsp__inst_executed.sum": "inst"}
+    head = '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","smsp__inst_executed.sum"'
+    rows = [
+        '"","","ns","byte","inst"',
+        '"0","at::cuda::(anonymous namespace)::spin_kernel(long)","1000","0","10"',
+        '"1","_decode_swiglu_kernel","11500","25165824","123456"',
+        '"2","_combine_kernel","7000","12582912","2000000"',
+        '"3","at::cuda::(anonymous namespace)::spin_kernel(long)","1000","0","10"',
+        '"4","_route_fused_kernel","4000","1000","500"',
+    ]
+    out = "\n".join(["@@case qwen3 fp8 T=1", "==PROF== noise", "@@case qwen3 fp8 T=4", head, *rows])
+    lines = ncu_layer.table(out, m).splitlines()
+    assert lines[0] == "| case | kernel | us | MB read | inst |"
+    assert lines[2:] == [
+        "| qwen3 fp8 T=1 | _decode_swiglu_kernel | 11.5 | 25.2 | 123456 |",
+        "| qwen3 fp8 T=1 | _combine_kernel | 7.0 | 12.6 | 2000000 |",
+        "| qwen3 fp8 T=4 | _route_fused_kernel | 4.0 | 0.0 | 500 |",
+    ]
+    assert {"long_sb", "not_sel", "inst"} <= set(ncu_layer.STALLS.values())
