@@ -88,7 +88,9 @@ def compile_one(kernel, args, kwargs):
         rec["regs"], rec["stack"] = registers(k.asm["cubin"])
     except Exception as e:  # noqa: BLE001
         root = e  # a nested jit function's error is chained: keep the innermost message too
-        while root.__cause__ is not None or root.__context__ is not None:
+        for _ in range(16):  # (bounded: a chain could loop)
+            if root.__cause__ is None and root.__context__ is None:
+                break
             root = root.__cause__ or root.__context__
         msg = f"{type(e).__name__}: {e}"[-2000:]
         rec["error"] = msg if root is e else msg + f"\n  caused by {type(root).__name__}: {root}"[:1500]
