@@ -3,7 +3,7 @@
 pipeline, and their configuration alternatives: a tuning aid for ``moekit.ops._triton.decode``.
 
     python benchmarks/sweep_decode.py [--models qwen3-30b-a3b,deepseek-v3-tp8] [--tokens 1,2]
-        [--dtype bf16,fp8] [--alts]
+        [--dtype bf16,fp8] [--alts] [--alts-gemv] [--tiles B8x256x3,A4x512x4x4]
 
 Per (model, T, dtype), µs per call (CUDA graphs, medians, 8 routings rotated so the experts'
 weights do not sit in L2), the floor (the hit experts' weight bytes at 4.25 TB/s; past one token
@@ -20,6 +20,8 @@ the expected number hit by uniform random routing, ``E * (1 - (1 - k/E)^T)``):
   lazy`` (columns per program, K tile, stages, warps; ``True``: routing rounds only up to each
   program's own slot, the default; ``False``: the default tile with every program's routing run
   whole), the combine at its default; also timed twice (``A ... #2``);
+- ``--tiles``: only the alternatives named (``B`` combine tiles ``BxFxS``, ``A`` GEMV tiles
+  ``BxKxSxW``, lazy routing), also timed twice: a shorter call than the whole lists;
 - ``--sets N``: rotate N routings instead of 8 (1: the same experts every call);
 - for FP8, ``sorted_old_gemv``: the sorted pipeline with the gate/up GEMV's 16-bit tile rule (knob
   ``SWIGLU_GEMV_FP8_WAVE`` off).
@@ -124,6 +126,17 @@ def _gemv_alternatives(fp8: bool) -> list:
     return [("A", (bn, bk, st, 4, True)) for bn, bk, st in tiles]
 
 
+def _parse_tiles(spec: str) -> list:
+    """``"B8x256x3,A4x512x4x4"`` -> ``[("B", (8, 256, 3)), ("A", (4, 512, 4, 4, True))]``."""
+    out = []
+    for item in (t.strip() for t in spec.split(",") if t.strip()):
+        kind, dims = item[0].upper(), tuple(int(v) for v in item[1:].split("x"))
+        if (kind, len(dims)) not in (("B", 3), ("A", 4)):
+            raise SystemExit(f"--tiles: {item!r} is neither B<bn>x<bf>x<stages> nor A<bn>x<bk>x<stages>x<warps>")
+        out.append((kind, dims + (True,) if kind == "A" else dims))
+    return out
+
+
 def _combine_alternatives() -> list:
     """Session 17's tiles, then wider F tiles (FP8 rows are half the bytes of bf16 ones)."""
     return [("B", (bn, bf, st)) for bn, bf, st in
@@ -138,9 +151,11 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16,fp8")
     ap.add_argument("--alts", action="store_true", help="time the combine's alternatives (two passes)")
     ap.add_argument("--alts-gemv", action="store_true", help="time the routing GEMV's alternatives")
+    ap.add_argument("--tiles", default="", help="only these alternatives, e.g. B8x256x3,A4x512x4x4")
     ap.add_argument("--sets", type=int, default=SETS, help="routings rotated per timing (default 8)")
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
+    tiles = _parse_tiles(a.tiles)
     if not torch.cuda.is_available():
         print("sweep_decode needs CUDA; nothing to do on this machine")
         return 0
@@ -180,6 +195,7 @@ def main() -> int:
                     alts += _combine_alternatives()
                 if a.alts_gemv:
                     alts += [("A", decode_swiglu_config(M, s.F, s.D, elem, sms) + (False,))] + _gemv_alternatives(fp8)
+                alts += tiles
                 alts += [(f"{w}#2", cfg) for w, cfg in reversed(alts)]  # the second pass, reversed
                 if alts:
                     for which, cfg in alts:
