@@ -126,10 +126,9 @@ def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) ->
     if k_pad >= 4:
         if T * cdiv(N, 16) <= sms:
             return 16, max(16, min(next_pow2(F), 128 // w_elem)), 3
+        # More than a wave of 16-column programs here, so narrower slices make more than one too.
         block_n = min(8, max(1, 8192 // (k_pad * 128 * w_elem)))
         block_f = 128 * max(1, 8192 // (k_pad * block_n * 128 * w_elem))
-        while block_n > 1 and T * cdiv(N, block_n) < sms:
-            block_n //= 2
         return block_n, min(block_f, max(16, next_pow2(F))), 4
     block_n = widest_slice(T, N, sms)
     target = max(16, 4096 // (k_pad * block_n))
