@@ -20,8 +20,9 @@ the expected number hit by uniform random routing, ``E * (1 - (1 - k/E)^T)``):
   lazy`` (columns per program, K tile, stages, warps; ``True``: routing rounds only up to each
   program's own slot, the default; ``False``: the default tile with every program's routing run
   whole), the combine at its default; also timed twice (``A ... #2``);
-- ``--tiles``: only the alternatives named (``B`` combine tiles ``BxFxS``, ``A`` GEMV tiles
-  ``BxKxSxW``, lazy routing), also timed twice: a shorter call than the whole lists;
+- ``--tiles``: only the alternatives named (``B`` combine tiles ``BxFxS[xW]``, W warps, default
+  4; ``A`` GEMV tiles ``BxKxSxW``, lazy routing), also timed twice: a shorter call than the whole
+  lists;
 - ``--sets N``: rotate N routings instead of 8 (1: the same experts every call);
 - for FP8, ``sorted_old_gemv``: the sorted pipeline with the gate/up GEMV's 16-bit tile rule (knob
   ``SWIGLU_GEMV_FP8_WAVE`` off).
@@ -131,8 +132,10 @@ def _parse_tiles(spec: str) -> list:
     out = []
     for item in (t.strip() for t in spec.split(",") if t.strip()):
         kind, dims = item[0].upper(), tuple(int(v) for v in item[1:].split("x"))
-        if (kind, len(dims)) not in (("B", 3), ("A", 4)):
-            raise SystemExit(f"--tiles: {item!r} is neither B<bn>x<bf>x<stages> nor A<bn>x<bk>x<stages>x<warps>")
+        if (kind, len(dims)) not in (("B", 3), ("B", 4), ("A", 4)):
+            raise SystemExit(
+                f"--tiles: {item!r} is neither B<bn>x<bf>x<stages>[x<warps>] nor A<bn>x<bk>x<stages>x<warps>"
+            )
         out.append((kind, dims + (True,) if kind == "A" else dims))
     return out
 

@@ -159,12 +159,13 @@ def _combine_case(T, K, G, N, F, dtype, fp8, seed=0, device="cpu"):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("T,K,G,N,F", [(1, 8, 16, 24, 40), (3, 2, 5, 32, 64), (2, 1, 3, 16, 16)])
-def test_interp_combine(fp8, T, K, G, N, F):
+@pytest.mark.parametrize("config", [(8, 16, 3), (4, 32, 2, 8)])  # (BLOCK_N, BLOCK_F, STAGES[, warps])
+def test_interp_combine(fp8, T, K, G, N, F, config):
     from moekit.ops._triton import gg_combine as CB
 
     z, w, eidx, srow, rw, ws, out = _combine_case(T, K, G, N, F, torch.float32, fp8, seed=T + K)
     want = ref.grouped_gemm_combine(z, w, eidx, srow, out.clone(), row_weights=rw, w_scale=ws)
-    CB.grouped_gemm_combine(z, w, eidx, srow, out, rw, ws, config=(8, 16, 3))
+    CB.grouped_gemm_combine(z, w, eidx, srow, out, rw, ws, config=config)
     assert_close(out, want, tol=1e-5)
 
 

@@ -192,7 +192,7 @@ def moe_decode(
     weight_on_input: bool,
     accumulate: bool,
     swiglu_cfg: Optional[tuple] = None,
-    combine_cfg: Optional[tuple[int, int, int]] = None,
+    combine_cfg: Optional[tuple[int, ...]] = None,
 ) -> None:
     """Launcher (validated arguments; ``route.kernel_supports`` sizes): ``w13 [E * 2F, D]``, ``w2
     [E * D, F]`` (16-bit, or FP8 with flat row scales: weight-only FP8), ``out [T, D]``

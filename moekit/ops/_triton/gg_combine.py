@@ -147,14 +147,15 @@ def grouped_gemm_combine(
     out: torch.Tensor,
     row_weights: Optional[torch.Tensor],
     w_scale: Optional[torch.Tensor],
-    config: Optional[tuple[int, int, int]] = None,
+    config: Optional[tuple[int, ...]] = None,
     top_k: int = 0,
     accumulate: bool = True,
 ) -> None:
     """Launcher (validated arguments): ``out[t] += sum_j rw[r] * (z[r] @ w_e.T)`` for the rows
     ``r = selection_rows[t * K + j]`` (skipped when negative), ``e = expert_indices[r]``.
     ``selection_rows`` None: token-major rows ``r = t * top_k + j``. ``accumulate`` False:
-    ``out[t] =`` (out is not read)."""
+    ``out[t] =`` (out is not read). ``config``: ``(BLOCK_N, BLOCK_F, STAGES[, warps])`` (default
+    ``combine_config``'s, 4 warps)."""
     T, N = (int(d) for d in out.shape)
     M, F = (int(d) for d in z.shape)
     if T == 0 or N == 0:
@@ -164,7 +165,9 @@ def grouped_gemm_combine(
     G = int(w.shape[0]) // N
     if G * N >= 2**31:
         raise ValueError(f"grouped_gemm_combine supports G * N below 2**31, got {G * N}")
-    bn, bf, stages = config or combine_config(T, N, F, k_pad, w.element_size(), num_sms(z.device))
+    cfg = config or combine_config(T, N, F, k_pad, w.element_size(), num_sms(z.device))
+    bn, bf, stages = cfg[:3]
+    warps = int(cfg[3]) if len(cfg) > 3 else 4
     ph = torch.empty((1,), dtype=torch.float32, device=z.device)
     srow = selection_rows if selection_rows is not None else ph
     launch(_combine_kernel)[(T * cdiv(N, bn),)](
@@ -172,7 +175,7 @@ def grouped_gemm_combine(
         w_scale if w_scale is not None else ph, T, N, F, M, G, z.stride(0), w.stride(0), out.stride(0),
         K=K, K_PAD=k_pad, HAS_RW=row_weights is not None, HAS_WS=w_scale is not None,
         BLOCK_N=bn, BLOCK_F=bf, EVEN_F=F % bf == 0, STAGES=stages, TOKEN_MAJOR=selection_rows is None,
-        ACCUM=bool(accumulate), num_warps=4, num_stages=stages,
+        ACCUM=bool(accumulate), num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
