@@ -21,8 +21,10 @@ the expected number hit by uniform random routing, ``E * (1 - (1 - k/E)^T)``):
   program's own slot, the default; ``False``: the default tile with every program's routing run
   whole), the combine at its default; also timed twice (``A ... #2``);
 - ``--tiles``: only the alternatives named (``B`` combine tiles ``BxFxS[xW]``, W warps, default
-  4; ``A`` GEMV tiles ``BxKxSxW``, lazy routing), also timed twice: a shorter call than the whole
-  lists;
+  4; ``A`` GEMV tiles ``BxKxSxW[xM]``, lazy routing, ``M`` 1: the products on the tensor cores),
+  also timed twice: a shorter call than the whole lists;
+- ``worst_rel`` / ``worst``: the alternatives' largest deviation from the sorted pipeline's output
+  (max abs over max abs, the first routing): an alternative that computes something else shows;
 - ``--sets N``: rotate N routings instead of 8 (1: the same experts every call);
 - for FP8, ``sorted_old_gemv``: the sorted pipeline with the gate/up GEMV's 16-bit tile rule (knob
   ``SWIGLU_GEMV_FP8_WAVE`` off).
@@ -132,11 +134,11 @@ def _parse_tiles(spec: str) -> list:
     out = []
     for item in (t.strip() for t in spec.split(",") if t.strip()):
         kind, dims = item[0].upper(), tuple(int(v) for v in item[1:].split("x"))
-        if (kind, len(dims)) not in (("B", 3), ("B", 4), ("A", 4)):
+        if (kind, len(dims)) not in (("B", 3), ("B", 4), ("A", 4), ("A", 5)):
             raise SystemExit(
-                f"--tiles: {item!r} is neither B<bn>x<bf>x<stages>[x<warps>] nor A<bn>x<bk>x<stages>x<warps>"
+                f"--tiles: {item!r} is neither B<bn>x<bf>x<stages>[x<warps>] nor A<bn>x<bk>x<stages>x<warps>[x<mma>]"
             )
-        out.append((kind, dims + (True,) if kind == "A" else dims))
+        out.append((kind, dims[:4] + (True,) + tuple(bool(v) for v in dims[4:]) if kind == "A" else dims))
     return out
 
 
@@ -207,6 +209,10 @@ def main() -> int:
                         try:
                             row[name] = bench_us([lambda st=st: _fused(c, st, out, A, B) for st in c["sets"]],
                                                  replays=10)  # fmt: skip
+                            got = _fused(c, c["sets"][0], out, A, B).float()
+                            rel = float((got - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+                            if rel > row.get("worst_rel", -1.0):
+                                row["worst_rel"], row["worst"] = round(rel, 5), name
                         except Exception as exc:  # a configuration that does not fit: keep the others
                             row[name] = type(exc).__name__
                 print(row, flush=True)

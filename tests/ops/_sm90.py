@@ -8,7 +8,9 @@ the real Triton compiler (through ptxas) for ``GPUTarget("cuda", 90, 32)``. Pyth
 arguments are typed ``fp64``, as torch.compile (inductor) passes them to user-defined Triton
 kernels; ints equal to 1 are specialized as Triton's launcher does. Returns one dict per launch
 (``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``regs`` per thread and ``stack``
-frame bytes (spills; None when ``cuobjdump`` is missing), ``error`` or None).
+frame bytes (spills; None when ``cuobjdump`` is missing), ``error`` or None). With
+``MOEKIT_SM90_DUMP=<folder>`` each launch's TTGIR, PTX and cubin are written there (for
+``cuobjdump -sass``).
 """
 
 from __future__ import annotations
@@ -86,6 +88,13 @@ def compile_one(kernel, args, kwargs):
         assert k.asm.get("cubin"), "no cubin"
         rec["shared"] = int(k.metadata.shared)
         rec["regs"], rec["stack"] = registers(k.asm["cubin"])
+        dump = os.environ.get("MOEKIT_SM90_DUMP")  # a folder: each launch's TTGIR, PTX and cubin
+        if dump:
+            base = os.path.join(dump, "%s_%d" % (kernel.__name__, len(RECORDS)))
+            for ext in ("ttgir", "ptx", "cubin"):
+                mode = "wb" if ext == "cubin" else "w"
+                with open(base + "." + ext, mode) as f:
+                    f.write(k.asm[ext])
     except Exception as e:  # noqa: BLE001
         root = e  # a nested jit function's error is chained: keep the innermost message too
         for _ in range(16):  # (bounded: a chain could loop)
