@@ -292,8 +292,8 @@ def test_fp8_gemv_tiles_keep_the_grid_in_one_wave():
 @pytest.mark.reference
 def test_combine_tiles_hold_about_8kb():
     """The per-token combine's rule on 132 SMs (``combine_config``): one wave of 16-column programs
-    where they fit, else ``[K, BLOCK_N, BLOCK_F]`` tiles of about 8 KB: 128-wide F tiles, 256 for
-    FP8 top-4, whose 8 columns of 128 bytes would make 4 KB."""
+    where they fit (FP8: 4-column programs there), else ``[K, BLOCK_N, BLOCK_F]`` tiles of about 8
+    KB: 128-wide F tiles, 256 for FP8 top-4, whose 8 columns of 128 bytes would make 4 KB."""
     from moekit.ops._triton.gg_combine import combine_config
 
     assert combine_config(1, 2048, 768, 8, 2, 132) == (16, 64, 3)  # Qwen3-30B bf16 T=1: one wave
@@ -303,7 +303,9 @@ def test_combine_tiles_hold_about_8kb():
     assert combine_config(1, 2880, 2880, 4, 2, 132) == (8, 128, 4)  # gpt-oss-120b bf16: 4 x 8 x 128 x 2
     for T in (1, 2, 4):
         assert combine_config(T, 2880, 2880, 4, 1, 132) == (8, 256, 4)  # gpt-oss-120b FP8: 4 x 8 x 256
-    assert combine_config(1, 64, 96, 4, 1, 132) == (16, 128, 3)  # small N: one wave, F tile from F
+    assert combine_config(1, 2048, 768, 8, 1, 132) == (4, 256, 3)  # Qwen3-30B FP8 T=1: 4x the programs
+    assert combine_config(1, 64, 96, 4, 2, 132) == (16, 64, 3)  # small N: one wave, F tile from F
+    assert combine_config(1, 64, 96, 4, 1, 132) == (4, 128, 3)  # FP8: 4 columns, F tile from F
 
 
 @pytest.mark.reference

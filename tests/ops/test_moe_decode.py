@@ -125,28 +125,6 @@ def test_interp_lazy_routing_gives_the_same_bits(routing):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("w_kind", ["fp16", "fp8"])
-@pytest.mark.parametrize("D", [64, 48])  # whole K tiles; a masked last tile
-def test_interp_tensor_core_gemv_matches_the_fma_gemv(w_kind, D):
-    """``mma`` (the gate/up products as ``[BLOCK_N, BLOCK_K] x [BLOCK_K, 16]`` dots, x in column 0)
-    computes what the CUDA-core GEMV does: same experts and weights, z within float32 rounding.
-    float16 x (the interpreter has no bfloat16 dot; the GPU tier runs bfloat16)."""
-    from moekit.ops._triton import decode as dec
-
-    T, E, F, k = 2, 16, 24, 4
-    x, logits, w13, w2, kw = _case(T, E, D, F, k, "softmax_renorm", "fp8" if w_kind == "fp8" else "bf16", seed=13)
-    x = x.half()
-    w13 = w13 if w_kind == "fp8" else w13.half()
-    s13 = kw["w13_scale_e2F"]
-    args = (x, logits, None, w13.reshape(-1, D), None if s13 is None else s13.reshape(-1), F, k, "softmax", True,
-            None, None, 1.0, False)  # fmt: skip
-    z0, ids0, rw0 = dec.decode_swiglu(*args, config=(16, 32, 2, 4, True, False))
-    z1, ids1, rw1 = dec.decode_swiglu(*args, config=(16, 32, 2, 4, True, True))
-    assert torch.equal(ids0, ids1) and torch.equal(rw0, rw1)
-    assert_close(z1.float(), z0.float(), tol=1e-2)
-
-
-@pytest.mark.interpreter
 def test_interp_accumulates_into_out_and_stores_without_reading():
     T, E, D, F, k = 2, 8, 32, 16, 2
     x, logits, w13, w2, kw = _case(T, E, D, F, k, "softmax_renorm", seed=5)
@@ -316,27 +294,6 @@ def test_gpu_matches_reference_and_sorted_pipeline(name, w_kind, T):
     assert_close(rw, rw_r, tol=1e-6, msg=f"{name} weights")
     base = torch.zeros(T, D, dtype=torch.bfloat16, device="cuda")
     assert_close(got.float(), _sorted_decode(x, logits, w13, w2, base, k, kw).float(), tol=1e-2, msg=name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_SHAPES))
-@pytest.mark.parametrize("w_kind", ["bf16", "fp8"])
-@pytest.mark.parametrize("tile", [(16, 128, 6, 1), (32, 256, 4, 2), (64, 128, 4, 4)])
-def test_gpu_tensor_core_gemv_matches_the_fma_gemv(name, w_kind, tile):
-    """moe_decode's first launch with the gate/up products on the tensor cores (``mma``): the same
-    experts and weights as the CUDA-core GEMV, z within float32 rounding, at T = 2."""
-    from moekit.ops._triton import decode as dec
-
-    x, logits, w13, w2, kw, k = _gpu_case(name, 2, w_kind, seed=3)
-    E, twoF, D = w13.shape
-    s13 = kw["w13_scale_e2F"]
-    args = (x, logits, kw["e_score_correction_bias"], w13.reshape(-1, D), None if s13 is None else s13.reshape(-1),
-            twoF // 2, k, kw["score_func"], kw["renormalize"], kw["n_group"], kw["topk_group"],
-            kw["routed_scaling_factor"], False)  # fmt: skip
-    z0, ids0, rw0 = dec.decode_swiglu(*args)
-    z1, ids1, rw1 = dec.decode_swiglu(*args, config=tile + (True, True))
-    assert torch.equal(ids0, ids1) and torch.equal(rw0, rw1), name
-    assert_close(z1.float(), z0.float(), tol=1e-2, msg=f"{name} {w_kind} {tile}")
 
 
 @pytest.mark.gpu

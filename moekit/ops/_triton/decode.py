@@ -33,13 +33,7 @@ import triton.language as tl
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_combine import grouped_gemm_combine
-from moekit.ops._triton.gg_swiglu import (
-    _gate_up_scales,
-    _gemv_pair,
-    _gemv_pair_mma,
-    _swiglu_store,
-    swiglu_gemv_config,
-)
+from moekit.ops._triton.gg_swiglu import _gate_up_scales, _gemv_pair, _swiglu_store, swiglu_gemv_config
 from moekit.ops._triton.route_select import SCORE_CODES, _select_topk
 
 
@@ -78,7 +72,6 @@ def _decode_swiglu_kernel(
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
     LAZY: tl.constexpr = False,
-    MMA: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
@@ -121,12 +114,8 @@ def _decode_swiglu_kernel(
     rs = tl.full((1,), 1.0, tl.float32)
     if WEIGHT_IN:
         rs = wj + rs * 0.0
-    if MMA:
-        hg, hu = _gemv_pair_mma(w_ptr + gate[:, None] * stride_wn, w_ptr + up[:, None] * stride_wn, x_row, n_mask,
-                                D, BLOCK_N, BLOCK_K, EVEN_K, STAGES)  # fmt: skip
-    else:
-        hg, hu = _gemv_pair(w_ptr + gate[:, None] * stride_wn, w_ptr + up[:, None] * stride_wn, x_row, n_mask, D,
-                            BLOCK_N, BLOCK_K, EVEN_K, STAGES)  # fmt: skip
+    hg, hu = _gemv_pair(w_ptr + gate[:, None] * stride_wn, w_ptr + up[:, None] * stride_wn, x_row, n_mask, D,
+                        BLOCK_N, BLOCK_K, EVEN_K, STAGES)  # fmt: skip
     offs_m = m + tl.zeros((1,), tl.int32)
     _swiglu_store(hg, hu, offs_m, offs_m >= 0, offs_n, n_mask, z_ptr, stride_zm, rs, ws_g, ws_u, rs,
                   False, HAS_WS, WEIGHT_IN)  # fmt: skip
@@ -156,8 +145,7 @@ def decode_swiglu(
     config: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch 1: ``(z [T*K, F], ids [T*K] int32, rw [T*K] float32)``, token-major rows.
-    ``config``: ``(BLOCK_N, BLOCK_K, STAGES, warps[, lazy[, mma]])``; ``mma`` (default False): the
-    gate/up products on the tensor cores (``gg_swiglu._gemv_pair_mma``). ``lazy`` (default True): each
+    ``config``: ``(BLOCK_N, BLOCK_K, STAGES, warps[, lazy])``; ``lazy`` (default True): each
     program runs the routing rounds up to its own slot only and normalizes the weights only where
     it stores or uses them (the same bits). H200, session 18, moe_decode at T=1, two passes each:
     lazy 1.2-2.0 µs faster in 10 of 12 (model, tile) pairs (Qwen3-30B bf16 24.8 vs 26.3, DeepSeek-V3
@@ -174,7 +162,6 @@ def decode_swiglu(
     cfg = config or decode_swiglu_config(M, F, D, w13.element_size(), num_sms(dev))
     bn, bk, stages, warps = cfg[:4]
     lazy = bool(cfg[4]) if len(cfg) > 4 else True
-    mma = bool(cfg[5]) if len(cfg) > 5 else False
     ph = torch.empty((1,), dtype=torch.float32, device=dev)
     launch(_decode_swiglu_kernel)[(M * cdiv(F, bn),)](
         x, logits, bias if bias is not None else ph, w13, w13_scale if w13_scale is not None else ph, z, ids, rw,
@@ -182,7 +169,7 @@ def decode_swiglu(
         TOPK=top_k, K_PAD=next_pow2(top_k), SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None,
         RENORM=bool(renormalize), NG=1 if n_group is None else int(n_group), TOPK_GROUP=int(topk_group or 1),
         BLOCK_E=max(16, next_pow2(E)), WEIGHT_IN=bool(weight_on_input), HAS_WS=w13_scale is not None,
-        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, MMA=mma, num_warps=warps, num_stages=stages,
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return z, ids, rw
 

@@ -109,8 +109,12 @@ def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) ->
     Four or more choices (H200, session 17, ``sweep_decode.py --alts``, each alternative timed
     twice, the passes within ~0.5 µs; T=1 and T=4 of Qwen3-30B, DeepSeek-V3 TP8, gpt-oss-120b):
     - when 16-column programs make at most one wave (``T * N / 16 <= SMs``: each SM streams one
-      program's long run of rows, no tail), 16 columns, 128-byte F tiles, 3 stages (Qwen3-30B bf16
-      T=1: 26.2 µs against 31.1 for the rule below);
+      program's long run of rows, no tail), 16-bit weights take 16 columns, 128-byte F tiles, 3
+      stages (Qwen3-30B bf16 T=1: 26.2 µs against 31.1 for the rule below); FP8 weights, twice the
+      values (conversions, FMAs) per byte, want more warps per SM than one 4-warp program: 4
+      columns and ``[K, 4, 8192 / (4K)]`` tiles (8 KB), 3 stages, four times the programs
+      (Qwen3-30B FP8 T=1 moe_decode, two passes each: 16.8 / 16.9 µs against 17.8 / 17.9 in
+      session 19, 17.3 / 17.3 against 18.2 in session 20; 8 warps on 8x128x4 tiles: 17.5 / 17.4);
     - else ``[K, BLOCK_N, BLOCK_F]`` weight tiles of about 8 KB (bf16 top-8: 4 columns, FP8 or
       top-4: 8), 4 stages, at least a wave of programs (FP8 T=1 DeepSeek 24.6 -> 23.4, gpt-oss 46.2
       -> 42.5, T=4 DeepSeek 61.4 -> 56.6 against 4 columns; session 16's rule below lost 5-9 µs).
@@ -124,8 +128,10 @@ def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) ->
     of accumulators), ``BLOCK_F`` a power of two dividing F when one of at least 64 does (no
     masks); about 32 KB of weights in flight per program."""
     if k_pad >= 4:
-        if T * cdiv(N, 16) <= sms:
+        if T * cdiv(N, 16) <= sms and w_elem > 1:
             return 16, max(16, min(next_pow2(F), 128 // w_elem)), 3
+        if T * cdiv(N, 16) <= sms:  # FP8: 4-column programs, 8 KB tiles, 3 stages
+            return 4, min(max(16, next_pow2(F)), 8192 // (k_pad * 4)), 3
         # More than a wave of 16-column programs here, so narrower slices make more than one too.
         block_n = min(8, max(1, 8192 // (k_pad * 128 * w_elem)))
         block_f = 128 * max(1, 8192 // (k_pad * block_n * 128 * w_elem))

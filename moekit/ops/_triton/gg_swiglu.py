@@ -103,35 +103,6 @@ def _gemv_pair(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _gemv_pair_mma(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    """``_gemv_pair`` on the tensor cores: each K tile of the gate and up rows ``[BLOCK_N,
-    BLOCK_K]`` (FP8 converted to x's dtype, exactly) times ``[BLOCK_K, 16]`` whose column 0 is
-    x's slice and the rest zeros, float32 accumulators ``[BLOCK_N, 16]``; column 0 is the product
-    (the sum over the columns adds exact zeros). One MMA instruction stands for the FMAs, the
-    conversions and the x broadcasts of 16 x 16 weights; the weight tiles feed a dot, so Triton's
-    pipeliner stages them through shared memory."""
-    cols = tl.arange(0, 16)
-    acc_g = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_cols = x_row + offs_k[:, None] + cols[None, :] * 0
-        if EVEN_K:
-            wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-            wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-            xb = tl.load(x_cols, mask=(cols == 0)[None, :], other=0.0)
-        else:
-            k_mask = offs_k < K
-            wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            xb = tl.load(x_cols, mask=k_mask[:, None] & (cols == 0)[None, :], other=0.0)
-        acc_g = tl.dot(wg.to(xb.dtype), xb, acc_g)
-        acc_u = tl.dot(wu.to(xb.dtype), xb, acc_u)
-    return tl.sum(acc_g, axis=1)[None, :], tl.sum(acc_u, axis=1)[None, :]
-
-
-@triton.jit
 def _swiglu_gemv_kernel(
     x_ptr,
     w_ptr,
