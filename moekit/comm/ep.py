@@ -145,7 +145,6 @@ class ExpertParallelComm:
 
         R, e, group = self.args.ep_size, self.args.num_local_experts, self.ep_group
         (T, D), N, dev = x_TD.shape, token_ids.shape[0], x_TD.device
-        E = send_counts_E.shape[0]
         # Counts: send_counts_E[r*e + j] rows go to rank r's local expert j; recv_counts_Re[r, j]
         # rows come from rank r for this rank's local expert j. Then the one host sync.
         recv_counts_E = torch.empty_like(send_counts_E)
@@ -158,17 +157,16 @@ class ExpertParallelComm:
         # Send rows (FP8: quantized row-wise, half the bytes) with a float32 side band per row
         # (FP8 dequant scale, router weight: the receiver applies it on the expert's input or
         # output), all-to-all; ``overlap`` runs during the exchange.
-        ones = torch.ones((1, 1), dtype=torch.float32, device=dev).expand(T, E)
         meta_N8 = torch.zeros(N, 8, dtype=torch.float32, device=dev)
         meta_N8[:, 1] = row_weights
         if fp8:
             if T:
-                send_x, x_scale = gather_scale_quant_dense_tokens(x_TD, token_ids, expert_ids, ones)
+                send_x, x_scale = gather_scale_quant_dense_tokens(x_TD, token_ids, expert_ids, None)
                 meta_N8[:, 0] = x_scale
             else:
                 send_x = torch.empty(0, D, dtype=FP8_DTYPE, device=dev)
         else:
-            send_x = gather_scale_dense_tokens(x_TD, token_ids, expert_ids, ones) if T else x_TD[:0]
+            send_x = gather_scale_dense_tokens(x_TD, token_ids, expert_ids, None) if T else x_TD[:0]
         if self.dedup:  # only this TP rank's column slice crosses the EP group
             Ds, c0 = self._slice(D)
             recv_x = torch.empty(N_recv, Ds, dtype=send_x.dtype, device=dev)

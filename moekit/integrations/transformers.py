@@ -335,8 +335,7 @@ def _experts_forward(self: torch.nn.Module, plan: _Plan, deterministic: bool, ma
             deterministic=deterministic, path=path,
         )  # fmt: skip
         return out.to(hidden_states.dtype)
-    unit = torch.ones((1, 1), dtype=torch.float32, device=x.device).expand(T, E)
-    xg = gather_scale_dense_tokens(x, token_ids, expert_ids, unit)
+    xg = gather_scale_dense_tokens(x, token_ids, expert_ids, None)  # rows copied, unscaled
     h = grouped_gemm(xg, plan.w13, m_sizes, bias=plan.b13)
     if plan.fast_swiglu:
         z = silu_mul(h[:, :F], h[:, F:])

@@ -338,13 +338,12 @@ def run_experts(
         return grouped_gemm(z, w2, m_sizes, w_scale=ws2, **down)
 
     fused = _fused_swiglu(N, e, F, D, fp8_w, 1 if fp8_w else x.element_size(), x.device)
-    if token_ids is not None and not fused:
-        ones = torch.ones((1, 1), dtype=torch.float32, device=x.device).expand(x.shape[0], max(e, 1))
     if not fp8_w:
         if fused:
             z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w)
         else:
-            xg = gather_scale_dense_tokens(x, token_ids, expert_ids, ones) if token_ids is not None else x
+            # Rows copied (no scores: no ones tensor to fill, one launch fewer).
+            xg = gather_scale_dense_tokens(x, token_ids, expert_ids, None) if token_ids is not None else x
             h = grouped_gemm(xg, w13, m_sizes, token_weights=in_w)
             z = silu_mul(h[:, :F], h[:, F:])
         if sum_rows:
@@ -358,7 +357,7 @@ def run_experts(
             raise ValueError("FP8 rows x are already sorted: pass them without token_ids")
         xq, xs = x, x_scale.reshape(-1)
     elif token_ids is not None and not fused:
-        xq, xs = gather_scale_quant_dense_tokens(x, token_ids, expert_ids, ones)
+        xq, xs = gather_scale_quant_dense_tokens(x, token_ids, expert_ids, None)
     else:  # the token rows quantized once (the fused GEMM reads them by index), or the rows given
         xq, xs = quantize_fp8_row(x)
     if fused:

@@ -66,7 +66,7 @@ def _check_gather(
     x: torch.Tensor,
     token_indices: torch.Tensor,
     expert_indices: torch.Tensor,
-    scores: torch.Tensor,
+    scores: Optional[torch.Tensor],
     valid_token_count: Optional[torch.Tensor],
 ) -> None:
     check_tensor("x", x, ndim=2, dtype=_FLOAT_DTYPES)
@@ -75,11 +75,12 @@ def _check_gather(
     check_tensor("token_indices", token_indices, ndim=1, dtype=INDEX_DTYPES, device=x.device)
     a = token_indices.shape[0]
     check_tensor("expert_indices", expert_indices, shape=(a,), dtype=INDEX_DTYPES, device=x.device)
-    check_tensor("scores", scores, ndim=2, dtype=_FLOAT_DTYPES, device=x.device)
-    if scores.shape[0] != T or scores.shape[1] < 1:
-        raise ValueError(
-            f"scores must have shape ({T}, E) with E >= 1 to match x's {T} tokens, got {tuple(scores.shape)}"
-        )
+    if scores is not None:
+        check_tensor("scores", scores, ndim=2, dtype=_FLOAT_DTYPES, device=x.device)
+        if scores.shape[0] != T or scores.shape[1] < 1:
+            raise ValueError(
+                f"scores must have shape ({T}, E) with E >= 1 to match x's {T} tokens, got {tuple(scores.shape)}"
+            )
     check_optional_count("valid_token_count", valid_token_count, x.device)
 
 
@@ -135,7 +136,7 @@ def _gather_scale_dense_tokens_op(
     x: torch.Tensor,
     token_indices: torch.Tensor,
     expert_indices: torch.Tensor,
-    scores: torch.Tensor,
+    scores: Optional[torch.Tensor],
     valid_token_count: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     if use_triton(x):
@@ -150,7 +151,7 @@ def _gather_scale_quant_dense_tokens_op(
     x: torch.Tensor,
     token_indices: torch.Tensor,
     expert_indices: torch.Tensor,
-    scores: torch.Tensor,
+    scores: Optional[torch.Tensor],
     scale_ub: Optional[torch.Tensor] = None,
     valid_token_count: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,16 +218,17 @@ def gather_scale_dense_tokens(
     x: torch.Tensor,
     token_indices: torch.Tensor,
     expert_indices: torch.Tensor,
-    scores: torch.Tensor,
+    scores: Optional[torch.Tensor],
     valid_token_count: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``out[r] = x[token_indices[r]] * scores[token_indices[r], expert_indices[r]]``.
 
     ``x`` ``[T, D]`` bf16/fp16/fp32 (``D % 8 == 0``, unit last stride); ``token_indices`` and
     ``expert_indices`` ``[a]`` int32/int64 (e.g. from ``index_shuffling``); ``scores`` ``[T, E]``
-    with any strides. Returns ``[a, D]`` in ``x.dtype``, computed in float32. Row ``r`` is written
-    only when ``r < valid_token_count[0]`` and both indices are in range (negative = skipped);
-    other rows are left unwritten (uninitialized on CUDA, zeros on the CPU path).
+    with any strides, or None: the rows copied (a scale of 1; any expert index ``>= 0`` is in
+    range). Returns ``[a, D]`` in ``x.dtype``, computed in float32. Row ``r`` is written only when
+    ``r < valid_token_count[0]`` and both indices are in range (negative = skipped); other rows
+    are left unwritten (uninitialized on CUDA, zeros on the CPU path).
     """
     _check_gather(x, token_indices, expert_indices, scores, valid_token_count)
     return call_op(_gather_scale_dense_tokens_op, x, token_indices, expert_indices, scores, valid_token_count)
@@ -236,11 +238,12 @@ def gather_scale_quant_dense_tokens(
     x: torch.Tensor,
     token_indices: torch.Tensor,
     expert_indices: torch.Tensor,
-    scores: torch.Tensor,
+    scores: Optional[torch.Tensor],
     scale_ub: Optional[torch.Tensor] = None,
     valid_token_count: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gather_scale_dense_tokens`` fused with FP8 e4m3fn row-wise quantization.
+    """``gather_scale_dense_tokens`` fused with FP8 e4m3fn row-wise quantization (``scores`` None:
+    the rows quantized unscaled).
 
     Per written row (the scaled float32 row): ``amax`` floored at 1e-12 and clamped to
     ``scale_ub`` (a 1-element float32 tensor, optional); values ``clamp(row * 448 / amax, ±448)``

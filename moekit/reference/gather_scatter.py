@@ -45,9 +45,10 @@ def _check_gather_args(x, token_indices, expert_indices, scores, valid_token_cou
     check_tensor("token_indices", token_indices, ndim=1, dtype=INDEX_DTYPES, device=x.device)
     a = token_indices.shape[0]
     check_tensor("expert_indices", expert_indices, shape=(a,), dtype=INDEX_DTYPES, device=x.device)
-    check_tensor("scores", scores, ndim=2, device=x.device)
-    if scores.shape[0] != T:
-        raise ValueError(f"scores must have shape ({T}, E) to match x's {T} tokens, got {tuple(scores.shape)}")
+    if scores is not None:
+        check_tensor("scores", scores, ndim=2, device=x.device)
+        if scores.shape[0] != T:
+            raise ValueError(f"scores must have shape ({T}, E) to match x's {T} tokens, got {tuple(scores.shape)}")
     check_optional_count("valid_token_count", valid_token_count, x.device)
     return T, D, a
 
@@ -59,14 +60,16 @@ def _gathered_scaled(x, token_indices, expert_indices, scores, valid_token_count
     exp = expert_indices.long()
     # Rows whose token or expert index is negative or out of range are skipped (as the kernels do).
     written = row_mask(a, valid_token_count, x.device) & (tok >= 0) & (tok < T) & (exp >= 0)
-    written &= exp < scores.shape[1]
-    if T == 0 or scores.shape[1] == 0:  # no row can be in range (and nothing to index with 0)
+    E = scores.shape[1] if scores is not None else None  # no scores: a scale of 1, any expert >= 0
+    if E is not None:
+        written &= exp < E
+    if T == 0 or E == 0:  # no row can be in range (and nothing to index with 0)
         return torch.zeros(a, D, dtype=torch.float32, device=x.device), written & False
     # Skipped rows index row 0 (always in range here) and are zeroed below: never clamped.
     tok_safe = torch.where(written, tok, 0)
-    exp_safe = torch.where(written, exp, 0)
-    s = scores.float()[tok_safe, exp_safe]
-    rows = x.float()[tok_safe] * s.unsqueeze(1)
+    rows = x.float()[tok_safe]
+    if scores is not None:
+        rows = rows * scores.float()[tok_safe, torch.where(written, exp, 0)].unsqueeze(1)
     rows = torch.where(written.unsqueeze(1), rows, 0.0)
     return rows, written
 
@@ -75,15 +78,15 @@ def gather_scale_dense_tokens(
     x: torch.Tensor,
     token_indices: torch.Tensor,
     expert_indices: torch.Tensor,
-    scores: torch.Tensor,
+    scores: Optional[torch.Tensor],
     valid_token_count: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``out[r] = x[token_indices[r]] * scores[token_indices[r], expert_indices[r]]``.
 
-    ``x`` ``[T, D]``; indices ``[a]``; ``scores`` ``[T, E]`` (any strides). Computed in float32,
-    returned in ``x.dtype``. Row ``r`` is written only when ``r < valid_token_count[0]`` (the
-    number of valid *rows*, as in MSLK), ``0 <= token_indices[r] < T`` and
-    ``0 <= expert_indices[r] < E``; other rows (negative or out-of-range indices included, which
+    ``x`` ``[T, D]``; indices ``[a]``; ``scores`` ``[T, E]`` (any strides; None: a scale of 1, any
+    expert index ``>= 0`` in range). Computed in float32, returned in ``x.dtype``. Row ``r`` is
+    written only when ``r < valid_token_count[0]`` (the number of valid *rows*, as in MSLK),
+    ``0 <= token_indices[r] < T`` and ``0 <= expert_indices[r] < E``; other rows (negative or out-of-range indices included, which
     are skipped, never clamped) are zero here, where the kernel leaves them unwritten.
     """
     rows, _ = _gathered_scaled(x, token_indices, expert_indices, scores, valid_token_count)
@@ -94,7 +97,7 @@ def gather_scale_quant_dense_tokens(
     x: torch.Tensor,
     token_indices: torch.Tensor,
     expert_indices: torch.Tensor,
-    scores: torch.Tensor,
+    scores: Optional[torch.Tensor],
     scale_ub: Optional[torch.Tensor] = None,
     valid_token_count: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

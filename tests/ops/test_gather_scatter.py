@@ -236,6 +236,40 @@ def test_gather_interpreter_out_of_range_indices_match_reference(pin_knobs, idt,
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("whole_row", [0, 1], ids=["column_blocks", "whole_rows"])
+def test_gather_interpreter_without_scores_copies_the_rows(pin_knobs, whole_row):
+    """``scores=None`` (what the experts pipeline passes: no ones tensor to fill): the rows are
+    copied, bitwise those of unit scores, skipped rows untouched; any expert index >= 0 is in range
+    (nothing is indexed with it), negative ones and invalid tokens still skip. The FP8 gather
+    quantizes the unscaled rows."""
+    tri = _tri()
+    pin_knobs(GATHER_WHOLE_ROW_MIN_ROWS_PER_SM=whole_row, GATHER_STREAM_PROGRAMS_PER_SM=1)
+    T, E, D = 4, 3, 24
+    tok, exp, _ = _out_of_range_indices(T, E, torch.int32)
+    w = (tok >= 0) & (tok < T) & (exp >= 0)  # experts past E included
+    A = tok.shape[0]
+    x = randn(T, D, seed=23)
+    ones = torch.ones(1, 1).expand(T, 2**20)  # unit scores wide enough for every expert index
+    out = poison(torch.empty(A, D))
+    tri.gather_scale_dense_tokens(x, tok, exp, None, out=out)
+    assert_poisoned(out, w)
+    assert torch.equal(out[w], ref.gather_scale_dense_tokens(x, tok, exp, ones)[w])
+    assert torch.equal(out[w], x[tok[w].long()])
+    assert torch.equal(
+        ops.gather_scale_dense_tokens(x, tok, exp, None), ref.gather_scale_dense_tokens(x, tok, exp, None)
+    )
+    xb = x.to(torch.bfloat16)
+    q, sc = poison(torch.empty(A, D, dtype=FP8)), poison(torch.empty(A))
+    tri.gather_scale_quant_dense_tokens(xb, tok, exp, None, out=q, out_scale=sc)
+    rq, rs = ref.gather_scale_quant_dense_tokens(xb, tok, exp, None)
+    assert_poisoned(q, w)
+    assert_poisoned(sc, w)
+    check_fp8(q, sc, rq, rs, w)
+    uq, us = ref.gather_scale_quant_dense_tokens(xb, tok, exp, ones)
+    assert torch.equal(rq.view(torch.uint8), uq.view(torch.uint8)) and torch.equal(rs, us)
+
+
+@pytest.mark.interpreter
 def test_gather_interpreter_rows_of_non_power_of_two_width():
     """D = 1536 (1024 + 512): several rows per program must still be a power of two (it was 5 for
     the FP8 gather and the whole-row gather, which then failed to compile); D = 0 quantizes to
@@ -861,6 +895,23 @@ def test_gather_scale_gpu(T, E, K, D, cuda):
         tri.gather_scale_dense_tokens(x, tidx, eidx, s, v, out=out)
         assert_poisoned(out, w)
         assert torch.equal(out[w], want[w])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,D", GPU_CASES)
+def test_gather_without_scores_gpu(T, E, K, D, cuda):
+    """``scores=None``: the rows copied (the bf16 gather) and quantized unscaled (the FP8 one),
+    the bits of unit scores."""
+    s, _, eidx, tidx = routing(T, E, K, start=1, end=E, seed=T, device=cuda)
+    x = randn(T, D, dtype=torch.bfloat16, device=cuda, seed=2)
+    ones = torch.ones(1, 1, device=cuda).expand(T, E)
+    w = gather_written(tidx, eidx, None)
+    got = ops.gather_scale_dense_tokens(x, tidx, eidx, None)
+    assert torch.equal(got[w], ops.gather_scale_dense_tokens(x, tidx, eidx, ones)[w])
+    assert torch.equal(got[w], x[tidx[w].long()])
+    q, sc = ops.gather_scale_quant_dense_tokens(x, tidx, eidx, None)
+    uq, us = ops.gather_scale_quant_dense_tokens(x, tidx, eidx, ones)
+    assert torch.equal(q[w].view(torch.uint8), uq[w].view(torch.uint8)) and torch.equal(sc[w], us[w])
 
 
 @pytest.mark.gpu

@@ -44,6 +44,14 @@ def _gather_index(rows, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp):
 
 
 @triton.jit
+def _row_scores(scores_ptr, tok, exp, ok, stride_st, stride_se, HAS_SCORES: tl.constexpr):
+    """The rows' scores in float32 (``scores[tok, exp]``), ones without ``HAS_SCORES``."""
+    if HAS_SCORES:
+        return tl.load(scores_ptr + tok * stride_st + exp * stride_se, mask=ok, other=0.0).to(tl.float32)
+    return tl.where(ok, 1.0, 0.0)
+
+
+@triton.jit
 def _gather_scale_kernel(
     out_ptr,
     x_ptr,
@@ -65,9 +73,11 @@ def _gather_scale_kernel(
     HAS_VALID: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SCORES: tl.constexpr = True,
     USE_PDL: tl.constexpr = 0,
 ):
-    """A ``[BLOCK_R, BLOCK_D]`` tile (``n_db`` column blocks per row block), one per program."""
+    """A ``[BLOCK_R, BLOCK_D]`` tile (``n_db`` column blocks per row block), one per program.
+    Without ``HAS_SCORES`` the rows are copied (a scale of 1)."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     rb = pid // n_db
@@ -75,7 +85,7 @@ def _gather_scale_kernel(
     n_rows = _row_count(valid_ptr, A, HAS_VALID)
     rows = rb.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     tok, exp, ok = _gather_index(rows, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp)
-    s = tl.load(scores_ptr + tok * stride_st + exp * stride_se, mask=ok, other=0.0).to(tl.float32)
+    s = _row_scores(scores_ptr, tok, exp, ok, stride_st, stride_se, HAS_SCORES)
     d_lim = (D // 8) * 8
     cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
     m = ok[:, None] & (cols < d_lim)[None, :]
@@ -87,10 +97,11 @@ def _gather_scale_kernel(
 
 @triton.jit
 def _gather_row(
-    x_ptr, scores_ptr, tok, exp, ok, d_lim, stride_x, stride_st, stride_se, BLOCK_D: tl.constexpr, W_TAIL: tl.constexpr
-):
+    x_ptr, scores_ptr, tok, exp, ok, d_lim, stride_x, stride_st, stride_se, BLOCK_D: tl.constexpr, W_TAIL: tl.constexpr,
+    HAS_SCORES: tl.constexpr,
+):  # fmt: skip
     """The rows' ``BLOCK_D`` head and ``W_TAIL`` tail columns (raw dtype) and their scores."""
-    s = tl.load(scores_ptr + tok * stride_st + exp * stride_se, mask=ok, other=0.0).to(tl.float32)
+    s = _row_scores(scores_ptr, tok, exp, ok, stride_st, stride_se, HAS_SCORES)
     x_row = x_ptr + (tok * (stride_x // 8) * 8)[:, None]
     cols = tl.arange(0, BLOCK_D)
     v = tl.load(
@@ -131,6 +142,7 @@ def _gather_scale_stream_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     W_TAIL: tl.constexpr = 0,
+    HAS_SCORES: tl.constexpr = True,
     USE_PDL: tl.constexpr = 0,
 ):
     """Whole rows (``BLOCK_D`` head + ``W_TAIL`` tail, ``BLOCK_D + W_TAIL >= D``), a persistent
@@ -148,12 +160,13 @@ def _gather_scale_stream_kernel(
     odt = out_ptr.dtype.element_ty
     rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     tok, exp, ok = _gather_index(rows, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp)
-    v, tv, s = _gather_row(x_ptr, scores_ptr, tok, exp, ok, d_lim, stride_x, stride_st, stride_se, BLOCK_D, W_TAIL)
+    v, tv, s = _gather_row(x_ptr, scores_ptr, tok, exp, ok, d_lim, stride_x, stride_st, stride_se, BLOCK_D, W_TAIL,
+                           HAS_SCORES)  # fmt: skip
     rows_n = rows + step
     tok_n, exp_n, ok_n = _gather_index(rows_n, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp)
     for _u in range(pid, n_units, nprog):
         v_n, tv_n, s_n = _gather_row(
-            x_ptr, scores_ptr, tok_n, exp_n, ok_n, d_lim, stride_x, stride_st, stride_se, BLOCK_D, W_TAIL
+            x_ptr, scores_ptr, tok_n, exp_n, ok_n, d_lim, stride_x, stride_st, stride_se, BLOCK_D, W_TAIL, HAS_SCORES
         )
         rows_nn = rows_n + step
         tok_nn, exp_nn, ok_nn = _gather_index(rows_nn, n_rows, tok_ptr, exp_ptr, T, E, stride_tok, stride_exp)
@@ -214,16 +227,25 @@ def _gather_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, in
     return block_r, block_d, 0, n_db, warps, 0
 
 
+def _score_args(scores: Optional[torch.Tensor]) -> tuple[int, int, int]:
+    """``(E, stride_st, stride_se)`` of the gathers' scores; without scores every expert index
+    ``>= 0`` is in range (nothing is indexed with it)."""
+    if scores is None:
+        return 2**31 - 1, 0, 0
+    return int(scores.shape[1]), scores.stride(0), scores.stride(1)
+
+
 def gather_scale_dense_tokens(
     x: torch.Tensor,
     token_indices: torch.Tensor,
     expert_indices: torch.Tensor,
-    scores: torch.Tensor,
+    scores: Optional[torch.Tensor],
     valid_token_count: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Launcher (arguments validated by the public op). ``out`` (tests): a preallocated
-    ``[a, D]`` output whose unwritten rows stay as they are."""
+    """Launcher (arguments validated by the public op). ``scores`` None: a scale of 1 (any expert
+    index >= 0 is in range). ``out`` (tests): a preallocated ``[a, D]`` output whose unwritten
+    rows stay as they are."""
     T, D = x.shape
     A = token_indices.shape[0]
     if out is None:
@@ -232,34 +254,38 @@ def gather_scale_dense_tokens(
         return out
     block_r, block_d, w_tail, n_db, warps, stream = _gather_tiles(A, D, x.device)
     has_valid = valid_token_count is not None
+    E, stride_st, stride_se = _score_args(scores)
     args = (
         out,
         x,
         token_indices,
         expert_indices,
-        scores,
+        scores if scores is not None else x,  # unused placeholder without scores
         valid_token_count if has_valid else token_indices,
         A,
         T,
-        scores.shape[1],
+        E,
         D,
         x.stride(0),
         out.stride(0),
         token_indices.stride(0),
         expert_indices.stride(0),
-        scores.stride(0),
-        scores.stride(1),
+        stride_st,
+        stride_se,
     )
+    has_scores = scores is not None
     if stream:
         grid = (max(1, min(cdiv(A, block_r), stream * num_sms(x.device))),)
         launch(_gather_scale_stream_kernel)[grid](
-            *args, HAS_VALID=has_valid, BLOCK_R=block_r, BLOCK_D=block_d, W_TAIL=w_tail, num_warps=warps
-        )
+            *args, HAS_VALID=has_valid, BLOCK_R=block_r, BLOCK_D=block_d, W_TAIL=w_tail, HAS_SCORES=has_scores,
+            num_warps=warps,
+        )  # fmt: skip
     else:
         grid = (cdiv(A, block_r) * n_db,)
         launch(_gather_scale_kernel)[grid](
-            *args, n_db, HAS_VALID=has_valid, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps
-        )
+            *args, n_db, HAS_VALID=has_valid, BLOCK_R=block_r, BLOCK_D=block_d, HAS_SCORES=has_scores,
+            num_warps=warps,
+        )  # fmt: skip
     return out
 
 
@@ -323,6 +349,7 @@ def _gather_scale_quant_kernel(
     N_CHUNKS: tl.constexpr,
     UNMASKED: tl.constexpr = False,
     CLAMP: tl.constexpr = True,
+    HAS_SCORES: tl.constexpr = True,
     USE_PDL: tl.constexpr = 0,
 ):
     """``CLAMP``: clamp to +-448 before the FP8 conversion; without, the conversion saturates
@@ -345,7 +372,7 @@ def _gather_scale_quant_kernel(
     tok = tl.load(tok_ptr + rows * stride_tok, mask=live, other=-1).to(tl.int64)
     exp = tl.load(exp_ptr + rows * stride_exp, mask=live, other=-1).to(tl.int64)
     ok = live & (tok >= 0) & (tok < T) & (exp >= 0) & (exp < E)
-    s = tl.load(scores_ptr + tok * stride_st + exp * stride_se, mask=ok, other=0.0).to(tl.float32)
+    s = _row_scores(scores_ptr, tok, exp, ok, stride_st, stride_se, HAS_SCORES)
     x_row = x_ptr + (tok * (stride_x // 8) * 8)[:, None]
     o_row = out_ptr + (rows * (stride_out // 8) * 8)[:, None]
     d_lim = (D // 8) * 8
@@ -463,13 +490,14 @@ def gather_scale_quant_dense_tokens(
     x: torch.Tensor,
     token_indices: torch.Tensor,
     expert_indices: torch.Tensor,
-    scores: torch.Tensor,
+    scores: Optional[torch.Tensor],
     scale_ub: Optional[torch.Tensor] = None,
     valid_token_count: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     out_scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher. ``out``/``out_scale`` (tests): preallocated outputs left untouched where unwritten."""
+    """Launcher. ``scores`` None: a scale of 1. ``out``/``out_scale`` (tests): preallocated outputs
+    left untouched where unwritten."""
     T, D = x.shape
     A = token_indices.shape[0]
     if out is None:
@@ -480,25 +508,27 @@ def gather_scale_quant_dense_tokens(
         return out, out_scale
     block_r, block_d, n_chunks, one_pass, warps = _quant_tiles(A, D, x.device)
     has_valid = valid_token_count is not None
+    E, stride_st, stride_se = _score_args(scores)
     launch(_gather_scale_quant_kernel)[(cdiv(A, block_r),)](
         out,
         out_scale,
         x,
         token_indices,
         expert_indices,
-        scores,
+        scores if scores is not None else x,  # unused placeholder without scores
         valid_token_count if has_valid else token_indices,
         scale_ub if scale_ub is not None else x,  # unused placeholder: an input, never an output
         A,
         T,
-        scores.shape[1],
+        E,
         D,
         x.stride(0),
         out.stride(0),
         token_indices.stride(0),
         expert_indices.stride(0),
-        scores.stride(0),
-        scores.stride(1),
+        stride_st,
+        stride_se,
+        HAS_SCORES=scores is not None,
         HAS_VALID=has_valid,
         HAS_UB=scale_ub is not None,
         EPS=FUSED_EPS,
