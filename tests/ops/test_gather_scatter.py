@@ -189,6 +189,19 @@ def test_gather_scale_quant_interpreter_unmasked(D):
     _check_quant_launcher(randn(T, D, dtype=torch.bfloat16, seed=D), tidx, eidx, s, partial=True)
 
 
+def _quant_into_poison_matches_reference(xb, tok, exp, s, w):
+    """The FP8 gather's launcher into poisoned outputs: rows ``w`` written and the reference's (within
+    one e4m3 step), the rest untouched. Returns the reference's ``(q, scale)``."""
+    A, D = tok.shape[0], xb.shape[1]
+    q, sc = poison(torch.empty(A, D, dtype=FP8)), poison(torch.empty(A))
+    _tri().gather_scale_quant_dense_tokens(xb, tok, exp, s, out=q, out_scale=sc)
+    rq, rs = ref.gather_scale_quant_dense_tokens(xb, tok, exp, s)
+    assert_poisoned(q, w)
+    assert_poisoned(sc, w)
+    check_fp8(q, sc, rq, rs, w)
+    return rq, rs
+
+
 def _out_of_range_indices(T: int, E: int, idt: torch.dtype):
     """(token_indices, expert_indices, rows the kernels write): in-range rows mixed with a token
     past T (7 of 4, T itself, 2**32 + 1 or int32's max), negative ones and experts past E."""
@@ -224,12 +237,7 @@ def test_gather_interpreter_out_of_range_indices_match_reference(pin_knobs, idt,
     assert torch.equal(ops.gather_scale_dense_tokens(x, tok, exp, s), want)
 
     xb = x.to(torch.bfloat16)
-    q, sc = poison(torch.empty(A, D, dtype=FP8)), poison(torch.empty(A))
-    tri.gather_scale_quant_dense_tokens(xb, tok, exp, s, out=q, out_scale=sc)
-    rq, rs = ref.gather_scale_quant_dense_tokens(xb, tok, exp, s)
-    assert_poisoned(q, w)
-    assert_poisoned(sc, w)
-    check_fp8(q, sc, rq, rs, w)
+    rq, rs = _quant_into_poison_matches_reference(xb, tok, exp, s, w)
     assert (rq[~w].float() == 0).all() and (rs[~w] == 0).all()
     oq, osc = ops.gather_scale_quant_dense_tokens(xb, tok, exp, s)
     assert torch.equal(oq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(osc, rs)
@@ -259,12 +267,7 @@ def test_gather_interpreter_without_scores_copies_the_rows(pin_knobs, whole_row)
         ops.gather_scale_dense_tokens(x, tok, exp, None), ref.gather_scale_dense_tokens(x, tok, exp, None)
     )
     xb = x.to(torch.bfloat16)
-    q, sc = poison(torch.empty(A, D, dtype=FP8)), poison(torch.empty(A))
-    tri.gather_scale_quant_dense_tokens(xb, tok, exp, None, out=q, out_scale=sc)
-    rq, rs = ref.gather_scale_quant_dense_tokens(xb, tok, exp, None)
-    assert_poisoned(q, w)
-    assert_poisoned(sc, w)
-    check_fp8(q, sc, rq, rs, w)
+    rq, rs = _quant_into_poison_matches_reference(xb, tok, exp, None, w)
     uq, us = ref.gather_scale_quant_dense_tokens(xb, tok, exp, ones)
     assert torch.equal(rq.view(torch.uint8), uq.view(torch.uint8)) and torch.equal(rs, us)
 
