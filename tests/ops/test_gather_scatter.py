@@ -599,6 +599,9 @@ def test_kernels_compile_for_sm90():
         for D in (5120, 7168, 16384, 2880, 1536):  # 1536: four rows per program (1024 + 512 wide)
             G.gather_scale_quant_dense_tokens(e(4096, D), e(4096, dtype=i32), e(4096, dtype=i32), e(4096, 128),
                                               e(1, dtype=torch.float32), e(1, dtype=i32))
+        for A, D in ((4096, 5120), (64, 2880)):  # without scores (the experts pipeline's gathers)
+            G.gather_scale_dense_tokens(e(A, D), e(A, dtype=i32), e(A, dtype=i32), None)
+            G.gather_scale_quant_dense_tokens(e(A, D), e(A, dtype=i32), e(A, dtype=i32), None)
         # Deterministic scatter: the scan (two BLOCK_A buckets), then the bucket path: top-4 and
         # top-1 (4 and 2 rows per step), bucket capacities 4 to 256, no valid count, int64
         # indices, fp32 rows, small D (several tokens per tile).
@@ -611,7 +614,8 @@ def test_kernels_compile_for_sm90():
         """,
         ["moekit.ops._triton.gather_scatter"],
     )
-    assert_all_compiled(records, 28)
+    assert_all_compiled(records, 32)
+    assert {r["constants"].get("HAS_SCORES") for r in records if "gather" in r["kernel"]} == {"True", "False"}
     # The one-pass FP8 gather holds a row of 5120 on 2 warps in 64 registers per lane (16 rows in
     # flight per SM; a float32 or masked row took 96: 10 rows), 7168 in at most 96.
     quant = {
@@ -629,6 +633,23 @@ def test_kernels_compile_for_sm90():
     assert spec == {"True", "False"}, spec
     caps = {r["constants"].get("CAP") for r in records if r["kernel"] == "_bucket_sum_kernel"}
     assert caps == {"4", "8", "16", "256"}, caps
+
+
+@pytest.mark.reference
+def test_gathers_without_scores_opcheck_and_compile():
+    """``scores=None`` through the registered ops: schema, fake tensors, autograd registration and
+    a ``fullgraph`` torch.compile of each gather."""
+    x = randn(5, 16, seed=31)
+    tok = torch.tensor([0, 1, 4, -1, 2], dtype=torch.int32)
+    exp = torch.tensor([0, 3, 1, 0, 7], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.moekit.gather_scale_dense_tokens.default, (x, tok, exp, None))
+    torch.library.opcheck(torch.ops.moekit.gather_scale_quant_dense_tokens.default, (x.bfloat16(), tok, exp, None))
+    f = torch.compile(lambda x, t, e: ops.gather_scale_dense_tokens(x, t, e, None), fullgraph=True)
+    assert torch.equal(f(x, tok, exp), ops.gather_scale_dense_tokens(x, tok, exp, None))
+    g = torch.compile(lambda x, t, e: ops.gather_scale_quant_dense_tokens(x, t, e, None), fullgraph=True)
+    q, sc = g(x.bfloat16(), tok, exp)
+    rq, rs = ops.gather_scale_quant_dense_tokens(x.bfloat16(), tok, exp, None)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs)
 
 
 @pytest.mark.reference
