@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Ahead-of-time tuning of the grouped GEMM on the GPU: times the heuristic's configuration and
-its alternatives (``candidate_configs`` below) for the shapes given, and
+its alternatives (``candidate_configs`` below: for streaming shapes also the ``persist`` tiles,
+the swap-AB tiles on the persistent tile loop) for the shapes given, and
 writes the winners as a JSON table (the format ``$MOEKIT_GG_TUNED`` / ``grouped_gemm_tuned.json``
 reads).
 
@@ -60,6 +61,13 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
         )
         out.append(h)
     if h.kind == "stream":
+        # The same tiles on the persistent tile loop (``persist``), flattened or not, and with
+        # twice the K steps (short K: a tile's loads overlap the previous tile's MMAs).
+        # Flattened, the pipeline spans tiles: it may hold more stages than one tile has K steps.
+        for bk in sorted({max(16, h.block_k // 2), h.block_k}):
+            steps = max(2, min(4, -(-K // bk)))
+            out.append(replace(h, block_k=bk, stages=max(3, steps), persist=True, flatten=True))
+            out.append(replace(h, block_k=bk, stages=steps, persist=True, flatten=False))
         for bn in sorted({max(16, h.block_n // 2), h.block_n, min(128, h.block_n * 2)}):
             for bk in sorted({max(16, h.block_k // 2), h.block_k, min(kpow, h.block_k * 2)}):
                 stage = (bn + h.block_m) * bk * elem

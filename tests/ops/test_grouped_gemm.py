@@ -163,6 +163,56 @@ def test_interp_grouped_gemm(case, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, FP8, "w_only"], ids=["fp16", "fp8", "w_only"])
+@pytest.mark.parametrize("tma,x_tma,flatten", [(True, True, True), (True, False, True), (False, False, False)])
+@pytest.mark.parametrize("scatter", [False, True], ids=["rows", "scatter"])
+def test_interp_stream_persist_matches_the_streaming_kernel(dtype, tma, x_tma, flatten, scatter):
+    """``persist`` (the streaming path's swap-AB tiles on the persistent tile loop, fewer programs
+    than tiles so each loops): the streaming kernel's rows (same products, same K order), scattered
+    or stored; groups of 0..40 rows over 16-row tiles (a group past one tile), short K (two steps),
+    M not a multiple of the tile; x through TMA or pointers, weights through TMA or pointers."""
+    from dataclasses import replace
+
+    from moekit import settings
+
+    M, G, N, K = 53, 4, 48, 64
+    w_only = dtype == "w_only"
+    x, w, xs, ws = _inputs(M, G, N, K, torch.float16 if w_only else dtype, seed=8)
+    if w_only:  # 16-bit x with FP8 weights (row scales after the dot)
+        w, ws = quantize_fp8_row(w.float())
+        xs = None
+    ms = torch.tensor([0, 40, 3, 10], dtype=torch.int32)
+    tw = torch.rand(M, generator=_gen(2)) + 0.5
+    base = replace(_cfg("stream", 16, 16, 32, tma=tma), x_tma=x_tma, flatten=flatten)
+    kw = dict(x_scale=xs, w_scale=ws) if dtype == FP8 else (dict(w_scale=ws) if w_only else {})
+    fp8_out = dtype == FP8 or w_only
+
+    def run(cfg, **more):
+        # One program per "SM" (4 in the interpreter): each loops over several of the 15 tiles.
+        with settings.override(gg_stream_pps=1):
+            return _tri().grouped_gemm(x, w, ms, token_weights=tw, config=cfg, **kw, **more)
+
+    if scatter:
+        idx = torch.randint(-1, 9, (M,), generator=_gen(3), dtype=torch.int32)
+        out0 = torch.randn(8, N, generator=_gen(4)).to(torch.bfloat16 if dtype == FP8 else torch.float16)
+        out1 = out0.clone()
+        # The interpreter has no 16-bit atomic add: the stored rows + the deterministic sum.
+        run(base, out=out0, scatter_indices=idx, deterministic=True)
+        run(replace(base, persist=True), out=out1, scatter_indices=idx, deterministic=True)
+        assert torch.equal(out0, out1)
+        return
+    y0 = run(base)
+    y1 = run(replace(base, persist=True))
+    n = int(ms.sum())
+    assert torch.equal(y0[:n], y1[:n])
+    if dtype == FP8:
+        want = ref.grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw)
+    else:
+        want = ref.grouped_gemm(x.float(), (w.float() * ws[:, None]) if w_only else w.float(), ms, None, tw)
+    assert_close(y1[:n].float(), want[:n].float(), tol=1e-2 if fp8_out else 2e-3)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["stream", "tiled"])
 def test_interp_fp8(kind):
     M, G, N, K = 41, 3, 32, 64
@@ -527,6 +577,64 @@ def test_prefill_tiles_compile_without_spills_for_sm90():
     assert all(not t[5] for t in tiles), tiles
 
 
+@pytest.mark.reference
+def test_stream_persist_setting_switches_the_heuristic():
+    """``MOEKIT_GG_STREAM_PERSIST`` (``gg_stream_persist``): the heuristic's streaming tiles, same
+    shapes, on the persistent flattened loop with at least 3 stages; tiled and GEMV choices stay."""
+    from dataclasses import replace
+
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    shapes = [(128, 7168, 256, 256, True, 1), (128, 2048, 768, 128, False, 2), (16384, 2048, 768, 128, False, 2),
+              (1, 2048, 5120, 16, False, 2)]  # fmt: skip
+    base = [heuristic_config(*sh, 132) for sh in shapes]
+    with settings.override(gg_stream_persist=True):
+        on = [heuristic_config(*sh, 132) for sh in shapes]
+    for b, o in zip(base, on):
+        if b.kind == "stream":
+            assert o == replace(b, persist=True, stages=max(3, b.stages)), (b, o)
+        else:
+            assert o == b
+    assert [b.kind for b in base] == ["stream", "stream", "tiled", "gemv"]
+
+
+@pytest.mark.reference
+def test_stream_persist_compiles_without_spills_for_sm90():
+    """``persist`` (the streaming tiles on the persistent tile loop) at the short-K down projections
+    it is for (DeepSeek-V3 TP8 K=256, Qwen3-30B K=768, at 16 and 128 tokens' rows), bf16 and FP8,
+    flattened or not, rows stored and scatter-added: no stack frame, within shared memory."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from dataclasses import replace
+        from moekit.ops._triton import grouped_gemm as GG
+        from moekit.ops._triton.gg_config import heuristic_config
+        m = "meta"
+        for fp8 in (False, True):
+            dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            for M, N, K, G in ((128, 7168, 256, 256), (1024, 7168, 256, 256), (128, 2048, 768, 128)):
+                x, w = torch.empty(M, K, dtype=dt, device=m), torch.empty(G * N, K, dtype=dt, device=m)
+                ms = torch.empty(G, dtype=torch.int32, device=m)
+                xs = torch.empty(M, device=m) if fp8 else None
+                ws = torch.empty(G * N, device=m) if fp8 else None
+                tw = torch.empty(M, device=m)
+                h = heuristic_config(M, N, K, G, fp8, x.element_size(), 132)
+                for flatten in (True, False):
+                    cfg = replace(h, persist=True, flatten=flatten, stages=3 if flatten else h.stages)
+                    GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, config=cfg)
+                out = torch.empty(M // 8, N, dtype=torch.bfloat16, device=m)
+                idx = torch.empty(M, dtype=torch.int32, device=m)
+                GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, out=out, scatter_indices=idx,
+                                config=replace(h, persist=True))
+        """,
+        ["moekit.ops._triton.grouped_gemm"],
+    )
+    assert_all_compiled(records, 18)
+    assert all(r["kernel"] == "_gg_tiled_kernel" and r["constants"]["SWAP_AB"] == "True" for r in records), records
+    assert all(not r["stack"] for r in records), [(r["constants"], r["stack"]) for r in records if r["stack"]]
+
+
 # ==============================================================================================
 # Reference tier: public ops on CPU tensors
 # ==============================================================================================
@@ -819,6 +927,10 @@ def _all_configs(M, N, K, G, fp8):
         out.append(C("stream", 128, 128, 128 if fp8 else 64, 4, 8, use_tma=use_tma))
         out.append(C("stream", 128, 64, 128 if fp8 else 64, 4, 4, use_tma=use_tma))
         out.append(C("stream", 16, 128, 256 if fp8 else 64, 3, 4, use_tma=use_tma))
+        for flatten in (True, False):  # the swap-AB tiles on the persistent tile loop
+            out.append(C("stream", 16, 128, 128 if fp8 else 64, 2 if fp8 else 4, 4, use_tma=use_tma, flatten=flatten,
+                         persist=True))  # fmt: skip
+        out.append(C("stream", 32, 64, 128 if fp8 else 64, 3, 4, use_tma=use_tma, x_tma=True, persist=True))
         for flatten in (True, False):
             out.append(C("tiled", 128, 128, 128 if fp8 else 64, 4, 8, use_tma=use_tma, flatten=flatten))
         out.append(C("tiled", 128, 256, 128 if fp8 else 64, 3, 8, use_tma=use_tma, flatten=not fp8))
@@ -854,6 +966,32 @@ def test_gpu_every_config(shape, dtype, cuda):
         y = tri.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, fast_accum=False,
                              config=tri.GemmConfig("tiled", 128, 256, 128, 3, 8))  # fmt: skip
         assert_close(y[:n].float(), want[:n], tol=_tol(dtype), msg="precise accumulation")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("G,M,N,K", [(256, 128, 7168, 256), (128, 128, 2048, 768), (256, 1024, 7168, 256)])
+def test_gpu_stream_persist_matches_the_streaming_kernel(G, M, N, K, dtype, cuda):
+    """``persist`` on the short-K down projections it is meant for (DeepSeek-V3 TP8 K=256 at 16 and
+    128 tokens' rows, Qwen3-30B K=768): the heuristic's streaming tile on the persistent tile loop,
+    flattened or not, within rounding of the streaming kernel and of the float32 oracle."""
+    from dataclasses import replace
+
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    fp8 = dtype == FP8
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=G + M, device=cuda)
+    ms = random_m_sizes(M, G, device=cuda)
+    tw = torch.rand(M, device=cuda) + 0.5
+    h = heuristic_config(M, N, K, G, fp8, x.element_size(), 132)
+    assert h.kind == "stream", h
+    want = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+    y0 = _tri().grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, config=h)
+    for flatten in (True, False):
+        cfg = replace(h, persist=True, flatten=flatten)
+        y1 = _tri().grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, config=cfg)
+        assert_close(y1.float(), y0.float(), tol=_tol(dtype), msg=str(cfg))
+        assert_close(y1.float(), want, tol=_tol(dtype), msg=str(cfg))
 
 
 @pytest.mark.gpu
@@ -1109,11 +1247,14 @@ cases = {
     "gemv": dict(base, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, STAGES=5, USE_PDL=0),
     "stream": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False, USE_PDL=0),
     "tiled": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                  GROUP_M=8, STAGES=3, USE_PDL=0),
+                  GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, USE_PDL=0),
+    "persist": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
+                    GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, USE_PDL=0),
 }
 out = {}
 for name, kw in cases.items():
-    acc = identify_accessed_tensors(getattr(GG, f"_gg_{name}_kernel"), kw, {})
+    kernel = getattr(GG, "_gg_%s_kernel" % ("tiled" if name == "persist" else name))
+    acc = identify_accessed_tensors(kernel, kw, {})
     out[name] = sorted(d.name for d in acc.read_writes.writes)
 print("@@" + json.dumps(out))
 """
@@ -1140,6 +1281,7 @@ def test_inductor_sees_only_the_output_written():
     assert "Encountered an exception" not in proc.stderr, proc.stderr[-4000:]
     assert writes["gemv"] == ["y_ptr"] and writes["stream"] == ["y_ptr"], writes
     assert writes["tiled"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes
+    assert writes["persist"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes  # the swap-AB tiles on it
 
 
 # ---------------------------------------------------------------------------- non-tensor arguments

@@ -20,7 +20,11 @@ class GemmConfig:
     """One launch configuration. ``kind``: "gemv" (CUDA cores, per row and N slice; ``block_m``
     is ignored), "stream" (swap-AB, per group and N slice) or "tiled" (persistent). ``use_tma``:
     ask for TMA descriptors (used only when the strides allow; never by "gemv"); ``x_tma``: the
-    streaming kernel reads x through one as well (whole row tiles)."""
+    streaming kernel reads x through one as well (whole row tiles). ``persist`` ("stream" only):
+    the swap-AB tiles on the persistent tiled kernel's tile loop (``flatten``: one software
+    pipeline across tiles, so a tile's weight loads start during the previous tile's MMAs and
+    epilogue; short K has 2-4 steps per tile), ``gg_stream_pps`` programs per SM; a sweep
+    candidate (``benchmarks/sweep_gemm.py``), off in the heuristic until measured."""
 
     kind: str
     block_m: int
@@ -32,6 +36,7 @@ class GemmConfig:
     use_tma: bool = True
     flatten: bool = True
     x_tma: bool = False
+    persist: bool = False
 
 
 def expected_groups_hit(M: int, G: int) -> float:
@@ -188,6 +193,9 @@ def heuristic_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: 
         # it costs programs per SM (5 stages for 2 K steps: 187.2 µs, 2 stages: 147.0, FP8
         # N=7168 K=256 G=256 M=2048, session 9 run 1).
         stages = max(2, min(stages, cdiv(K, block_k)))
+        if settings.get().gg_stream_persist:  # the same tiles on the persistent, flattened tile loop,
+            # whose pipeline spans tiles (at least 3 stages)
+            return GemmConfig("stream", block_m, block_n, block_k, max(3, stages), warps, persist=True)
         return GemmConfig("stream", block_m, block_n, block_k, stages, warps)
     # Tiled persistent: compute-bound (or nearly) tiles. Groups of under ~200 rows waste less of
     # their last row tile with 64-row tiles; 64 x 256 with four stages was the measured best from

@@ -356,8 +356,14 @@ def _gg_tiled_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     STAGES: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    X_TMA: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
+    """``SWAP_AB``: the MMA takes the weight tile as its left operand (``[BLOCK_N, BLOCK_M] = w @
+    x.T``, BLOCK_N on the warpgroup's M side, a few token rows on its N side: the streaming
+    kernel's tiles on this persistent tile loop). ``X_TMA``: x through its TMA descriptor, else
+    masked pointers (``USE_TMA``: the weights through theirs)."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -372,19 +378,24 @@ def _gg_tiled_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         m_mask = offs_m < m_end
         n_mask = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            if USE_TMA:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            if X_TMA:
                 a = x_ptr.load([m0, k0])
-                b = w_ptr.load([w_row0, k0])
             else:
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < K
                 a = tl.load(
                     x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0,
                 )
+            if USE_TMA:
+                b = w_ptr.load([w_row0, k0])
+            else:
                 b = tl.load(
                     w_ptr + (w_row0.to(tl.int64) + tl.arange(0, BLOCK_N))[:, None] * stride_wn + offs_k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :],
@@ -392,11 +403,20 @@ def _gg_tiled_kernel(
                 )
             if W_ONLY:
                 b = b.to(a.dtype)
-            if FAST_ACCUM:
+            if SWAP_AB:
+                if FAST_ACCUM:
+                    acc = tl.dot(b, tl.trans(a), acc)
+                else:
+                    acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=BLOCK_K)
+            elif FAST_ACCUM:
                 acc = tl.dot(a, tl.trans(b), acc)
             else:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+        if SWAP_AB:
+            acc_mn = tl.trans(acc)
+        else:
+            acc_mn = acc
         _epilogue(
-            acc, offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
+            acc_mn, offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
             xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
         )  # fmt: skip

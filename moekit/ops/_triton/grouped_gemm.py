@@ -23,6 +23,9 @@ Three kernels (the last two share one epilogue):
 - ``_gg_tiled_kernel`` (the *tiled* path, many rows per expert: compute-bound prefill): a
   persistent kernel (one program per SM) walking the output tiles of all groups in a grouped
   (L2-friendly) order, with TMA tensor descriptors for x and w on Hopper when the strides allow.
+  With ``SWAP_AB`` (a "stream" configuration with ``persist``: a sweep candidate, not chosen by
+  the heuristic) it runs the streaming path's swapped tiles on that tile loop, ``gg_stream_pps``
+  programs per SM, so that a short-K tile's weight loads overlap the previous tile's work.
 
 All read ``m_sizes`` on the device: every program loads the ``[G]`` sizes, computes the group
 offsets with a cumulative sum and clips them to ``M`` (so rows past ``M`` are never touched
@@ -38,9 +41,9 @@ deterministic=True)`` applied to the GEMM's rows).
 
 ``use_fast_accum``: FP8 ``tl.dot`` on Hopper accumulates in the tensor core's reduced-precision
 accumulator by default (fast accumulation, Triton's sm_90 default); ``use_fast_accum=False``
-promotes the accumulator to float32 after every ``BLOCK_K`` slice (tiled path only; the streaming
-path has short K slices per dot and always uses the default; the GEMV path always accumulates
-exact float32 products). Ignored for 16-bit inputs.
+promotes the accumulator to float32 after every ``BLOCK_K`` slice (the tiled kernel, ``persist``
+included; the streaming kernel has short K slices per dot and always uses the default; the GEMV
+path always accumulates exact float32 products). Ignored for 16-bit inputs.
 """
 
 from __future__ import annotations
@@ -222,7 +225,20 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         w.stride(0),
         y.stride(0),
     )
-    if stream:
+    if stream and cfg.persist:
+        # The swap-AB tiles on the persistent tile loop (``GemmConfig.persist``): the streaming
+        # kernel's programs per SM, no more than fit side by side (a program that starts only
+        # when another ends would run its share of the tiles after the rest: tiles are dealt
+        # statically), at most one per tile.
+        upper = (cdiv(M, bm) + min(G, M)) * cdiv(N, bn)
+        smem = (bm + bn) * bk * x.element_size() * cfg.stages + (bm * bn * 2 if cfg.flatten else 0)
+        pps = max(1, min(settings.get().gg_stream_pps, (227 * 1024) // smem))
+        grid = (max(1, min(upper, pps * sms)),)
+        launch(_gg_tiled_kernel)[grid](
+            *args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
+            X_TMA=x_tma, **common,
+        )  # fmt: skip
+    elif stream:
         # One program per (possibly non-empty group, N slice), capped (``settings.gg_stream_pps``
         # programs per SM): programs past the non-empty groups exit at once, and a capped grid
         # loops over the items.
@@ -236,6 +252,8 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             FAST_ACCUM=bool(fast_accum) or not fp8,
             FLATTEN=cfg.flatten,
             GROUP_M=cfg.group_m,
+            SWAP_AB=False,
+            X_TMA=use_tma,  # every argument given: inductor's kernel analysis fills in no defaults
             **common,
         )
     return None if scatter else y
