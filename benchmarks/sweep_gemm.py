@@ -61,9 +61,9 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
         )
         out.append(h)
     if h.kind == "stream":
-        # The same tiles on the persistent tile loop (``persist``), flattened or not, and with
-        # twice the K steps (short K: a tile's loads overlap the previous tile's MMAs).
-        # Flattened, the pipeline spans tiles: it may hold more stages than one tile has K steps.
+        # The same tiles on the persistent tile loop (``persist``) at the heuristic's K slice and
+        # half of it: flattened (the pipeline spans tiles, so it may hold more stages than a tile
+        # has K steps) or not.
         for bk in sorted({max(16, h.block_k // 2), h.block_k}):
             steps = max(2, min(4, -(-K // bk)))
             out.append(replace(h, block_k=bk, stages=max(3, steps), persist=True, flatten=True))

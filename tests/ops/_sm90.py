@@ -9,7 +9,7 @@ arguments are typed ``fp64``, as torch.compile (inductor) passes them to user-de
 kernels; ints equal to 1 are specialized as Triton's launcher does. Returns one dict per launch
 (``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``regs`` per thread and ``stack``
 frame bytes (spills; None when ``cuobjdump`` is missing), ``error`` or None). With
-``MOEKIT_SM90_DUMP=<folder>`` each launch's TTGIR, PTX and cubin are written there (for
+``SM90_DUMP_DIR=<folder>`` each launch's TTGIR, PTX and cubin are written there (for
 ``cuobjdump -sass``).
 """
 
@@ -88,7 +88,7 @@ def compile_one(kernel, args, kwargs):
         assert k.asm.get("cubin"), "no cubin"
         rec["shared"] = int(k.metadata.shared)
         rec["regs"], rec["stack"] = registers(k.asm["cubin"])
-        dump = os.environ.get("MOEKIT_SM90_DUMP")  # a folder: each launch's TTGIR, PTX and cubin
+        dump = os.environ.get("SM90_DUMP_DIR")  # a folder: each launch's TTGIR, PTX and cubin
         if dump:
             base = os.path.join(dump, "%s_%d" % (kernel.__name__, len(RECORDS)))
             for ext in ("ttgir", "ptx", "cubin"):
