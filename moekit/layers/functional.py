@@ -7,7 +7,8 @@ by index with SwiGLU fused, down GEMM with the router weight and the scatter-add
 pipeline: gather (+ FP8 quant) -> grouped GEMM -> SwiGLU -> grouped GEMM + scatter-add). Where
 ``moekit.layers.experts.decode_fused`` says so (up to 4 tokens of a top-k >= 4 model with at most
 256 experts, 16-bit or FP8 weights), ``moekit.ops.moe_decode`` runs the experts in two launches
-instead: each GEMV program routes its token itself (no routing launch). No host sync anywhere: CUDA-graph capturable.
+instead: each GEMV program routes its token itself (no routing launch). No host sync anywhere:
+CUDA-graph capturable.
 
 ``route`` is the same routing as dense ``[T, E]`` torch ops (selection scores and weights), kept
 for callers that want the scores themselves. ``RoutingConfig`` is defined in

@@ -225,12 +225,12 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         w.stride(0),
         y.stride(0),
     )
+    upper = (cdiv(M, bm) + min(G, M)) * cdiv(N, bn)  # the persistent tile loop's most tiles
     if stream and cfg.persist:
         # The swap-AB tiles on the persistent tile loop (``GemmConfig.persist``): the streaming
         # kernel's programs per SM, no more than fit side by side (a program that starts only
         # when another ends would run its share of the tiles after the rest: tiles are dealt
         # statically), at most one per tile.
-        upper = (cdiv(M, bm) + min(G, M)) * cdiv(N, bn)
         smem = (bm + bn) * bk * x.element_size() * cfg.stages + (bm * bn * 2 if cfg.flatten else 0)
         pps = max(1, min(settings.get().gg_stream_pps, (227 * 1024) // smem))
         grid = (max(1, min(upper, pps * sms)),)
@@ -245,7 +245,6 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         grid = (max(1, min(min(G, M) * cdiv(N, bn), settings.get().gg_stream_pps * sms)),)
         launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, **common)
     else:
-        upper = (cdiv(M, bm) + min(G, M)) * cdiv(N, bn)
         grid = (max(1, min(sms, upper)),)
         launch(_gg_tiled_kernel)[grid](
             *args,

@@ -227,12 +227,13 @@ def _gather_tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, in
     return block_r, block_d, 0, n_db, warps, 0
 
 
-def _score_args(scores: Optional[torch.Tensor]) -> tuple[int, int, int]:
-    """``(E, stride_st, stride_se)`` of the gathers' scores; without scores every expert index
-    ``>= 0`` is in range (nothing is indexed with it)."""
+def _score_args(scores: Optional[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``(pointer, E, stride_st, stride_se)`` of the gathers' scores; without scores ``x`` stands in
+    for the pointer (never read) and every expert index ``>= 0`` is in range (nothing is indexed
+    with it)."""
     if scores is None:
-        return 2**31 - 1, 0, 0
-    return int(scores.shape[1]), scores.stride(0), scores.stride(1)
+        return x, 2**31 - 1, 0, 0
+    return scores, int(scores.shape[1]), scores.stride(0), scores.stride(1)
 
 
 def gather_scale_dense_tokens(
@@ -254,13 +255,13 @@ def gather_scale_dense_tokens(
         return out
     block_r, block_d, w_tail, n_db, warps, stream = _gather_tiles(A, D, x.device)
     has_valid = valid_token_count is not None
-    E, stride_st, stride_se = _score_args(scores)
+    scores_arg, E, stride_st, stride_se = _score_args(scores, x)
     args = (
         out,
         x,
         token_indices,
         expert_indices,
-        scores if scores is not None else x,  # unused placeholder without scores
+        scores_arg,
         valid_token_count if has_valid else token_indices,
         A,
         T,
@@ -508,14 +509,14 @@ def gather_scale_quant_dense_tokens(
         return out, out_scale
     block_r, block_d, n_chunks, one_pass, warps = _quant_tiles(A, D, x.device)
     has_valid = valid_token_count is not None
-    E, stride_st, stride_se = _score_args(scores)
+    scores_arg, E, stride_st, stride_se = _score_args(scores, x)
     launch(_gather_scale_quant_kernel)[(cdiv(A, block_r),)](
         out,
         out_scale,
         x,
         token_indices,
         expert_indices,
-        scores if scores is not None else x,  # unused placeholder without scores
+        scores_arg,
         valid_token_count if has_valid else token_indices,
         scale_ub if scale_ub is not None else x,  # unused placeholder: an input, never an output
         A,
