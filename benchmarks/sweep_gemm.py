@@ -51,6 +51,9 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
     h = heuristic_config(M, N, K, G, fp8, elem, sms)
     kpow = max(16, next_pow2(K))
     out = [h]
+    if h.persist:  # the same tiles one program per tile (MOEKIT_GG_STREAM_PERSIST=0)
+        h = heuristic_config(M, N, K, G, fp8, elem, sms, persist=False)
+        out.append(h)
     if h.kind == "gemv":
         for bn in sorted({max(1, h.block_n // 2), h.block_n, min(16, h.block_n * 2)}):
             for bk in sorted({max(16, h.block_k // 2), h.block_k, min(kpow, h.block_k * 2)}):

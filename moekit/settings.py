@@ -26,7 +26,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_GG_TMA`` | ``gg_tma`` | 1 | TMA descriptors in the grouped GEMM where the strides allow |
 | ``MOEKIT_GG_FLATTEN`` | ``gg_flatten`` | 1 | the tiled GEMM's fused (flattened) tile + K loop |
 | ``MOEKIT_GG_STREAM_PPS`` | ``gg_stream_pps`` | 4 | streaming GEMM grid cap, programs per SM |
-| ``MOEKIT_GG_STREAM_PERSIST`` | ``gg_stream_persist`` | 0 | the streaming GEMM's tiles on the persistent tile loop (``GemmConfig.persist``; an experiment until measured) |
+| ``MOEKIT_GG_STREAM_PERSIST`` | ``gg_stream_persist`` | 1 | the streaming GEMM's tiles on the persistent tile loop (``GemmConfig.persist``; 0: one program per tile, as before session 21) |
 | ``MOEKIT_F8_DENSE`` | ``f8_dense`` | auto | dense FP8 GEMM backend: ``auto``, ``triton``, ``scaled_mm`` |
 | ``MOEKIT_COMM_HOST_ERRORS`` | ``comm_host_errors`` | 1 | the collective mirrors timeouts to pinned host memory |
 | ``MOEKIT_BENCH_DIR`` | ``bench_dir`` | ``$OUT`` | where benchmarks write their JSON rows |
@@ -70,7 +70,7 @@ class Settings:
     gg_tma: bool = True
     gg_flatten: bool = True
     gg_stream_pps: int = 4
-    gg_stream_persist: bool = False
+    gg_stream_persist: bool = True
     f8_dense: str = "auto"
     comm_host_errors: bool = True
     bench_dir: Optional[str] = None
@@ -173,7 +173,7 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         gg_tma=_flag(env, "MOEKIT_GG_TMA", True),
         gg_flatten=_flag(env, "MOEKIT_GG_FLATTEN", True),
         gg_stream_pps=_int(env, "MOEKIT_GG_STREAM_PPS", 4, lo=1),
-        gg_stream_persist=_flag(env, "MOEKIT_GG_STREAM_PERSIST", False),
+        gg_stream_persist=_flag(env, "MOEKIT_GG_STREAM_PERSIST", True),
         f8_dense=_choice(env, "MOEKIT_F8_DENSE", "auto", F8_DENSE),
         comm_host_errors=_flag(env, "MOEKIT_COMM_HOST_ERRORS", True),
         bench_dir=env.get("MOEKIT_BENCH_DIR") or env.get("OUT") or None,

@@ -579,17 +579,21 @@ def test_prefill_tiles_compile_without_spills_for_sm90():
 
 @pytest.mark.reference
 def test_stream_persist_setting_switches_the_heuristic():
-    """``MOEKIT_GG_STREAM_PERSIST`` (``gg_stream_persist``): the heuristic's streaming tiles, same
-    shapes, on the persistent flattened loop with at least 3 stages; tiled and GEMV choices stay."""
+    """``MOEKIT_GG_STREAM_PERSIST`` (``gg_stream_persist``, on by default): the heuristic's streaming
+    tiles, same shapes, on the persistent flattened loop with at least 3 stages; tiled and GEMV
+    choices stay. ``persist=False`` (the fused SwiGLU kernel's rule) overrides the setting."""
     from dataclasses import replace
 
     from moekit.ops._triton.gg_config import heuristic_config
 
     shapes = [(128, 7168, 256, 256, True, 1), (128, 2048, 768, 128, False, 2), (16384, 2048, 768, 128, False, 2),
               (1, 2048, 5120, 16, False, 2)]  # fmt: skip
-    base = [heuristic_config(*sh, 132) for sh in shapes]
-    with settings.override(gg_stream_persist=True):
-        on = [heuristic_config(*sh, 132) for sh in shapes]
+    assert settings.get().gg_stream_persist  # the default
+    on = [heuristic_config(*sh, 132) for sh in shapes]
+    with settings.override(gg_stream_persist=False):
+        base = [heuristic_config(*sh, 132) for sh in shapes]
+        assert [heuristic_config(*sh, 132, persist=True) for sh in shapes] == on
+    assert [heuristic_config(*sh, 132, persist=False) for sh in shapes] == base
     for b, o in zip(base, on):
         if b.kind == "stream":
             assert o == replace(b, persist=True, stages=max(3, b.stages)), (b, o)

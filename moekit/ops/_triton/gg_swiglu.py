@@ -403,7 +403,7 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     if use_gemv(M, hits):
         return swiglu_gemv_config(M, F, K, w_elem or elem, sms)
-    cfg = heuristic_config(M, F, K, G, fp8, elem, sms)
+    cfg = heuristic_config(M, F, K, G, fp8, elem, sms, persist=False)  # no persistent stream loop here
     if cfg.kind != "stream":  # many rows per expert: persistent tensor-core tiles
         return swiglu_tiled_config(M, F, K, hits, elem, sms)
     stage = (2 * cfg.block_n + cfg.block_m) * cfg.block_k * elem

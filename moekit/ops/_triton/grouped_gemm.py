@@ -23,9 +23,10 @@ Three kernels (the last two share one epilogue):
 - ``_gg_tiled_kernel`` (the *tiled* path, many rows per expert: compute-bound prefill): a
   persistent kernel (one program per SM) walking the output tiles of all groups in a grouped
   (L2-friendly) order, with TMA tensor descriptors for x and w on Hopper when the strides allow.
-  With ``SWAP_AB`` (a "stream" configuration with ``persist``: a sweep candidate, not chosen by
-  the heuristic) it runs the streaming path's swapped tiles on that tile loop, ``gg_stream_pps``
-  programs per SM, so that a short-K tile's weight loads overlap the previous tile's work.
+  With ``SWAP_AB`` (a "stream" configuration with ``persist``: the heuristic's streaming tiles
+  unless ``MOEKIT_GG_STREAM_PERSIST=0``) it runs the streaming path's swapped tiles on that tile
+  loop, ``gg_stream_pps`` programs per SM, so that a short-K tile's weight loads overlap the
+  previous tile's work.
 
 All read ``m_sizes`` on the device: every program loads the ``[G]`` sizes, computes the group
 offsets with a cumulative sum and clips them to ``M`` (so rows past ``M`` are never touched
