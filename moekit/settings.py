@@ -26,7 +26,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_GG_TMA`` | ``gg_tma`` | 1 | TMA descriptors in the grouped GEMM where the strides allow |
 | ``MOEKIT_GG_FLATTEN`` | ``gg_flatten`` | 1 | the tiled GEMM's fused (flattened) tile + K loop |
 | ``MOEKIT_GG_STREAM_PPS`` | ``gg_stream_pps`` | 4 | streaming GEMM grid cap, programs per SM |
-| ``MOEKIT_GG_STREAM_PERSIST`` | ``gg_stream_persist`` | 1 | the streaming GEMM's tiles on the persistent tile loop (``GemmConfig.persist``; 0: one program per tile, as before session 21) |
+| ``MOEKIT_GG_STREAM_PERSIST`` | ``gg_stream_persist`` | 1 | short-K streaming GEMM tiles (at most 4 K steps, not weight-only FP8) on the persistent tile loop (``GemmConfig.persist``; 0: one program per tile) |
 | ``MOEKIT_F8_DENSE`` | ``f8_dense`` | auto | dense FP8 GEMM backend: ``auto``, ``triton``, ``scaled_mm`` |
 | ``MOEKIT_COMM_HOST_ERRORS`` | ``comm_host_errors`` | 1 | the collective mirrors timeouts to pinned host memory |
 | ``MOEKIT_BENCH_DIR`` | ``bench_dir`` | ``$OUT`` | where benchmarks write their JSON rows |

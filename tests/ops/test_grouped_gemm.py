@@ -586,7 +586,8 @@ def test_stream_persist_setting_switches_the_heuristic():
 
     from moekit.ops._triton.gg_config import heuristic_config
 
-    shapes = [(128, 7168, 256, 256, True, 1), (128, 2048, 768, 128, False, 2), (16384, 2048, 768, 128, False, 2),
+    shapes = [(128, 7168, 256, 256, True, 1), (128, 7168, 256, 256, False, 2), (128, 2048, 768, 128, True, 1),
+              (128, 2048, 768, 128, False, 2), (64, 2880, 2880, 128, False, 2), (16384, 2048, 768, 128, False, 2),
               (1, 2048, 5120, 16, False, 2)]  # fmt: skip
     assert settings.get().gg_stream_persist  # the default
     on = [heuristic_config(*sh, 132) for sh in shapes]
@@ -594,12 +595,38 @@ def test_stream_persist_setting_switches_the_heuristic():
         base = [heuristic_config(*sh, 132) for sh in shapes]
         assert [heuristic_config(*sh, 132, persist=True) for sh in shapes] == on
     assert [heuristic_config(*sh, 132, persist=False) for sh in shapes] == base
-    for b, o in zip(base, on):
-        if b.kind == "stream":
+    for sh, b, o in zip(shapes, base, on):
+        if b.kind == "stream" and -(-sh[2] // b.block_k) <= 4:  # short K: at most 4 K steps per tile
             assert o == replace(b, persist=True, stages=max(3, b.stages)), (b, o)
         else:
             assert o == b
-    assert [b.kind for b in base] == ["stream", "stream", "tiled", "gemv"]
+    assert [o.persist for o in on] == [True, True, True, False, False, False, False]
+    assert [b.kind for b in base] == ["stream"] * 5 + ["tiled", "gemv"]
+
+
+@pytest.mark.reference
+def test_default_launch_keeps_weight_only_fp8_off_the_persistent_loop():
+    """The launcher's own choice (no config given) for DeepSeek-V3 TP8's down projection at 16
+    tokens: FP8 and bf16 rows take the persistent swap-AB tiles, weight-only FP8 (bf16 rows, FP8
+    weights: the decode path's down GEMM) one program per tile, as does long K (gpt-oss)."""
+    from tests.ops._sm90 import compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import grouped_gemm as GG
+        m, f8, bf = "meta", torch.float8_e4m3fn, torch.bfloat16
+        for M, N, K, G, xdt, wdt in ((128, 7168, 256, 256, f8, f8), (128, 7168, 256, 256, bf, bf),
+                                     (128, 7168, 256, 256, bf, f8), (64, 2880, 2880, 128, bf, bf)):
+            x, w = torch.empty(M, K, dtype=xdt, device=m), torch.empty(G * N, K, dtype=wdt, device=m)
+            GG.grouped_gemm(x, w, torch.empty(G, dtype=torch.int32, device=m),
+                            x_scale=torch.empty(M, device=m) if xdt == f8 else None,
+                            w_scale=torch.empty(G * N, device=m) if wdt == f8 else None)
+        """,
+        ["moekit.ops._triton.grouped_gemm"],
+    )
+    kinds = [(r["kernel"], r["constants"].get("SWAP_AB")) for r in records]
+    assert kinds == [("_gg_tiled_kernel", "True"), ("_gg_tiled_kernel", "True"), ("_gg_stream_kernel", None),
+                     ("_gg_stream_kernel", None)], kinds  # fmt: skip
 
 
 @pytest.mark.reference

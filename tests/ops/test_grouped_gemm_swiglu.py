@@ -348,8 +348,7 @@ def test_kernels_compile_for_sm90():
     )
     assert_all_compiled(records, 35)
     kinds = {r["kernel"] for r in records}
-    # the down projection's streaming tiles run on the tiled kernel's persistent loop (``persist``)
-    assert {"_swiglu_gemv_kernel", "_swiglu_stream_kernel", "_gg_gemv_kernel", "_gg_tiled_kernel",
+    assert {"_swiglu_gemv_kernel", "_swiglu_stream_kernel", "_gg_gemv_kernel", "_gg_stream_kernel",
             "_combine_kernel"} <= kinds, kinds  # fmt: skip
     assert all(not r.get("stack") for r in records if r["kernel"] == "_combine_kernel"), records
 

@@ -144,8 +144,9 @@ def gemv_config(M: int, N: int, K: int, elem: int, sms: int) -> GemmConfig:
 def heuristic_config(
     M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int, persist: Optional[bool] = None
 ) -> GemmConfig:
-    """The launch configuration by size rules. ``persist``: the streaming tiles on the persistent
-    tile loop (default ``settings.gg_stream_persist``); False for kernels without that loop."""
+    """The launch configuration by size rules. ``persist``: whether short-K streaming tiles may run
+    on the persistent tile loop (default ``settings.gg_stream_persist``); False for kernels
+    without that loop."""
     # Problems of at most ``settings.gg_gemv_max_m`` rows in all run the GEMV kernel (0: never).
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     # The GEMV kernel also when the rows rarely share an expert (top-k decode: one token's k rows
@@ -197,11 +198,14 @@ def heuristic_config(
         # it costs programs per SM (5 stages for 2 K steps: 187.2 µs, 2 stages: 147.0, FP8
         # N=7168 K=256 G=256 M=2048, session 9 run 1).
         stages = max(2, min(stages, cdiv(K, block_k)))
-        # The same tiles on the persistent, flattened tile loop, whose pipeline spans tiles (at least
-        # 3 stages): the next tile's weights load while this one's MMAs and epilogue run. Session 21
-        # run 1 (H200): DeepSeek TP8 w2 (K=256) at M=128 FP8 49.5 us vs 56.2, bf16 91.8 vs 101.9,
-        # M=1024 bf16 228.5 vs 254.6; Qwen3 w2 (K=768) M=128 FP8 35.2 vs 38.9.
-        if settings.get().gg_stream_persist if persist is None else persist:
+        # Short K (at most 4 K steps per tile): the same tiles on the persistent, flattened tile
+        # loop, whose pipeline spans tiles (at least 3 stages), so the next tile's weights load
+        # while this one's MMAs and epilogue run. Session 21 (H200), GEMM alone: DeepSeek TP8 w2
+        # (K=256) M=128 FP8 49.5 us vs 56.2, bf16 91.8 vs 101.9, M=1024 bf16 228.5 vs 254.6;
+        # Qwen3 w2 (K=768) M=128 FP8 35.2 vs 38.9. Layers: DeepSeek 4-12% faster at T=16-1024,
+        # Qwen3 FP8 3-5% at T=16-256; long K (gpt-oss K=2880, Scout) 1-3% slower, so not there.
+        allowed = settings.get().gg_stream_persist if persist is None else persist
+        if allowed and cdiv(K, block_k) <= 4:
             return GemmConfig("stream", block_m, block_n, block_k, max(3, stages), warps, persist=True)
         return GemmConfig("stream", block_m, block_n, block_k, stages, warps)
     # Tiled persistent: compute-bound (or nearly) tiles. Groups of under ~200 rows waste less of
