@@ -261,7 +261,13 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
             try:
                 w13l = w["w13_e2FD"].reshape(-1, s.D)
                 w2l = w["w2_eDF"].reshape(-1, s.F)
-                _check("mslk", mslk_routed(sets[0]["x"], sets[0]["logits"], w, w13l, w2l), ref0, tol)
+                # MSLK routes on bf16 sigmoid scores: where two experts' scores round to one bf16
+                # value its choice may differ from the float32 routing's (a few tokens from T=16 on
+                # failed the 2% check against ref0). Its experts are checked with its own choice.
+                m_ti, m_tw = mslk_routing(sets[0]["logits"])
+                ref_m = _reference_routed(sets[0]["x"], deq13, deq2, m_ti, m_tw, on_input)
+                row["mslk_err"] = _check("mslk", mslk_routed(sets[0]["x"], sets[0]["logits"], w, w13l, w2l), ref_m, tol)
+                row["mslk_routing_differs"] = int((m_ti != sets[0]["ti"]).sum())
                 row["mslk_us"] = bench_us([lambda st=st: mslk_routed(st["x"], st["logits"], w, w13l, w2l)
                                            for st in sets], replays=reps)  # fmt: skip
             except Exception as exc:
@@ -300,6 +306,17 @@ def torch_routed(x: torch.Tensor, logits: torch.Tensor, w: dict, cfg: RoutingCon
     if not cfg.apply_router_weight_on_input:
         y = (y.float() * wt.unsqueeze(1)).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def mslk_routing(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-1 choice MSLK's ``index_shuffling`` makes on bf16 sigmoid scores, as ``[T, 1]``
+    expert ids and float32 weights (the score of the chosen expert)."""
+    scores = torch.sigmoid(logits.to(torch.bfloat16))
+    _, eidx, tidx = torch.ops.mslk.index_shuffling(scores)
+    T = logits.shape[0]
+    ids = torch.empty(T, dtype=torch.int64, device=logits.device)
+    ids[tidx.flatten()[:T].long()] = eidx.flatten()[:T].long()
+    return ids[:, None].to(torch.int32), scores.gather(1, ids[:, None]).float()
 
 
 def mslk_routed(x: torch.Tensor, logits: torch.Tensor, w: dict, w13l: torch.Tensor, w2l: torch.Tensor):
