@@ -83,3 +83,25 @@ def test_ncu_table_splits_cases_at_the_marker_launch():
         "| qwen3 fp8 T=4 | _route_fused_kernel | 4.0 | 0.0 | 500 |",
     ]
     assert {"long_sb", "not_sel", "inst"} <= set(ncu_layer.STALLS.values())
+
+
+@pytest.mark.reference
+def test_sweep_gemm_candidates_hold_both_streaming_loops():
+    """``sweep_gemm.candidate_configs``: the heuristic's choice first, then (short K, where it takes
+    the persistent tile loop) the same tiles one program per tile, so a sweep times both; the
+    persist variants and the tiled configurations follow, each once."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import sweep_gemm
+    finally:
+        sys.path.pop(0)
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    for M, N, K, G, fp8, elem in ((128, 7168, 256, 256, True, 1), (64, 2880, 2880, 128, False, 2)):
+        c = sweep_gemm.candidate_configs(M, N, K, G, fp8, elem, 132)
+        h = heuristic_config(M, N, K, G, fp8, elem, 132)
+        assert c[0] == h and len(c) == len(set(c))
+        assert heuristic_config(M, N, K, G, fp8, elem, 132, persist=False) in c
+        assert any(x.persist for x in c) and any(x.kind == "stream" and not x.persist for x in c)
+        assert any(x.kind == "tiled" for x in c)
+        assert h.persist == (K == 256)  # short K only
