@@ -23,8 +23,8 @@ class GemmConfig:
     streaming kernel reads x through one as well (whole row tiles). ``persist`` ("stream" only):
     the swap-AB tiles on the persistent tiled kernel's tile loop (``flatten``: one software
     pipeline across tiles, so a tile's weight loads start during the previous tile's MMAs and
-    epilogue; short K has 2-4 steps per tile), ``gg_stream_pps`` programs per SM; a sweep
-    candidate (``benchmarks/sweep_gemm.py``), off in the heuristic until measured."""
+    epilogue; short K has 2-4 steps per tile), ``gg_stream_pps`` programs per SM; the heuristic's
+    choice for short K (``heuristic_config``)."""
 
     kind: str
     block_m: int
@@ -85,13 +85,14 @@ def config_key(M: int, N: int, K: int, G: int, fp8: bool, elem: int) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def select_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> GemmConfig:
+def select_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_only: bool = False) -> GemmConfig:
     """The launch configuration for a shape: a tuned entry when $MOEKIT_GG_TUNED names a table
-    holding this shape bucket, else the heuristic below. Cheap (cached per shape)."""
+    holding this shape bucket, else the heuristic below. Cheap (cached per shape). ``w_only``:
+    FP8 weights with 16-bit rows (``elem`` is the rows'), never on the persistent stream loop."""
     tuned = _tuned_table().get(config_key(M, N, K, G, fp8, elem))
-    if tuned:
+    if tuned and not (w_only and tuned.get("persist")):
         return GemmConfig(**tuned)
-    return heuristic_config(M, N, K, G, fp8, elem, sms)
+    return heuristic_config(M, N, K, G, fp8, elem, sms, persist=False if w_only else None)
 
 
 def use_gemv(M: int, hits: float) -> bool:

@@ -165,11 +165,9 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     w = _unit_last(w)
     sms = num_sms(x.device)
     w_only = not fp8 and w.dtype == FP8_DTYPE
-    cfg = config or select_config(M, N, K, G, fp8, x.element_size(), sms)
-    if w_only and cfg.persist and config is None:
-        # Weight-only FP8 (bf16 rows): its swap-AB tiles on the persistent loop ran slower than
-        # one program per tile (session 21, DeepSeek TP8 decode path T=16: 292 us vs 261)
-        cfg = heuristic_config(M, N, K, G, fp8, x.element_size(), sms, persist=False)
+    # Weight-only FP8 (bf16 rows) stays off the persistent stream loop: its swap-AB tiles there
+    # ran slower than one program per tile (session 21, DeepSeek TP8 decode path T=16: 292 us vs 261).
+    cfg = config or select_config(M, N, K, G, fp8, x.element_size(), sms, w_only)
     if w_only and cfg.kind == "gemv" and config is None:
         cfg = gemv_config(M, N, K, 1, sms)  # K tiles sized by the 1-byte weights it streams
     if fp8 and not fast_accum and cfg.kind == "tiled" and cfg.block_n > 128:
