@@ -30,6 +30,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_F8_DENSE`` | ``f8_dense`` | auto | dense FP8 GEMM backend: ``auto``, ``triton``, ``scaled_mm`` |
 | ``MOEKIT_COMM_HOST_ERRORS`` | ``comm_host_errors`` | 1 | the collective mirrors timeouts to pinned host memory |
 | ``MOEKIT_BENCH_DIR`` | ``bench_dir`` | ``$OUT`` | where benchmarks write their JSON rows |
+| ``MOEKIT_KNOBS`` | ``knobs`` | none | experiments: pin kernel-choice knobs (below), ``NAME=value,NAME=value`` (integers, or ``true`` / ``false``) |
 
 A malformed value raises ``ValueError`` naming the variable when the settings are first read.
 """
@@ -74,7 +75,8 @@ class Settings:
     f8_dense: str = "auto"
     comm_host_errors: bool = True
     bench_dir: Optional[str] = None
-    # Not from the environment: kernel-choice knobs that tests pin to reach every path. Each
+    # Kernel-choice knobs that tests pin to reach every path (and device A/B runs through
+    # ``MOEKIT_KNOBS``). Each
     # overrides the module constant of the same name (a leading underscore dropped), the default
     # when unpinned; modules are under moekit.ops._triton (DOWN_SUM_MIN_ROWS and COMBINE_MIN_TOP_K:
     # moekit.layers.experts):
@@ -92,6 +94,8 @@ class Settings:
     #   DECODE_FUSED_MIN_TOP_K            experts (decode_fused auto: moe_decode from this top-k) 4
     #   DECODE_FUSED_MAX_TOKENS           experts (decode_fused auto: moe_decode up to these tokens) 4
     #   SWIGLU_GEMV_FP8_WAVE              gg_swiglu (FP8 gate/up GEMV tiles sized for one wave) True
+    #   FP8_STREAM_SWIGLU                 experts (FP8 sorted pipeline at streaming sizes through
+    #                                     grouped_gemm_swiglu: token rows quantized once)     False
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -114,7 +118,7 @@ KNOBS = (
     "GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", "GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", "GATHER_STREAM_PROGRAMS_PER_SM",
     "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
     "COMBINE_MIN_TOP_K", "DECODE_FUSED_MIN_TOP_K", "DECODE_FUSED_MAX_TOKENS",
-    "SWIGLU_GEMV_FP8_WAVE",
+    "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU",
 )  # fmt: skip
 
 
@@ -147,6 +151,27 @@ def _choice(env: dict, name: str, default: str, choices: tuple) -> str:
     return v
 
 
+def _knobs(env: dict) -> dict:
+    """``MOEKIT_KNOBS``: ``NAME=value`` pairs, comma-separated; integers, or true / false."""
+    v = env.get("MOEKIT_KNOBS") or ""
+    out: dict = {}
+    for item in (i.strip() for i in v.split(",")):
+        if not item:
+            continue
+        name, eq, raw = item.partition("=")
+        name, raw = name.strip(), raw.strip().lower()
+        if not eq or name not in KNOBS:
+            raise ValueError(f"MOEKIT_KNOBS takes NAME=value pairs with NAME one of {list(KNOBS)}, got {item!r}")
+        if raw in ("true", "false"):
+            out[name] = raw == "true"
+            continue
+        try:
+            out[name] = int(raw)
+        except ValueError:
+            raise ValueError(f"MOEKIT_KNOBS: {name} takes an integer or true / false, got {raw!r}") from None
+    return out
+
+
 def from_environ(env: Optional[dict] = None) -> Settings:
     """Settings read from ``env`` (default ``os.environ``)."""
     env = os.environ if env is None else env
@@ -177,6 +202,7 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         f8_dense=_choice(env, "MOEKIT_F8_DENSE", "auto", F8_DENSE),
         comm_host_errors=_flag(env, "MOEKIT_COMM_HOST_ERRORS", True),
         bench_dir=env.get("MOEKIT_BENCH_DIR") or env.get("OUT") or None,
+        knobs=_knobs(env),
     )
 
 

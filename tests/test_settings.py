@@ -73,3 +73,19 @@ def test_every_knob_read_in_moekit_is_listed():
     for f in root.rglob("*.py"):
         read |= set(re.findall(r'knob\("([A-Z_0-9]+)"', f.read_text()))
     assert read == set(settings.KNOBS)
+
+
+@pytest.mark.reference
+def test_knobs_from_the_environment():
+    """``MOEKIT_KNOBS``: ``NAME=value`` pairs (integers or true / false) pin knobs for a whole
+    process (device A/B runs); malformed entries name the variable."""
+    s = settings.from_environ({"MOEKIT_KNOBS": "FP8_STREAM_SWIGLU=true, SCAN_CB=64,PIPELINE=False"})
+    assert s.knobs == {"FP8_STREAM_SWIGLU": True, "SCAN_CB": 64, "PIPELINE": False}
+    assert settings.from_environ({"MOEKIT_KNOBS": ""}).knobs == {}
+    assert settings.from_environ({}).knobs == {}
+    with pytest.raises(ValueError, match="MOEKIT_KNOBS.*NAME one of"):
+        settings.from_environ({"MOEKIT_KNOBS": "NOT_A_KNOB=1"})
+    with pytest.raises(ValueError, match="MOEKIT_KNOBS.*NAME one of"):
+        settings.from_environ({"MOEKIT_KNOBS": "SCAN_CB"})
+    with pytest.raises(ValueError, match="MOEKIT_KNOBS: SCAN_CB takes an integer"):
+        settings.from_environ({"MOEKIT_KNOBS": "SCAN_CB=1.5"})

@@ -241,9 +241,8 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
     the epilogue) for its gate/up GEMM: ``settings.sorted_swiglu``, rows per expert that take its
     persistent tensor-core tiles, and passes saved worth ``FUSED_SWIGLU_MIN_SAVING`` of the
     GEMM's FLOP time."""
-    if not settings.get().sorted_swiglu or rows == 0:
-        return False
-    if MACHINE_BALANCE * (4 * D + 10 * F) / (4 * D * F) < FUSED_SWIGLU_MIN_SAVING:
+    s = settings.get()
+    if not s.sorted_swiglu or rows == 0:
         return False
     from moekit.ops._common import num_sms
     from moekit.ops._triton.gg_config import heuristic_config
@@ -251,7 +250,14 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
     # swiglu_config's choice (its tiled kernel where the grouped GEMM's rules pick tiles), without
     # its lru_cache: torch.compile traces this function and warns on cached calls.
     sms = num_sms(device) if device.type == "cuda" else 132
-    return heuristic_config(rows, F, D, max(experts, 1), fp8, elem, sms).kind == "tiled"
+    kind = heuristic_config(rows, F, D, max(experts, 1), fp8, elem, sms, persist=False).kind
+    # FP8 at streaming sizes (knob FP8_STREAM_SWIGLU, under measurement): the weights are the
+    # traffic, and the fused kernel drops the gathered copy and the [N, 2F] intermediate.
+    if fp8 and kind == "stream" and s.knob("FP8_STREAM_SWIGLU", False):
+        return True
+    if MACHINE_BALANCE * (4 * D + 10 * F) / (4 * D * F) < FUSED_SWIGLU_MIN_SAVING:
+        return False
+    return kind == "tiled"
 
 
 def run_experts(

@@ -187,6 +187,34 @@ def test_sorted_pipeline_prefill_fused_swiglu_cpu(name, fused, fp8):
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_fp8_stream_swiglu_knob_cpu(name):
+    """Knob ``FP8_STREAM_SWIGLU``: the FP8 sorted pipeline at streaming sizes (a few rows per
+    expert) takes ``grouped_gemm_swiglu`` (token rows quantized once, read by index); off, the
+    gathered copy and ``silu_mul_quant``. Both against the float32 layer on the dequantized
+    weights; bf16 weights never take it at these sizes."""
+    from moekit import settings
+    from moekit.layers.experts import _fused_swiglu
+
+    s = _small(name, E=16, top_k=4, n_group=None, topk_group=None) if name == "deepseek-v3" else _small(name, E=16)
+    T = 24  # 96 rows over 16 experts: 6 per expert, the streaming kernel's range
+    w = random_expert_weights(s, dtype=torch.float32, seed=9)
+    x = torch.randn(T, s.D, generator=torch.Generator().manual_seed(9))
+    w13, w13s = quantize_expert_weights(w["w13_e2FD"])
+    w2, w2s = quantize_expert_weights(w["w2_eDF"])
+    kw = dict(e_score_correction_bias=w.get("e_score_correction_bias"), w13_scale_e2F=w13s, w2_scale_eD=w2s)
+    deq = {**w, "w13_e2FD": w13.float() * w13s[..., None], "w2_eDF": w2.float() * w2s[..., None]}
+    routed = {k: v for k, v in deq.items() if not k.startswith("shared")}
+    want = _reference(x, routed, s)
+    for on in (False, True):
+        with settings.override(moe_path="sorted", knobs={"FP8_STREAM_SWIGLU": on}):
+            assert _fused_swiglu(T * s.top_k, s.E, s.F, s.D, True, 1, x.device) is on
+            assert not _fused_swiglu(T * s.top_k, s.E, s.F, s.D, False, 4, x.device)
+            got = moe_forward(x, w["router_DE"], w13, w2, _cfg(s), **kw)
+        assert_close(got.float(), want, tol=6e-2, msg=f"FP8_STREAM_SWIGLU={on}")
+
+
+@pytest.mark.reference
 def test_down_sum_rule():
     """``auto``: stored rows + per-token sums for ``deterministic`` and from
     ``DOWN_SUM_MIN_ROWS`` rows of top-k >= 2 (never for top-1, whose rows need no sum); the
@@ -417,6 +445,31 @@ def test_gpu_sorted_prefill_fused_swiglu_matches_reference(name, fp8):
             assert _fused_swiglu(T * s.top_k, s.E, s.F, s.D, fp8, 1 if fp8 else 2, x.device) is expect
             got = _forward(s, w, x, logits, fp8)
         assert_close(got.float(), want, tol=8e-2 if fp8 else 2e-2, msg=f"{name} fused={fused}")
+
+
+@FULL_SIZE
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DECODE_MODELS)
+@pytest.mark.parametrize("T", [16, 256])
+def test_gpu_fp8_stream_swiglu_matches_reference(name, T):
+    """Knob ``FP8_STREAM_SWIGLU`` (the FP8 sorted pipeline at streaming sizes through
+    ``grouped_gemm_swiglu``'s streaming kernel, FP8 rows read by index) against the float32
+    layer, and against the unfused pipeline on the same rows."""
+    from moekit import settings
+    from moekit.layers.experts import _fused_swiglu
+
+    s = MODEL_SHAPES[name]
+    w = _gpu_weights(name, True)
+    x = torch.randn(T, s.D, generator=torch.Generator(device="cuda").manual_seed(11), device="cuda").bfloat16()
+    logits = x.float() @ w["router_DE"].float()
+    want = _reference_hit(x, w, s, logits)
+    outs = {}
+    for on in (False, True):
+        with settings.override(moe_path="sorted", knobs={"FP8_STREAM_SWIGLU": on}):
+            assert _fused_swiglu(T * s.top_k, s.E, s.F, s.D, True, 1, x.device) is on
+            outs[on] = _forward(s, w, x, logits, True)
+        assert_close(outs[on].float(), want, tol=8e-2, msg=f"{name} T={T} FP8_STREAM_SWIGLU={on}")
+    assert_close(outs[True].float(), outs[False].float(), tol=3e-2, msg=f"{name} T={T} fused vs unfused")
 
 
 @FULL_SIZE

@@ -406,6 +406,13 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     cfg = heuristic_config(M, F, K, G, fp8, elem, sms, persist=False)  # no persistent stream loop here
     if cfg.kind != "stream":  # many rows per expert: persistent tensor-core tiles
         return swiglu_tiled_config(M, F, K, hits, elem, sms)
+    if fp8:
+        # FP8 rows (the sorted pipeline's, knob FP8_STREAM_SWIGLU): the plain GEMM's streaming
+        # tile over the 2F gate|up rows, split into its gate and up halves: the same weight bytes
+        # per stage, stages and programs per SM as the unfused GEMM it replaces.
+        plain = heuristic_config(M, 2 * F, K, G, fp8, elem, sms, persist=False)
+        if plain.kind == "stream" and plain.block_n >= 32:
+            return replace(plain, block_n=plain.block_n // 2)
     stage = (2 * cfg.block_n + cfg.block_m) * cfg.block_k * elem
     budget = _STREAM_SMEM if cfg.block_n >= 64 and cfg.warps == 4 else 128 * 1024
     return replace(cfg, stages=max(2, min(cfg.stages, budget // stage)))
