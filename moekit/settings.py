@@ -94,9 +94,6 @@ class Settings:
     #   DECODE_FUSED_MIN_TOP_K            experts (decode_fused auto: moe_decode from this top-k) 4
     #   DECODE_FUSED_MAX_TOKENS           experts (decode_fused auto: moe_decode up to these tokens) 4
     #   SWIGLU_GEMV_FP8_WAVE              gg_swiglu (FP8 gate/up GEMV tiles sized for one wave) True
-    #   FP8_GEMV_HALF                     gg_swiglu + gg_combine (weight-only FP8 GEMVs: packed
-    #                                     float16 products on power-of-two-scaled rows)    True
-    #   HALF_X_BLOCK_MAX                  _half (widest vector of the pass over a row)      8192
     #   FP8_STREAM_SWIGLU                 experts (FP8 sorted pipeline at streaming sizes through
     #                                     grouped_gemm_swiglu: token rows quantized once)     False
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
@@ -121,7 +118,7 @@ KNOBS = (
     "GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", "GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", "GATHER_STREAM_PROGRAMS_PER_SM",
     "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
     "COMBINE_MIN_TOP_K", "DECODE_FUSED_MIN_TOP_K", "DECODE_FUSED_MAX_TOKENS",
-    "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU", "FP8_GEMV_HALF", "HALF_X_BLOCK_MAX",
+    "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU",
 )  # fmt: skip
 
 

@@ -1275,7 +1275,7 @@ base = dict(x_ptr=t(M, K, dt=torch.float8_e4m3fn), w_ptr=t(G * N, K, dt=torch.fl
             stride_xm=K, stride_wn=K, stride_ym=N, HAS_MSIZES=True, FP8=True, HAS_BIAS=True, HAS_TW=True,
             SCATTER=True, W_ONLY=False, G_BLOCK=16)
 cases = {
-    "gemv": dict(base, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, STAGES=5, HALF=False, X_BLOCK=16, USE_PDL=0),
+    "gemv": dict(base, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, STAGES=5, USE_PDL=0),
     "stream": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False, USE_PDL=0),
     "tiled": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
                   GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, USE_PDL=0),

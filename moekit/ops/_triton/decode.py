@@ -33,7 +33,6 @@ import triton.language as tl
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_combine import grouped_gemm_combine
-from moekit.ops._triton._half import _row_scale, half_gemv
 from moekit.ops._triton.gg_swiglu import _gate_up_scales, _gemv_pair, _swiglu_store, swiglu_gemv_config
 from moekit.ops._triton.route_select import SCORE_CODES, _select_topk
 
@@ -73,8 +72,6 @@ def _decode_swiglu_kernel(
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
     LAZY: tl.constexpr = False,
-    HALF: tl.constexpr = False,
-    X_BLOCK: tl.constexpr = 16,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
@@ -95,10 +92,6 @@ def _decode_swiglu_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     l = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + cols[None, :] * stride_le, mask=col_ok[None, :], other=0.0)
-    s = 1.0
-    inv = 1.0
-    if HALF:  # x's pass in flight with the logits (its reduction before the routing's rounds)
-        s, inv = _row_scale(x_row, D, X_BLOCK)
     if LAZY:  # the weights (all K rounds) where stored or used; elsewhere rounds up to the own slot
         need_w = (nb == 0) | WEIGHT_IN
         _, _, ids, w, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, row_ok, scale, TOPK,
@@ -122,7 +115,7 @@ def _decode_swiglu_kernel(
     if WEIGHT_IN:
         rs = wj + rs * 0.0
     hg, hu = _gemv_pair(w_ptr + gate[:, None] * stride_wn, w_ptr + up[:, None] * stride_wn, x_row, n_mask, D,
-                        BLOCK_N, BLOCK_K, EVEN_K, STAGES, HALF, s, inv)  # fmt: skip
+                        BLOCK_N, BLOCK_K, EVEN_K, STAGES)  # fmt: skip
     offs_m = m + tl.zeros((1,), tl.int32)
     _swiglu_store(hg, hu, offs_m, offs_m >= 0, offs_n, n_mask, z_ptr, stride_zm, rs, ws_g, ws_u, rs,
                   False, HAS_WS, WEIGHT_IN)  # fmt: skip
@@ -169,7 +162,6 @@ def decode_swiglu(
     cfg = config or decode_swiglu_config(M, F, D, w13.element_size(), num_sms(dev))
     bn, bk, stages, warps = cfg[:4]
     lazy = bool(cfg[4]) if len(cfg) > 4 else True
-    half, x_block = half_gemv(w13.dtype, x.dtype, D, bk)
     ph = torch.empty((1,), dtype=torch.float32, device=dev)
     launch(_decode_swiglu_kernel)[(M * cdiv(F, bn),)](
         x, logits, bias if bias is not None else ph, w13, w13_scale if w13_scale is not None else ph, z, ids, rw,
@@ -177,7 +169,7 @@ def decode_swiglu(
         TOPK=top_k, K_PAD=next_pow2(top_k), SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None,
         RENORM=bool(renormalize), NG=1 if n_group is None else int(n_group), TOPK_GROUP=int(topk_group or 1),
         BLOCK_E=max(16, next_pow2(E)), WEIGHT_IN=bool(weight_on_input), HAS_WS=w13_scale is not None,
-        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, HALF=half, X_BLOCK=x_block, num_warps=warps, num_stages=stages,
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return z, ids, rw
 

@@ -27,7 +27,6 @@ import triton.language as tl
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_config import widest_slice
-from moekit.ops._triton._half import _pow2_scale, half_gemv
 
 
 @triton.jit
@@ -57,8 +56,6 @@ def _combine_kernel(
     STAGES: tl.constexpr,
     TOKEN_MAJOR: tl.constexpr = False,
     ACCUM: tl.constexpr = True,
-    HALF: tl.constexpr = False,
-    Z_BLOCK: tl.constexpr = 16,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
@@ -73,18 +70,6 @@ def _combine_kernel(
     r_ok = (rows >= 0) & (rows < M)
     rows = tl.where(r_ok, rows, 0)
     e = tl.load(eidx_ptr + rows, mask=r_ok, other=0)
-    z_rows = z_ptr + (rows.to(tl.int64) * stride_zm)[:, None]
-    zs = tl.full((K_PAD,), 1.0, tl.float32)
-    zinv = zs
-    if HALF:  # packed float16 products (moekit.ops._triton._half): each slot's row scaled; the
-        # pass over z in flight with the expert ids' load, reduced before the weight stream
-        amax = tl.zeros((K_PAD, Z_BLOCK), dtype=z_ptr.dtype.element_ty)
-        for f0 in tl.range(0, F, Z_BLOCK, num_stages=3):
-            offs_z = f0 + tl.arange(0, Z_BLOCK)
-            zt = tl.load(z_rows + offs_z[None, :], mask=r_ok[:, None] & (offs_z < F)[None, :], other=0.0)
-            az = tl.abs(zt)
-            amax = tl.where(az > amax, az, amax)  # exact in z's 16-bit dtype
-        zs, zinv = _pow2_scale(tl.max(amax, axis=1).to(tl.float32))
     r_ok = r_ok & (e >= 0) & (e < G)
     e = tl.where(r_ok, e, 0)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,11 +87,8 @@ def _combine_kernel(
     if ACCUM:
         prev = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     w_rows = w_ptr + (col * stride_wn)[:, :, None]
-    if HALF:
-        post = post * zinv[:, None]
-        acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_F), dtype=tl.float16)
-    else:
-        acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_F), dtype=tl.float32)
+    z_rows = z_ptr + (rows.to(tl.int64) * stride_zm)[:, None]
+    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_F), dtype=tl.float32)
     for f0 in tl.range(0, F, BLOCK_F, num_stages=STAGES):
         offs_f = f0 + tl.arange(0, BLOCK_F)
         if EVEN_F:
@@ -116,11 +98,8 @@ def _combine_kernel(
             f_ok = offs_f < F
             wt = tl.load(w_rows + offs_f[None, None, :], mask=cmask[:, :, None] & f_ok[None, None, :], other=0.0)
             zt = tl.load(z_rows + offs_f[None, :], mask=r_ok[:, None] & f_ok[None, :], other=0.0)
-        if HALF:
-            acc = tl.fma(wt.to(tl.float16), (zt.to(tl.float32) * zs[:, None]).to(tl.float16)[:, None, :], acc)
-        else:
-            acc += wt.to(tl.float32) * zt.to(tl.float32)[:, None, :]
-    y = tl.sum(tl.sum(acc.to(tl.float32), axis=2) * post, axis=0)
+        acc += wt.to(tl.float32) * zt.to(tl.float32)[:, None, :]
+    y = tl.sum(tl.sum(acc, axis=2) * post, axis=0)
     tl.store(o_ptrs, (prev + y).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -195,8 +174,6 @@ def grouped_gemm_combine(
     cfg = config or combine_config(T, N, F, k_pad, w.element_size(), num_sms(z.device))
     bn, bf, stages = cfg[:3]
     warps = int(cfg[3]) if len(cfg) > 3 else 4
-    half, z_block = half_gemv(w.dtype, z.dtype, F, bf)
-    z_block = min(z_block, max(16, 2048 // k_pad))
     ph = torch.empty((1,), dtype=torch.float32, device=z.device)
     srow = selection_rows if selection_rows is not None else ph
     launch(_combine_kernel)[(T * cdiv(N, bn),)](
@@ -204,7 +181,7 @@ def grouped_gemm_combine(
         w_scale if w_scale is not None else ph, T, N, F, M, G, z.stride(0), w.stride(0), out.stride(0),
         K=K, K_PAD=k_pad, HAS_RW=row_weights is not None, HAS_WS=w_scale is not None,
         BLOCK_N=bn, BLOCK_F=bf, EVEN_F=F % bf == 0, STAGES=stages, TOKEN_MAJOR=selection_rows is None,
-        ACCUM=bool(accumulate), HALF=half, Z_BLOCK=z_block, num_warps=warps, num_stages=stages,
+        ACCUM=bool(accumulate), num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 

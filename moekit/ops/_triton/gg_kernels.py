@@ -6,7 +6,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.ops._triton._half import _row_scale
 from moekit.ops._triton._pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------------
@@ -255,8 +254,6 @@ def _gg_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
-    HALF: tl.constexpr = False,
-    X_BLOCK: tl.constexpr = 16,
     USE_PDL: tl.constexpr = 0,
 ):
     """One program = one row of x and ``BLOCK_N`` rows of its expert's weights, over all of K.
@@ -269,10 +266,6 @@ def _gg_gemv_kernel(
     m = pid % M
     nb = pid // M
     gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
-    xsc = 1.0
-    inv = 1.0
-    if HALF:  # x's pass in flight with the sizes' (moekit.ops._triton._half)
-        xsc, inv = _row_scale(x_ptr + m.to(tl.int64) * stride_xm, K, X_BLOCK)
     # The group holding row m (the ranges are disjoint), -1 for rows past sum(m_sizes): those are
     # left untouched. One reduction: it sits between the sizes load and the first weight load.
     g = _pick(gi + 1, (m >= starts) & (m < starts + rows)) - 1
@@ -298,11 +291,7 @@ def _gg_gemv_kernel(
         dst = m.to(tl.int64)
         if SCATTER:
             dst = tl.load(idx_ptr + m).to(tl.int64)
-        if HALF:  # weight-only FP8 in packed float16 products (moekit.ops._triton._half)
-            post = post * inv
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
-        else:
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -312,11 +301,8 @@ def _gg_gemv_kernel(
                 k_mask = offs_k < K
                 w_t = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 x_t = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-            if HALF:
-                acc = tl.fma(w_t.to(tl.float16), (x_t.to(tl.float32) * xsc).to(tl.float16)[None, :], acc)
-            else:
-                acc += w_t.to(tl.float32) * x_t.to(tl.float32)[None, :]
-        out = tl.sum(acc.to(tl.float32), axis=1)
+            acc += w_t.to(tl.float32) * x_t.to(tl.float32)[None, :]
+        out = tl.sum(acc, axis=1)
         if FP8 or W_ONLY:
             out = out * post
         if HAS_BIAS:

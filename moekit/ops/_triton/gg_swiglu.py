@@ -35,7 +35,6 @@ import triton.language as tl
 from moekit import settings
 from moekit._validate import FP8_DTYPE
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
-from moekit.ops._triton._half import _row_scale, half_gemv
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_config import (
     _STREAM_SMEM,
@@ -80,21 +79,12 @@ def _gate_up_scales(ws_ptr, gate, up, n_mask, HAS_WS: tl.constexpr, BLOCK_N: tl.
 
 @triton.jit
 def _gemv_pair(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, STAGES: tl.constexpr, HALF: tl.constexpr = False, s=1.0, inv=1.0):  # fmt: skip
+               EVEN_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """One row's gate and up products ``[1, BLOCK_N]`` over the whole K: CUDA-core FMAs into
-    elementwise accumulators, one float32 reduction over K at the end (the GEMV kernels here and
-    in ``moekit.ops._triton.decode``).
-
-    ``HALF`` (FP8 weights, 16-bit x: ``moekit.ops._triton._half``): packed float16 products on x
-    scaled by ``s`` (a power of two, ``_row_scale``'s: the caller takes it before its weight
-    stream's dependencies resolve, so that x's pass adds no round trip), float16 accumulators, the
-    float32 sum over K scaled back by ``inv``."""
-    if HALF:
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
-    else:
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    elementwise float32 accumulators, one reduction over K at the end (the GEMV kernels here and
+    in ``moekit.ops._triton.decode``)."""
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -106,17 +96,10 @@ def _gemv_pair(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_
             wg = tl.load(wg_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             wu = tl.load(wu_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-        if HALF:
-            xh = (xv.to(tl.float32) * s).to(tl.float16)[None, :]
-            acc_g = tl.fma(wg.to(tl.float16), xh, acc_g)
-            acc_u = tl.fma(wu.to(tl.float16), xh, acc_u)
-        else:
-            xf = xv.to(tl.float32)[None, :]
-            acc_g += wg.to(tl.float32) * xf
-            acc_u += wu.to(tl.float32) * xf
-    hg = tl.sum(acc_g.to(tl.float32), axis=1) * inv
-    hu = tl.sum(acc_u.to(tl.float32), axis=1) * inv
-    return hg[None, :], hu[None, :]
+        xf = xv.to(tl.float32)[None, :]
+        acc_g += wg.to(tl.float32) * xf
+        acc_u += wu.to(tl.float32) * xf
+    return tl.sum(acc_g, axis=1)[None, :], tl.sum(acc_u, axis=1)[None, :]
 
 
 @triton.jit
@@ -146,23 +129,17 @@ def _swiglu_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
-    HALF: tl.constexpr = False,
-    X_BLOCK: tl.constexpr = 16,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     m = pid % M
     nb = pid // M
+    gi, starts, rows = _group_table(m_sizes_ptr, G, M, True, G_BLOCK)
+    g = _pick(gi + 1, (m >= starts) & (m < starts + rows)) - 1
     src = m
     if GATHER:
         src = tl.load(gather_ptr + m)
-    gi, starts, rows = _group_table(m_sizes_ptr, G, M, True, G_BLOCK)
-    s = 1.0
-    inv = 1.0
-    if HALF:  # x's pass in flight with the sizes' (its scale before the group lookup's reductions)
-        s, inv = _row_scale(x_ptr + tl.where((src >= 0) & (src < T_IN), src, 0).to(tl.int64) * stride_xm, K, X_BLOCK)
-    g = _pick(gi + 1, (m >= starts) & (m < starts + rows)) - 1
     if (g >= 0) & (src >= 0) & (src < T_IN):
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < F
@@ -179,7 +156,7 @@ def _swiglu_gemv_kernel(
         rs = tl.full((1,), 1.0, tl.float32)
         if HAS_RS:
             rs = tl.load(rs_ptr + m + tl.zeros((1,), tl.int32)).to(tl.float32)
-        hg, hu = _gemv_pair(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N, BLOCK_K, EVEN_K, STAGES, HALF, s, inv)
+        hg, hu = _gemv_pair(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N, BLOCK_K, EVEN_K, STAGES)
         offs_m = m + tl.zeros((1,), tl.int32)
         _swiglu_store(hg, hu, offs_m, offs_m >= 0, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
                       HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
@@ -480,10 +457,9 @@ def grouped_gemm_swiglu(
     )  # fmt: skip
     if cfg.kind == "gemv":
         bk = cfg.block_k
-        half, x_block = half_gemv(w13.dtype, x.dtype, K, bk)
         launch(_swiglu_gemv_kernel)[(M * cdiv(F, cfg.block_n),)](
             x, w13, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
-            BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages, HALF=half, X_BLOCK=x_block,
+            BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages,
             num_warps=cfg.warps, num_stages=cfg.stages, **flags,
         )  # fmt: skip
         return z

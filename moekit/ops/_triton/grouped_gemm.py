@@ -67,7 +67,6 @@ from moekit.ops._triton.gg_config import (  # noqa: F401  (re-exported: the laun
     select_config,
     use_table,
 )
-from moekit.ops._triton._half import half_gemv
 from moekit.ops._triton.gg_kernels import _gg_gemv_kernel, _gg_stream_kernel, _gg_tiled_kernel
 
 
@@ -184,12 +183,11 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     ph = torch.empty((1,), dtype=torch.int32, device=x.device)
     optional = [t if t is not None else ph for t in (m_sizes, x_scale, w_scale, bias, token_weights, scatter_indices)]
     if cfg.kind == "gemv":
-        half, x_block = half_gemv(w.dtype, x.dtype, K, bk) if w_only else (False, 16)
         launch(_gg_gemv_kernel)[(M * cdiv(N, bn),)](
             x, w, y, *optional, M, N, K, G, out_rows, x.stride(0), w.stride(0), y.stride(0),
             HAS_MSIZES=m_sizes is not None, FP8=fp8, HAS_BIAS=bias is not None,
             HAS_TW=token_weights is not None, SCATTER=scatter, W_ONLY=w_only, G_BLOCK=max(16, next_pow2(G)),
-            BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages, HALF=half, X_BLOCK=x_block,
+            BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, STAGES=cfg.stages,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
         return None if scatter else y
