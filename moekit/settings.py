@@ -95,7 +95,7 @@ class Settings:
     #   DECODE_FUSED_MAX_TOKENS           experts (decode_fused auto: moe_decode up to these tokens) 4
     #   SWIGLU_GEMV_FP8_WAVE              gg_swiglu (FP8 gate/up GEMV tiles sized for one wave) True
     #   FP8_STREAM_SWIGLU                 experts (FP8 sorted pipeline at streaming sizes through
-    #                                     grouped_gemm_swiglu: token rows quantized once)     False
+    #                                     grouped_gemm_swiglu: token rows quantized once)      True
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8

@@ -10,11 +10,11 @@ Every caller goes through here: ``moe_forward`` (one GPU), both expert-parallel 
   ``[N, 2F]`` intermediate. FP8 weights are used weight-only (activations stay 16-bit: the weights
   are the traffic at these sizes, and nothing is quantized on the way).
 - ``sorted`` (many rows per expert): where the rows per expert take tensor-core tiles (prefill),
-  ``grouped_gemm_swiglu``'s tiled kernel reads the token rows by index and applies SiLU * up in
-  its epilogue (FP8: the T token rows quantized once before it, the ``[N, F]`` SwiGLU output
-  after), then the down grouped GEMM with the fused scatter-add; below that (or with
-  ``settings.sorted_swiglu`` off): gather (+ FP8 row quantization) -> grouped GEMM (gate|up) ->
-  SiLU * up (+ quantization) -> the down GEMM.
+  and for FP8 weights at streaming sizes too, ``grouped_gemm_swiglu`` reads the token rows by
+  index and applies SiLU * up in its epilogue (FP8: the T token rows quantized once before it,
+  the ``[N, F]`` SwiGLU output after), then the down grouped GEMM with the fused scatter-add;
+  elsewhere (or with ``settings.sorted_swiglu`` off): gather (+ FP8 row quantization) -> grouped
+  GEMM (gate|up) -> SiLU * up (+ quantization) -> the down GEMM.
 
 ``path`` ``"auto"`` (``settings.moe_path``, default) takes ``decode`` where it measured faster
 (``choose_path``): bf16 rows few enough (``settings.decode_max_rows``) and spread thin (fewer than
@@ -238,9 +238,10 @@ MACHINE_BALANCE = 160.0
 
 def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int, device: torch.device) -> bool:
     """Whether the sorted pipeline runs ``grouped_gemm_swiglu`` (rows read by index, SwiGLU in
-    the epilogue) for its gate/up GEMM: ``settings.sorted_swiglu``, rows per expert that take its
-    persistent tensor-core tiles, and passes saved worth ``FUSED_SWIGLU_MIN_SAVING`` of the
-    GEMM's FLOP time."""
+    the epilogue) for its gate/up GEMM: ``settings.sorted_swiglu``, and either FP8 weights at
+    streaming sizes (knob ``FP8_STREAM_SWIGLU``) or rows per expert that take its persistent
+    tensor-core tiles with passes saved worth ``FUSED_SWIGLU_MIN_SAVING`` of the GEMM's FLOP
+    time."""
     s = settings.get()
     if not s.sorted_swiglu or rows == 0:
         return False
@@ -251,9 +252,12 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
     # its lru_cache: torch.compile traces this function and warns on cached calls.
     sms = num_sms(device) if device.type == "cuda" else 132
     kind = heuristic_config(rows, F, D, max(experts, 1), fp8, elem, sms, persist=False).kind
-    # FP8 at streaming sizes (knob FP8_STREAM_SWIGLU, under measurement): the weights are the
-    # traffic, and the fused kernel drops the gathered copy and the [N, 2F] intermediate.
-    if fp8 and kind == "stream" and s.knob("FP8_STREAM_SWIGLU", False):
+    # FP8 at streaming sizes (knob FP8_STREAM_SWIGLU): the weights are the traffic, and the fused
+    # kernel drops the gathered copy and the [N, 2F] intermediate. H200, session 22 run 3, layer
+    # from logits, same call, unfused -> fused (µs): Qwen3-30B T=16 / 64 / 256 109.1 / 164.3 /
+    # 188.5 -> 105.2 / 159.6 / 182.0, DeepSeek-V3 TP8 163.8 / 304.0 / 404.1 -> 159.7 / 299.5 /
+    # 392.3, gpt-oss-120b 332.7 / 711.5 / 812.5 -> 327.9 / 706.3 / 804.6.
+    if fp8 and kind == "stream" and s.knob("FP8_STREAM_SWIGLU", True):
         return True
     if MACHINE_BALANCE * (4 * D + 10 * F) / (4 * D * F) < FUSED_SWIGLU_MIN_SAVING:
         return False
