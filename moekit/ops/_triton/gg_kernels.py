@@ -74,20 +74,59 @@ def _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, n_tiles_n, GROUP_M: tl
 
 
 @triton.jit
-def _epilogue(
-    acc,
+def _epilogue_vectors(
     offs_m,
     m_mask,
     offs_n,
     n_mask,
     g,
     N,
-    y_ptr,
-    stride_ym,
     xs_ptr,
     ws_ptr,
     bias_ptr,
     tw_ptr,
+    FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_TW: tl.constexpr,
+    W_ONLY: tl.constexpr = False,
+):
+    """The epilogue's per-row and per-column operands of a tile: x scales, w scales, bias and token
+    weights (placeholders where a feature is off). FP8 streaming tiles load them before the
+    tile's K loop, so that their latency hides under its loads and MMAs instead of stalling the
+    epilogue. H200, session 23, the layer's own FP8 down GEMM alone (``isolate_stages.py``):
+    loaded after the loop, DeepSeek-V3 TP8 (K=256, persistent loop) at T=256 ran 124 us with its
+    rows stored and 157 us with token weights and scatter-add, loaded before it 132 us (layer
+    387 -> 362 us); Qwen3-30B (K=768) 65 -> 60 us. 16-bit and prefill tiles load them after the
+    loop: bf16 DeepSeek T=1024 lost 2.5% early, and FP8 128 x 256 prefill tiles spill."""
+    col = g.to(tl.int64) * N + offs_n
+    xs = offs_m.to(tl.float32)
+    ws = offs_n.to(tl.float32)
+    b = ws
+    tw = xs
+    if FP8:
+        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+    if FP8 or W_ONLY:
+        ws = tl.load(ws_ptr + col, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_TW:
+        tw = tl.load(tw_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
+    return xs, ws, b, tw
+
+
+@triton.jit
+def _epilogue(
+    acc,
+    offs_m,
+    m_mask,
+    offs_n,
+    n_mask,
+    xs,
+    ws,
+    b,
+    tw,
+    y_ptr,
+    stride_ym,
     idx_ptr,
     T_OUT,
     FP8: tl.constexpr,
@@ -96,23 +135,20 @@ def _epilogue(
     SCATTER: tl.constexpr,
     W_ONLY: tl.constexpr = False,
 ):
-    """``acc`` [BM, BN] float32 for rows ``offs_m`` and expert columns ``offs_n`` of group ``g``:
-    scale (FP8: x and w scales; ``W_ONLY``, weight-only FP8: the w scales), add bias, weight by token, then store or scatter-add. One helper on purpose:
-    inductor's mutation analysis (torch.compile) follows pointers into called @triton.jit
-    functions coarsely; computing the store address from values loaded in another helper made it
-    count every input pointer of the kernel as written (tests/ops/test_grouped_gemm.py checks)."""
-    col = g.to(tl.int64) * N + offs_n
+    """``acc`` [BM, BN] float32 for rows ``offs_m`` and expert columns ``offs_n``, with the
+    operands ``_epilogue_vectors`` loaded: scale (FP8: x and w scales; ``W_ONLY``, weight-only
+    FP8: the w scales), add bias, weight by token, then store or scatter-add into ``y[idx[row]]``.
+    The destination rows load here, beside the stores they address: inductor's mutation analysis
+    (torch.compile) follows pointers into called @triton.jit functions coarsely, and a store
+    address computed from values another helper loaded made it count every input pointer of the
+    kernel as written (tests/ops/test_grouped_gemm.py checks)."""
     if FP8:
-        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
-        ws = tl.load(ws_ptr + col, mask=n_mask, other=0.0)
         acc = acc * xs[:, None] * ws[None, :]
     if W_ONLY:
-        acc = acc * tl.load(ws_ptr + col, mask=n_mask, other=0.0)[None, :]
+        acc = acc * ws[None, :]
     if HAS_BIAS:
-        b = tl.load(bias_ptr + col, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc + b[None, :]
     if HAS_TW:
-        tw = tl.load(tw_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
         acc = acc * tw[:, None]
     val = acc.to(y_ptr.dtype.element_ty)
     if SCATTER:
@@ -192,6 +228,10 @@ def _gg_stream_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_mask = offs_m < m_end
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
+                offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
+                W_ONLY,
+            )  # fmt: skip
             if not X_TMA:
                 x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
             for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -214,8 +254,8 @@ def _gg_stream_kernel(
                     w_t = w_t.to(x_t.dtype)
                 acc = tl.dot(w_t, tl.trans(x_t), acc)
             _epilogue(
-                tl.trans(acc), offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
-                xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
+                tl.trans(acc), offs_m, m_mask, offs_n, n_mask, e_xs, e_ws, e_b, e_tw, y_ptr, stride_ym, idx_ptr,
+                T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
             )  # fmt: skip
 
 
@@ -382,6 +422,11 @@ def _gg_tiled_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:  # streaming tiles: the epilogue's operands load under the K loop
+            e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
+                offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
+                W_ONLY,
+            )  # fmt: skip
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
@@ -416,7 +461,13 @@ def _gg_tiled_kernel(
             acc_mn = tl.trans(acc)
         else:
             acc_mn = acc
+        if not (SWAP_AB and FP8):
+            # Prefill and 16-bit streaming tiles: after the loop (see _epilogue_vectors).
+            e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
+                offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
+                W_ONLY,
+            )  # fmt: skip
         _epilogue(
-            acc_mn, offs_m, m_mask, offs_n, n_mask, g, N, y_ptr, stride_ym,
-            xs_ptr, ws_ptr, bias_ptr, tw_ptr, idx_ptr, T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
+            acc_mn, offs_m, m_mask, offs_n, n_mask, e_xs, e_ws, e_b, e_tw, y_ptr, stride_ym, idx_ptr, T_OUT, FP8,
+            HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
         )  # fmt: skip
