@@ -2,7 +2,7 @@
 # One device-machine call that does as much as possible: GPU tier of the ops and layers (split
 # across the GPUs), the collective's multi-GPU tier, then benchmarks, with hard time limits so the
 # whole call ends inside the 10-minute command limit. Writes logs and JSON to $OUT.
-#   PHASES="tests comm bench lanes"   BENCHES="routing gather_scatter ..."   LANES="0:a,b 1:c"
+#   PHASES="tests comm bench lanes ab"   BENCHES="routing gather_scatter ..."   LANES="0:a,b 1:c"
 #   QUICK=1   BUDGET_S=560   BENCH_ARGS_<name>="extra args for benchmarks/bench_<name>.py"
 #   BENCH_ENV_<name>[_<tag>]="VAR=value ..." (environment of one lane entry; "name@tag" entries take
 #   BENCH_ARGS_<name>_<tag>, else BENCH_ARGS_<name>; scripts/ab_trees.sh: earlier commits' trees)
@@ -119,6 +119,20 @@ if [[ " $PHASES " == *" bench "* ]]; then
 fi
 if [[ " $PHASES " == *" lanes "* ]] && [ -z "${TEST_GPU:-}" ]; then
   run_lanes
+fi
+# Before/after on one GPU: AB_CMD (e.g. "python3 benchmarks/bench_layer.py --quick") run in each of
+# the trees _ab/<rev> that `scripts/ab_trees.sh --own REV ...` wrote (their own moekit/ and
+# benchmarks/), AB_ROUNDS rounds of the trees in turn (A B A B: the machine's drift hits both).
+if [[ " $PHASES " == *" ab "* ]]; then
+  for r in $(seq 1 ${AB_ROUNDS:-2}); do
+    for rev in ${AB_REVS:?AB_REVS names the _ab/ trees}; do
+      t=$(left); [ "$t" -lt 20 ] && { echo "== out of time before $rev round $r"; break 2; }
+      ( cd "_ab/$rev" && PYTHONPATH="$PWD:/tmp/site" MOEKIT_BENCH_DIR="$RES/ab_${rev}_r$r" OUT="$RES/ab_${rev}_r$r" \
+        timeout $((t-10)) bash -c "${AB_CMD:?AB_CMD is the command run in each tree}" ) > "$RES/ab_${rev}_r$r.log" 2>&1
+      echo "== ab $rev round $r rc=$? at $((SECONDS - start))s"
+    done
+  done
+  for f in "$RES"/ab_*.log; do echo "-- $f"; grep -E "^\|" "$f" | head -n ${BENCH_TAIL:-40}; done
 fi
 [ -n "$lanes_pid" ] && { wait $lanes_pid; cat "$RES/lanes_summary.txt"; }
 tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null

@@ -105,3 +105,26 @@ def test_sweep_gemm_candidates_hold_both_streaming_loops():
         assert any(x.persist for x in c) and any(x.kind == "stream" and not x.persist for x in c)
         assert any(x.kind == "tiled" for x in c)
         assert h.persist == (K == 256)  # short K only
+
+
+@pytest.mark.reference
+def test_isolate_stages_times_every_stage_alone_and_in_place():
+    """``isolate_stages.one_case`` on the CPU (a tiny model): every stage of the forward recorded,
+    timed alone and with the recorded result put in its place, the stage functions restored."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import isolate_stages
+    finally:
+        sys.path.pop(0)
+    from moekit.layers import experts
+
+    before = experts.grouped_gemm_fp8_rowwise
+    rows = isolate_stages.one_case("tiny", 8, True, 2, device="cpu")
+    assert experts.grouped_gemm_fp8_rowwise is before
+    ops = [r["op"] for r in rows]
+    assert (
+        ops[0] == "route_and_shuffle" and ops.count("grouped_gemm_fp8_rowwise") + ops.count("grouped_gemm_swiglu") == 2
+    )
+    gemms = [r for r in rows if r["op"].startswith("grouped_gemm")]
+    assert all(r["alone_us"] > 0 and r["random_m_sizes_us"] > 0 and r["rand_xw_us"] > 0 for r in gemms), gemms
+    assert all(isinstance(r["in_place_us"], float) and r["layer_us"] > 0 for r in rows)
