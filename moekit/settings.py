@@ -96,6 +96,8 @@ class Settings:
     #   SWIGLU_GEMV_FP8_WAVE              gg_swiglu (FP8 gate/up GEMV tiles sized for one wave) True
     #   FP8_STREAM_SWIGLU                 experts (FP8 sorted pipeline at streaming sizes through
     #                                     grouped_gemm_swiglu: token rows quantized once)      True
+    #   GG_PERSIST_REGS                   grouped_gemm (persistent swap-AB grid bounded by the
+    #                                     compiled kernel's registers, not only its shared memory) False
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -118,7 +120,7 @@ KNOBS = (
     "GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", "GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", "GATHER_STREAM_PROGRAMS_PER_SM",
     "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
     "COMBINE_MIN_TOP_K", "DECODE_FUSED_MIN_TOP_K", "DECODE_FUSED_MAX_TOKENS",
-    "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU",
+    "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU", "GG_PERSIST_REGS",
 )  # fmt: skip
 
 

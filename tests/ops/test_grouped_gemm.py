@@ -1457,3 +1457,51 @@ def test_flags_must_be_bools(flag, value):
     if flag == "use_fast_accum":
         with pytest.raises(TypeError, match="use_fast_accum must be a bool"):
             f8f8bf16_rowwise(xq, wq[:16], xs, ws[:16], use_fast_accum=value)
+
+
+@pytest.mark.reference
+def test_persistent_swap_ab_grid_fits_the_register_file():
+    """``persist_programs_per_sm``: the shared-memory bound always; with knob GG_PERSIST_REGS and
+    the compiled kernel's registers known, no more programs of ``warps`` warps than 64K registers
+    hold (256-register warp granules): the FP8 32x128 tile's 198 registers fit two of 4 warps, not
+    the three its 68 KB of shared memory allow; 148 registers fit three."""
+    pytest.importorskip("triton")
+    from moekit.ops._triton.grouped_gemm import persist_programs_per_sm
+
+    smem = (32 + 128) * 128 * 3 + 32 * 128 * 2  # 69632 bytes: three per SM by shared memory
+    assert persist_programs_per_sm(smem, 4, None) == 3
+    assert persist_programs_per_sm(smem, 4, 198) == 3  # knob off: registers not consulted
+    with settings.override(knobs={"GG_PERSIST_REGS": True}):
+        assert persist_programs_per_sm(smem, 4, None) == 3
+        assert persist_programs_per_sm(smem, 4, 198) == 2
+        assert persist_programs_per_sm(smem, 4, 148) == 3
+        assert persist_programs_per_sm(smem, 8, 255) == 1
+        assert persist_programs_per_sm(200 * 1024, 4, 32) == 1  # shared memory still bounds it
+    with settings.override(gg_stream_pps=2):
+        assert persist_programs_per_sm(smem, 4, None) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_grid_bounded_by_registers(cuda):
+    """DeepSeek-V3 TP8's FP8 down projection (K=256: swap-AB tiles on the persistent loop) with
+    knob GG_PERSIST_REGS: the first launch records the compiled kernel's registers, the second
+    sizes its grid by them; both exact against the oracle, with token weights and scatter-add."""
+    from moekit.ops._triton import grouped_gemm as GG
+
+    G, M, N, K, T = 256, 2048, 7168, 256, 256
+    x, w, xs, ws = _inputs(M, G, N, K, FP8, seed=7, device=cuda)
+    ms = random_m_sizes(M, G, device=cuda, seed=3)
+    tw = (torch.rand(M, generator=_gen(4)) + 0.5).to(cuda)
+    idx = torch.randperm(M, generator=_gen(5)).remainder(T).to(torch.int32).to(cuda)
+    cfg = GG.select_config(M, N, K, G, True, 1, torch.cuda.get_device_properties(cuda).multi_processor_count)
+    assert cfg.kind == "stream" and cfg.persist, cfg
+    want = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+    ref = torch.zeros(T, N, device=cuda).index_add_(0, idx.long(), want.to(cuda))
+    GG._PERSIST_REGS.clear()
+    with settings.override(knobs={"GG_PERSIST_REGS": True}):
+        for _ in range(2):
+            out = torch.zeros(T, N, dtype=torch.bfloat16, device=cuda)
+            grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw, _output_tensor=out, _scatter_add_indices=idx)
+            torch.cuda.synchronize()
+            assert_close(out.float(), ref, tol=2 * _tol(FP8))
+    assert GG._PERSIST_REGS and all(0 < r <= 255 for r in GG._PERSIST_REGS.values()), GG._PERSIST_REGS

@@ -235,12 +235,16 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         # when another ends would run its share of the tiles after the rest: tiles are dealt
         # statically), at most one per tile.
         smem = (bm + bn) * bk * x.element_size() * cfg.stages + (bm * bn * 2 if cfg.flatten else 0)
-        pps = max(1, min(settings.get().gg_stream_pps, (227 * 1024) // smem))
+        key = (cfg, fp8, w_only, use_tma, x_tma, token_weights is not None, scatter, bias is not None)
+        pps = persist_programs_per_sm(smem, cfg.warps, _PERSIST_REGS.get(key))
         grid = (max(1, min(upper, pps * sms)),)
-        launch(_gg_tiled_kernel)[grid](
+        compiled = launch(_gg_tiled_kernel)[grid](
             *args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
             X_TMA=x_tma, **common,
         )  # fmt: skip
+        regs = getattr(compiled, "n_regs", None)  # the compiled kernel (None in the interpreter or a trace)
+        if isinstance(regs, int) and regs > 0:
+            _PERSIST_REGS[key] = regs
     elif stream:
         # One program per (possibly non-empty group, N slice), capped (``settings.gg_stream_pps``
         # programs per SM): programs past the non-empty groups exit at once, and a capped grid
@@ -259,6 +263,27 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             **common,
         )
     return None if scatter else y
+
+
+# Registers per thread of the compiled persistent swap-AB tiles, by specialization (the launch
+# returns its compiled kernel): what the register file holds bounds the programs per SM.
+_PERSIST_REGS: dict = {}
+_SM_REGS = 65536  # 32-bit registers per SM (sm_80 / sm_90)
+
+
+def persist_programs_per_sm(smem: int, warps: int, regs: Optional[int]) -> int:
+    """Programs per SM of the persistent swap-AB tile loop: ``settings.gg_stream_pps``, no more than
+    the shared memory holds (``smem`` bytes each), and, with knob ``GG_PERSIST_REGS`` (off until
+    measured) and the compiled kernel's ``regs`` per thread known (from its first launch), no more
+    than the register file holds (256-register warp granules). Session 23's FP8 epilogue operands,
+    loaded before the K loop, took the FP8 32x128 tile from 148 to 198 registers (sm_90 compile of
+    the pointer-load variant): three programs of 4 warps then no longer fit one SM, and the third
+    would run its statically dealt tiles after the other two."""
+    pps = max(1, min(settings.get().gg_stream_pps, (227 * 1024) // max(smem, 1)))
+    if regs and settings.get().knob("GG_PERSIST_REGS", False):
+        per_warp = -(-regs * 32 // 256) * 256
+        pps = max(1, min(pps, _SM_REGS // (per_warp * warps)))
+    return pps
 
 
 def _deterministic_scatter(out, rows, m_sizes, indices, M):
