@@ -235,14 +235,19 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         # when another ends would run its share of the tiles after the rest: tiles are dealt
         # statically), at most one per tile.
         smem = (bm + bn) * bk * x.element_size() * cfg.stages + (bm * bn * 2 if cfg.flatten else 0)
-        key = (cfg, fp8, w_only, use_tma, x_tma, token_weights is not None, scatter, bias is not None)
-        pps = persist_programs_per_sm(smem, cfg.warps, _PERSIST_REGS.get(key))
+        by_regs = settings.get().knob("GG_PERSIST_REGS", False)
+        key = (
+            (cfg, fp8, w_only, use_tma, x_tma, token_weights is not None, scatter, bias is not None)
+            if by_regs
+            else None
+        )
+        pps = persist_programs_per_sm(smem, cfg.warps, _PERSIST_REGS.get(key) if by_regs else None)
         grid = (max(1, min(upper, pps * sms)),)
         compiled = launch(_gg_tiled_kernel)[grid](
             *args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
             X_TMA=x_tma, **common,
         )  # fmt: skip
-        regs = getattr(compiled, "n_regs", None)  # the compiled kernel (None in the interpreter or a trace)
+        regs = getattr(compiled, "n_regs", None) if by_regs else None  # None in the interpreter or a trace
         if isinstance(regs, int) and regs > 0:
             _PERSIST_REGS[key] = regs
     elif stream:
