@@ -91,13 +91,15 @@ def _epilogue_vectors(
     W_ONLY: tl.constexpr = False,
 ):
     """The epilogue's per-row and per-column operands of a tile: x scales, w scales, bias and token
-    weights (placeholders where a feature is off). FP8 streaming tiles load them before the
-    tile's K loop, so that their latency hides under its loads and MMAs instead of stalling the
-    epilogue. H200, session 23, the layer's own FP8 down GEMM alone (``isolate_stages.py``):
-    loaded after the loop, DeepSeek-V3 TP8 (K=256, persistent loop) at T=256 ran 124 us with its
-    rows stored and 157 us with token weights and scatter-add, loaded before it 132 us (layer
-    387 -> 362 us); Qwen3-30B (K=768) 65 -> 60 us. 16-bit and prefill tiles load them after the
-    loop: bf16 DeepSeek T=1024 lost 2.5% early, and FP8 128 x 256 prefill tiles spill."""
+    weights (placeholders where a feature is off). FP8 streaming tiles (the streaming kernel and
+    the persistent swap-AB loop) load them before the tile's K loop, so that their latency hides
+    under its loads and MMAs instead of stalling the epilogue. H200, session 23, the layer's own
+    FP8 down GEMM alone (``isolate_stages.py``): loaded after the loop, DeepSeek-V3 TP8 (K=256,
+    persistent loop) at T=256 ran 124 us with its rows stored and 157 us with token weights and
+    scatter-add, loaded before it 132 us (layer 387 -> 362 us); Qwen3-30B (K=768, streaming
+    kernel) 65 -> 60 us. Other tiles load them after the loop: early, the persistent loop's bf16
+    tiles lost 2.5% (DeepSeek T=1024) and the weight-only FP8 down GEMM of the decode pipeline
+    7-11% (T=16), and prefill tiles would hold them across it (FP8 128 x 256 spills)."""
     col = g.to(tl.int64) * N + offs_n
     xs = offs_m.to(tl.float32)
     ws = offs_n.to(tl.float32)
@@ -228,10 +230,11 @@ def _gg_stream_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_mask = offs_m < m_end
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
-                offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
-                W_ONLY,
-            )  # fmt: skip
+            if FP8:  # FP8 tiles: the epilogue's operands load under the K loop
+                e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
+                    offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
+                    W_ONLY,
+                )  # fmt: skip
             if not X_TMA:
                 x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
             for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -253,6 +256,11 @@ def _gg_stream_kernel(
                 if W_ONLY:  # weight-only FP8: the weight tile in x's dtype, in registers
                     w_t = w_t.to(x_t.dtype)
                 acc = tl.dot(w_t, tl.trans(x_t), acc)
+            if not FP8:  # 16-bit and weight-only FP8 tiles: after the loop (see _epilogue_vectors)
+                e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
+                    offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
+                    W_ONLY,
+                )  # fmt: skip
             _epilogue(
                 tl.trans(acc), offs_m, m_mask, offs_n, n_mask, e_xs, e_ws, e_b, e_tw, y_ptr, stride_ym, idx_ptr,
                 T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
@@ -462,7 +470,7 @@ def _gg_tiled_kernel(
         else:
             acc_mn = acc
         if not (SWAP_AB and FP8):
-            # Prefill and 16-bit streaming tiles: after the loop (see _epilogue_vectors).
+            # Prefill tiles, 16-bit swap-AB ones: after the loop (see _epilogue_vectors).
             e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
                 offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
                 W_ONLY,
