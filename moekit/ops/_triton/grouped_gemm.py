@@ -241,7 +241,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             if by_regs
             else None
         )
-        pps = persist_programs_per_sm(smem, cfg.warps, _PERSIST_REGS.get(key) if by_regs else None)
+        pps = persist_programs_per_sm(smem, cfg.warps, _PERSIST_REGS.get(key))
         grid = (max(1, min(upper, pps * sms)),)
         compiled = launch(_gg_tiled_kernel)[grid](
             *args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
