@@ -45,7 +45,8 @@ from moekit.ops import (
 from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
 
 __all__ = [
-    "run_experts", "choose_path", "decode_fused", "down_sums_rows", "will_store_rows", "DECODE_ROWS_PER_EXPERT",
+    "run_experts", "choose_path", "decode_fused", "down_sums_rows", "will_store_rows", "quantizes_token_rows",
+    "gate_up_prefetch", "prefetch_plan", "DECODE_ROWS_PER_EXPERT",
 ]  # fmt: skip
 
 # Mean rows per hit expert below which the decode pipeline runs (the grouped GEMM's streaming
@@ -236,7 +237,8 @@ FUSED_SWIGLU_MIN_SAVING = 0.3
 MACHINE_BALANCE = 160.0
 
 
-def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int, device: torch.device) -> bool:
+def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int, device: Optional[torch.device],
+                  sms: Optional[int] = None) -> bool:  # fmt: skip
     """Whether the sorted pipeline runs ``grouped_gemm_swiglu`` (rows read by index, SwiGLU in
     the epilogue) for its gate/up GEMM: ``settings.sorted_swiglu``, and either FP8 weights at
     streaming sizes (knob ``FP8_STREAM_SWIGLU``) or rows per expert that take its persistent
@@ -250,7 +252,8 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
 
     # swiglu_config's choice (its tiled kernel where the grouped GEMM's rules pick tiles), without
     # its lru_cache: torch.compile traces this function and warns on cached calls.
-    sms = num_sms(device) if device.type == "cuda" else 132
+    if sms is None:
+        sms = num_sms(device) if device is not None and device.type == "cuda" else 132
     kind = heuristic_config(rows, F, D, max(experts, 1), fp8, elem, sms, persist=False).kind
     # FP8 at streaming sizes (knob FP8_STREAM_SWIGLU): the weights are the traffic, and the fused
     # kernel drops the gathered copy and the [N, 2F] intermediate. H200, session 22 run 3, layer
@@ -262,6 +265,73 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
     if MACHINE_BALANCE * (4 * D + 10 * F) / (4 * D * F) < FUSED_SWIGLU_MIN_SAVING:
         return False
     return kind == "tiled"
+
+
+# Routed rows per expert from which the streaming gate/up GEMM's first wave of experts is taken
+# to be the first experts in memory (every expert hit: the kernel's items go in expert order over
+# the hit ones), so that the routing launch may prefetch their weights (``gate_up_prefetch``).
+PREFETCH_MIN_ROWS_PER_EXPERT = 4
+
+
+def quantizes_token_rows(x: torch.Tensor, w13_e2FD: torch.Tensor, rows: int, top_k: int,
+                         path: Optional[str] = None) -> bool:  # fmt: skip
+    """Whether ``run_experts`` on 16-bit token rows ``x [T, D]`` (by ``token_ids``, ``rows`` of
+    them) quantizes them whole with ``quantize_fp8_row`` (FP8 weights, the sorted pipeline's
+    fused gate/up GEMM): then the caller may hand them over already quantized (``x_fp8``), e.g.
+    by the routing launch (``route_and_shuffle``'s ``quantize``; knob ``ROUTE_QUANT``)."""
+    if w13_e2FD.dtype != FP8_DTYPE or x.dtype == FP8_DTYPE or x.dim() != 2 or x.stride(-1) != 1 or rows == 0:
+        return False
+    e, twoF, D = w13_e2FD.shape
+    if choose_path(rows, e, path, fp8=True, top_k=top_k) == "decode":
+        return False
+    return _fused_swiglu(rows, e, twoF // 2, D, True, 1, x.device)
+
+
+def gate_up_prefetch(x: torch.Tensor, w13_e2FD: torch.Tensor, rows: int, top_k: int,
+                     path: Optional[str] = None) -> Optional[tuple[torch.Tensor, int, int]]:  # fmt: skip
+    """``(w13 [e * 2F, D], rows, bytes)`` for ``route_and_shuffle``'s ``l2_prefetch`` (knob
+    ``L2_PREFETCH_KB``; ``prefetch_plan``), or None: CUDA tokens only."""
+    budget = int(settings.get().knob("L2_PREFETCH_KB", 0)) * 1024
+    if budget <= 0 or rows == 0 or x.device.type != "cuda":
+        return None
+    from moekit.ops._common import num_sms
+
+    e, twoF, D = w13_e2FD.shape
+    plan = prefetch_plan(rows, e, twoF // 2, D, w13_e2FD.dtype == FP8_DTYPE, x.element_size(),
+                         w13_e2FD.element_size(), num_sms(x.device), top_k, budget, path)  # fmt: skip
+    return None if plan is None else (w13_e2FD.reshape(-1, D), *plan)
+
+
+def prefetch_plan(rows: int, experts: int, F: int, D: int, fp8_w: bool, x_elem: int, w_elem: int, sms: int,
+                  top_k: int, budget: int, path: Optional[str] = None) -> Optional[tuple[int, int]]:  # fmt: skip
+    """``(rows, bytes)`` of ``w13 [experts * 2F, D]`` worth asking into the L2 while the routing
+    launches run (they leave the DRAM idle): the first bytes of every row of the experts that
+    ``run_experts``' gate/up GEMM reads first, at most ``budget`` bytes in all. Only where that
+    GEMM is ``grouped_gemm_swiglu``'s streaming kernel and every expert is hit (at least
+    ``PREFETCH_MIN_ROWS_PER_EXPERT`` rows each on average): its items go in expert order over the
+    hit experts, so its first wave of programs reads the first experts' ``[2F, D]`` blocks, each
+    row from its start. None elsewhere."""
+    if budget <= 0 or rows < PREFETCH_MIN_ROWS_PER_EXPERT * experts:
+        return None
+    from moekit.ops._triton.gg_swiglu import swiglu_config, swiglu_stream_grid
+
+    decode = choose_path(rows, experts, path, fp8=fp8_w, top_k=top_k) == "decode"
+    if decode:
+        cfg = swiglu_config(rows, F, D, experts, False, x_elem, sms, w_elem=w_elem)
+    elif fp8_w and _fused_swiglu(rows, experts, F, D, True, 1, None, sms):
+        cfg = swiglu_config(rows, F, D, experts, True, 1, sms, w_elem=1)
+    else:  # the unfused gate/up GEMM, or the fused one's tiled kernel (prefill)
+        return None
+    if cfg.kind != "stream":
+        return None
+    n_blocks = -(-F // cfg.block_n)
+    first = min(experts, -(-swiglu_stream_grid(rows, F, experts, cfg.block_n, sms) // n_blocks))
+    row_bytes = D * w_elem
+    n = first * 2 * F
+    nbytes = min(row_bytes // 16 * 16, budget // n // 128 * 128)
+    if nbytes == 0:  # the budget holds fewer lines than the wave has rows: one line of the first rows
+        n, nbytes = budget // 128, min(128, row_bytes // 16 * 16)
+    return (n, nbytes) if n > 0 and nbytes > 0 else None
 
 
 def run_experts(
@@ -283,6 +353,7 @@ def run_experts(
     deterministic: bool = False,
     use_fast_accum: bool = True,
     path: Optional[str] = None,
+    x_fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """SwiGLU experts on rows sorted by expert (``m_sizes [e]`` rows per local expert).
 
@@ -302,7 +373,9 @@ def run_experts(
     returned; without it the ``[N, D]`` output rows are returned (rows past ``sum(m_sizes)``
     unwritten). ``out_empty``: out holds no values yet (e.g. ``torch.empty``): the summed-rows
     down projection stores into it (no memset, no read of out), the others zero it first
-    (``will_store_rows`` says which beforehand).
+    (``will_store_rows`` says which beforehand). ``x_fp8``: ``quantize_fp8_row(x)`` already
+    computed (``(x_fp8 [T, D], x_scale [T])``), where ``quantizes_token_rows`` says this call
+    quantizes the token rows (a ``ValueError`` elsewhere).
     """
     check_tensor("w13_e2FD", w13_e2FD, ndim=3)
     e, twoF, D = w13_e2FD.shape
@@ -329,6 +402,14 @@ def run_experts(
     top_k = max(1, N // max(1, x.shape[0])) if token_ids is not None else 1
     rows_dtype = torch.bfloat16 if fp8_w else x.dtype
     decode = choose_path(N, e, path, fp8=fp8_w, top_k=top_k) == "decode"
+    if x_fp8 is not None:
+        if not (token_ids is not None and quantizes_token_rows(x, w13_e2FD, N, top_k, path)):
+            raise ValueError("x_fp8 is taken only where run_experts quantizes the token rows itself "
+                             "(quantizes_token_rows: FP8 weights, 16-bit rows by token_ids, the fused gate/up GEMM)")  # fmt: skip
+        if not (isinstance(x_fp8, (tuple, list)) and len(x_fp8) == 2):
+            raise TypeError(f"x_fp8 must be a tuple (x_fp8, x_scale), got {type(x_fp8).__name__}")
+        check_tensor("x_fp8[0]", x_fp8[0], shape=tuple(x.shape), dtype=FP8_DTYPE, device=x.device)
+        check_tensor("x_fp8[1]", x_fp8[1], shape=(x.shape[0],), dtype=torch.float32, device=x.device)
     # The down projection into out: scatter-add (atomics), per-token combine (decode), or stored
     # rows + combine_rows (which stores into an empty out; the others add into a zeroed one).
     mode = _down_mode(out, selection_rows is not None, rows_dtype, N, e, top_k, decode, deterministic)
@@ -368,6 +449,8 @@ def run_experts(
         xq, xs = x, x_scale.reshape(-1)
     elif token_ids is not None and not fused:
         xq, xs = gather_scale_quant_dense_tokens(x, token_ids, expert_ids, None)
+    elif x_fp8 is not None:  # the token rows quantized already (by the routing launch)
+        xq, xs = x_fp8
     else:  # the token rows quantized once (the fused GEMM reads them by index), or the rows given
         xq, xs = quantize_fp8_row(x)
     if fused:

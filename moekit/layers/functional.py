@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from moekit._validate import check_expert_weights, check_tensor
+from moekit import settings
+from moekit._validate import FP8_DTYPE, check_expert_weights, check_tensor
 from moekit.layers.config import RoutingConfig
 from moekit.ops.routing import SCORE_DTYPES, dense_route
 
@@ -82,7 +83,7 @@ def moe_forward(
     (sorted pipeline). ``path``: ``"auto"`` (``settings.moe_path``), ``"decode"`` or ``"sorted"``
     (see ``moekit.layers.experts``).
     """
-    from moekit.layers.experts import decode_fused, run_experts, will_store_rows
+    from moekit.layers.experts import decode_fused, gate_up_prefetch, quantizes_token_rows, run_experts, will_store_rows
     from moekit.ops import moe_decode, route_and_shuffle
 
     if not isinstance(cfg, RoutingConfig):
@@ -124,14 +125,22 @@ def moe_forward(
         # Summed rows are stored into out as it is; any other down projection adds into it, zeroed
         # by the routing launch.
         empty = will_store_rows(out, T * cfg.top_k, E, cfg.top_k, fp8, deterministic, path)
+    # Beside the routing programs, in the same launch: the token rows' FP8 copy where the experts
+    # would quantize them next, and an L2 prefetch of the weights the gate/up GEMM reads first.
+    quant = None
+    rows = T * cfg.top_k
+    if settings.get().knob("ROUTE_QUANT", True) and quantizes_token_rows(x_TD, w13_e2FD, rows, cfg.top_k, path):
+        quant = (x_TD, torch.empty((T, D), dtype=FP8_DTYPE, device=dev), torch.empty((T,), dtype=torch.float32, device=dev))
     counts, expert_ids, token_ids, row_weights, selection_rows = route_and_shuffle(
         logits_TE, cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group, topk_group=cfg.topk_group,
         e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=cfg.routed_scaling_factor,
-        zero_buffer=None if shared_out_TD is not None or empty else out,
+        zero_buffer=None if shared_out_TD is not None or empty else out, quantize=quant,
+        l2_prefetch=gate_up_prefetch(x_TD, w13_e2FD, rows, cfg.top_k, path),
     )  # fmt: skip
     return run_experts(
         x_TD, w13_e2FD, w2_eDF, counts[:E], token_ids=token_ids, expert_ids=expert_ids, row_weights=row_weights,
         selection_rows=selection_rows,
         weight_on_input=cfg.apply_router_weight_on_input, w13_scale=w13_scale_e2F, w2_scale=w2_scale_eD, out=out,
         out_empty=empty, deterministic=deterministic, use_fast_accum=use_fast_accum, path=path,
+        x_fp8=quant[1:] if quant is not None else None,
     )  # fmt: skip

@@ -178,6 +178,87 @@ def test_interp_split_blocks_of_several_sub_tiles(r, fused_scan):
     assert (zero == 0).all()
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T, D, fused_max_t", [(1, 24, 8), (6, 300, 8), (37, 2048, 8), (37, 1030, 0), (9, 5000, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_interp_quantize_rides_along(T, D, fused_max_t, dtype):
+    """``quantize=(x, q, s)``: programs after the routing and zeroing ones write
+    ``quantize_fp8_row(x)``'s very bits (row maxima over several chunks, a NaN row, a row of
+    zeros, strided rows), and the routing and the zeroed buffer are unchanged."""
+    from moekit.ops import quantize_fp8_row
+
+    r = ROUTINGS[1]
+    logits, k, sf, renorm, kw = _inputs(r, T, seed=T + D)
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(T, D + 8, generator=g) * 4).to(dtype)[:, 3:D + 3]
+    x[0, D // 2] = 1e-6 if T == 1 else 300.0
+    if T > 2:
+        x[1] = 0.0
+        x[2, D - 1] = float("nan")
+    q = torch.full((T, D), 1.0, dtype=torch.float8_e4m3fn)
+    s = torch.full((T,), -1.0)
+    zero = torch.full((T, 40), 7.0, dtype=torch.bfloat16)
+    from moekit.ops._triton import route as R
+
+    with settings.override(route_fused_max_t=fused_max_t):
+        got = R.route_and_shuffle(logits, kw["e_score_correction_bias"], k, sf, renorm, kw["n_group"],
+                                  kw["topk_group"], kw["routed_scaling_factor"], 0, 256, zero, (x, q, s))  # fmt: skip
+    check(got, ref.route_and_shuffle(logits, k, sf, renorm, **kw), "with quantize")
+    wq, ws = quantize_fp8_row(x)
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)), (q.float() - wq.float()).abs().max()
+    assert torch.equal(torch.nan_to_num(s), torch.nan_to_num(ws))
+    assert (zero == 0).all()
+
+
+@pytest.mark.reference
+def test_quantize_and_prefetch_through_the_public_op_cpu():
+    """The public op on the CPU (reference routing): ``quantize`` filled as ``quantize_fp8_row``
+    does it, ``l2_prefetch`` accepted and a no-op."""
+    from moekit.ops import quantize_fp8_row
+
+    logits, k, sf, renorm, kw = _inputs(ROUTINGS[0], 7, seed=1)
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    q = torch.empty(7, 64, dtype=torch.float8_e4m3fn)
+    s = torch.empty(7)
+    w = torch.randn(32, 64)
+    got = route_and_shuffle(logits, k, sf, renorm, quantize=(x, q, s), l2_prefetch=(w, 16, 128), **kw)
+    check(got, ref.route_and_shuffle(logits, k, sf, renorm, **kw))
+    wq, ws = quantize_fp8_row(x)
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(quantize=torch.zeros(3, 4)), TypeError, "quantize must be a tuple"),
+        (dict(quantize=(torch.zeros(3, 4, dtype=torch.int32), None, None)), TypeError, "quantize x"),
+        (dict(quantize=(torch.zeros(3, 4), torch.zeros(3, 4), torch.zeros(3))), TypeError, "x_fp8"),
+        (dict(quantize=(torch.zeros(3, 4), torch.zeros(3, 5, dtype=torch.float8_e4m3fn), torch.zeros(3))),
+         ValueError, "x_fp8"),
+        (dict(quantize=(torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.float8_e4m3fn), torch.zeros(2))),
+         ValueError, "x_scale"),
+        (dict(quantize=(torch.zeros(3, 8)[:, ::2], torch.zeros(3, 4, dtype=torch.float8_e4m3fn), torch.zeros(3))),
+         ValueError, "quantize x"),
+        (dict(l2_prefetch=torch.zeros(3, 4)), TypeError, "l2_prefetch must be a tuple"),
+        (dict(l2_prefetch=(torch.zeros(3, 4), 4, 16)), ValueError, "at most"),
+        (dict(l2_prefetch=(torch.zeros(3, 4), 2, -1)), ValueError, "nbytes"),
+        (dict(l2_prefetch=(torch.zeros(3, 4), 2.0, 16)), TypeError, "rows"),
+    ],
+)
+def test_quantize_and_prefetch_bad_arguments(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        route_and_shuffle(torch.randn(3, 16), 2, "softmax", **kw)
+
+
+@pytest.mark.reference
+def test_prefetch_ok_off_the_gpu():
+    """The bulk prefetch needs sm_90+ CUDA memory with 16-byte rows: never on the CPU."""
+    from moekit.ops._triton.route import prefetch_ok
+
+    assert not prefetch_ok(torch.zeros(8, 64), 4, 128)
+
+
 @pytest.mark.reference
 def test_split_plan_bounds():
     """Sub-tiles within ``ROUTE_SPLIT_TILE`` elements, blocks within ``SPLIT_MAX_BLOCKS`` until a
@@ -295,6 +376,10 @@ def test_opcheck_and_compile_cpu():
     logits, k, sf, renorm, kw = _inputs(ROUTINGS[1], 6, seed=0)
     args = (logits, kw["e_score_correction_bias"], k, sf, renorm, 8, 4, 2.5, 0, 256, torch.ones(6, 8))
     torch.library.opcheck(torch.ops.moekit.route_and_shuffle.default, args)
+    quant = (torch.randn(6, 32), torch.empty(6, 32, dtype=torch.float8_e4m3fn), torch.empty(6))
+    # (opcheck's schema test compares the FP8 output by arithmetic, which the CPU lacks for e4m3)
+    torch.library.opcheck(torch.ops.moekit.route_and_shuffle.default, args + quant + (torch.zeros(4, 16), 2, 16),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     torch._dynamo.reset()
     fn = torch.compile(lambda l, b: route_and_shuffle(l, k, sf, renorm, n_group=8, topk_group=4,
                                                       e_score_correction_bias=b, routed_scaling_factor=2.5),
@@ -322,11 +407,21 @@ def test_kernel_compiles_for_sm90():
             b = torch.empty(E, device=m) if bias else None
             R.route_and_shuffle(logits, b, k, sf, renorm, ng, tg, 1.0, 0, E,
                                 torch.empty(T, 2048, dtype=torch.bfloat16, device=m))
+        # The quantizing and prefetching programs beside the routing ones (the layer's FP8
+        # streaming sizes; prefetch_ok is False on meta tensors, pinned here).
+        R.prefetch_ok = lambda *a: True
+        for T, D, E in ((256, 2048, 128), (16, 7168, 256), (4, 2048, 128)):
+            logits = torch.empty(T, E, dtype=torch.float32, device=m)
+            quant = (torch.empty(T, D, dtype=torch.bfloat16, device=m),
+                     torch.empty(T, D, dtype=torch.float8_e4m3fn, device=m), torch.empty(T, device=m))
+            w = torch.empty(E * 512, D, dtype=torch.float8_e4m3fn, device=m)
+            R.route_and_shuffle(logits, None, 8, "softmax", True, None, None, 1.0, 0, E,
+                                torch.empty(T, D, dtype=torch.bfloat16, device=m), quant, (w, 5000, 384))
         """,
         ["moekit.ops._triton.route"],
         pdl=True,
     )
-    assert_all_compiled(records, 5)
+    assert_all_compiled(records, 8)
 
 
 # ---------------------------------------------------------------------------- GPU tier
@@ -346,6 +441,46 @@ def test_gpu_matches_reference(r, T, cuda):
     assert (zero == 0).all()
     check(route_and_shuffle(logits.to(cuda).to(torch.bfloat16), k, sf, renorm, **kw_gpu),
           ref.route_and_shuffle(logits.to(torch.bfloat16), k, sf, renorm, **kw), f"{r[0]} bf16")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, D", [(1, 2048), (16, 7168), (256, 2048), (300, 2880)])
+def test_gpu_quantize_and_prefetch_ride_along(T, D, cuda):
+    """On the H200: the token rows' FP8 copy from the routing launch equals ``quantize_fp8_row``
+    bit for bit, the L2 prefetch (of every row of a weight tensor, and of a few) changes no
+    result, in eager calls and in a CUDA graph replayed with new tokens and logits."""
+    from moekit.ops import quantize_fp8_row
+    from moekit.ops._triton.route import prefetch_ok
+
+    r = ROUTINGS[1]
+    logits, k, sf, renorm, kw = _inputs(r, T, seed=T)
+    kw = {**kw, "e_score_correction_bias": kw["e_score_correction_bias"].to(cuda)}
+    x = torch.randn(T, D, device=cuda, dtype=torch.bfloat16) * 3
+    q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=cuda)
+    s = torch.empty(T, device=cuda)
+    w = torch.randn(4096, D, device=cuda).to(torch.float8_e4m3fn)
+    assert prefetch_ok(w, 4096, 384)
+    want = ref.route_and_shuffle(logits, k, sf, renorm, **{**kw, "e_score_correction_bias": kw["e_score_correction_bias"].cpu()})
+    for pf in ((w, 4096, 384), (w, 3, 16), None):
+        q.fill_(0)
+        got = route_and_shuffle(logits.to(cuda), k, sf, renorm, quantize=(x, q, s), l2_prefetch=pf, **kw)
+        check(got, want, f"prefetch {pf is not None}")
+        wq, ws = quantize_fp8_row(x)
+        assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
+    static = logits.to(cuda)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = route_and_shuffle(static, k, sf, renorm, quantize=(x, q, s), l2_prefetch=(w, 4096, 384), **kw)
+    for seed in (5, 6):
+        new = tie_free_logits(T, 256, seed)
+        static.copy_(new)
+        x.copy_(torch.randn(T, D, device=cuda) * seed)
+        g.replay()
+        torch.cuda.synchronize()
+        check(outs, ref.route_and_shuffle(new, k, sf, renorm, **{**kw, "e_score_correction_bias": kw["e_score_correction_bias"].cpu()}))
+        wq, ws = quantize_fp8_row(x)
+        assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
 
 
 @pytest.mark.gpu

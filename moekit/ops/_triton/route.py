@@ -40,8 +40,12 @@ import triton
 import triton.language as tl
 
 from moekit import settings
-from moekit.ops._common import cdiv, launch, next_pow2
+from moekit._validate import FP8_MAX
+from moekit.ops._common import _capability_major, cdiv, interpreting, launch, next_pow2
+from moekit.ops._triton._fp8 import EMULATE_FP8
 from moekit.ops._triton._pdl import pdl_prologue
+from moekit.ops._triton.quantize import _store_fp8, max_nan, row_scales
+from moekit.reference.quantize import DEFAULT_EPS
 from moekit.ops._triton.route_select import SCORE_CODES, _select_topk
 from moekit.ops._triton.routing import (
     FUSED_SCAN_MAX,
@@ -114,6 +118,48 @@ def _zero_chunk(zero_ptr, chunk, zero_numel, ZB: tl.constexpr):
 
 
 @triton.jit
+def _quant_row(x_ptr, q_ptr, s_ptr, row, C, stride_x, eps, QC: tl.constexpr, MAX_FP8: tl.constexpr,
+               EMULATE: tl.constexpr):  # fmt: skip
+    """Row ``row`` of ``x [R, C]`` (16-bit, row stride ``stride_x``) quantized as
+    ``quantize_fp8_row`` does it, to the same bits: the row max in ``QC``-wide chunks (a max is
+    exact in any order), the scale pair of ``quantize.row_scales``, then each chunk again (from
+    L1/L2) scaled and converted. Programs past the routing ones run it: the token rows' FP8
+    copy rides along the routing launch."""
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    amax = tl.zeros([QC], dtype=tl.float32)
+    for c0 in range(0, C, QC):
+        cols = c0 + tl.arange(0, QC)
+        v = tl.load(x_row + cols, mask=cols < C, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        amax = max_nan(amax, tl.abs(v))
+    inv, scale = row_scales(tl.reduce(amax[None, :], 1, max_nan), 0.0, eps, False, MAX_FP8)
+    tl.store(s_ptr + row + tl.arange(0, 1), scale)
+    q_row = q_ptr + row.to(tl.int64) * C + tl.zeros([1], dtype=tl.int64)
+    for c0 in range(0, C, QC):
+        cols = c0 + tl.arange(0, QC)
+        v = tl.load(x_row + cols, mask=cols < C, other=0.0).to(tl.float32)
+        _store_fp8(q_row, cols, tl.full([1], 1, tl.int1), C, v[None, :] * inv[:, None], MAX_FP8, EMULATE)
+
+
+@triton.jit
+def _l2_prefetch_rows(pf_ptr, chunk, pf_rows, pf_stride, pf_bytes, PF_R: tl.constexpr):
+    """Rows ``[chunk * PF_R, (chunk + 1) * PF_R)`` (clamped to ``pf_rows``) of ``pf_ptr`` (row
+    stride ``pf_stride`` elements): their first ``pf_bytes`` (a multiple of 16, 16-byte aligned
+    rows) asked into the L2 by one bulk prefetch each (``cp.async.bulk.prefetch.L2``: no
+    registers, no wait). The weights the next GEMM reads first, fetched while the routing launches
+    leave the DRAM idle. sm_90 and later only (the launcher's check); rows past ``pf_rows``
+    repeat the last one. Returns zeros the caller must use (a masked store that never writes): the
+    asm is declared pure, as impure asm would make inductor's mutation analysis count every
+    argument of the kernel as written."""
+    r = tl.minimum(chunk * PF_R + tl.arange(0, PF_R), pf_rows - 1)
+    ptrs = pf_ptr + r.to(tl.int64) * pf_stride
+    size = tl.full([PF_R], 0, tl.int32) + pf_bytes
+    return tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [ptrs, size],
+        dtype=tl.int32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_ptr, pw_ptr, eidx_ptr, tidx_ptr,
                     rw_ptr, srow_ptr, T, E, HS, start, SPLIT: tl.constexpr, K: tl.constexpr, RB: tl.constexpr):  # fmt: skip
     """After a routing program's tokens: ``SPLIT``, its expert counts ``carry`` as row ``pid`` of
@@ -133,7 +179,8 @@ def _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_pt
                     start, K, RB)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["T", "start", "end", "zero_numel", "n_route", "tokens_per_block"])
+@triton.jit(do_not_specialize=["T", "start", "end", "zero_numel", "n_route", "tokens_per_block", "n_zero", "q_rows",
+                               "q_cols", "q_stride", "pf_rows", "pf_stride", "pf_bytes"])  # fmt: skip
 def _route_fused_kernel(
     logits_ptr,
     bias_ptr,
@@ -146,6 +193,10 @@ def _route_fused_kernel(
     pw_ptr,
     bcounts_ptr,
     zero_ptr,
+    qx_ptr,
+    qq_ptr,
+    qs_ptr,
+    pf_ptr,
     T,
     E,
     start,
@@ -157,6 +208,14 @@ def _route_fused_kernel(
     n_route,
     tokens_per_block,
     HS,
+    n_zero,
+    q_rows,
+    q_cols,
+    q_stride,
+    q_eps,
+    pf_rows,
+    pf_stride,
+    pf_bytes,
     K: tl.constexpr,
     SCORE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -170,17 +229,38 @@ def _route_fused_kernel(
     K_PAD: tl.constexpr,
     RB: tl.constexpr,
     ZB: tl.constexpr,
+    HAS_QUANT: tl.constexpr = False,
+    QC: tl.constexpr = 16,
+    HAS_PF: tl.constexpr = False,
+    PF_R: tl.constexpr = 16,
+    MAX_FP8: tl.constexpr = 448.0,
+    EMULATE: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     """``SPLIT`` False: program 0 routes every token and places the rows (the one-launch path);
     True: program ``b < n_route`` routes tokens ``[b * tokens_per_block, (b + 1) *
     tokens_per_block)`` only (sub-tiles of ``BT``), its ranks counting from 0, and stores its
     expert counts as row ``b`` of ``bcounts [n_route, HS]`` (``_route_place_kernel`` places the
-    rows). Programs from ``n_route`` on zero ``zero_ptr``."""
+    rows). The programs after them, in this order: ``n_zero`` zero ``zero_ptr`` (``HAS_ZERO``),
+    ``q_rows`` quantize one row of ``qx_ptr`` each into ``qq_ptr`` / ``qs_ptr`` (``HAS_QUANT``:
+    ``quantize_fp8_row``'s bits), the rest prefetch ``PF_R`` rows of ``pf_ptr`` into the L2 each
+    (``HAS_PF``)."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
-    if HAS_ZERO and pid >= n_route:
-        _zero_chunk(zero_ptr, pid - n_route, zero_numel, ZB)
+    extra = pid - n_route
+    if HAS_ZERO:
+        if (extra >= 0) & (extra < n_zero):
+            _zero_chunk(zero_ptr, extra, zero_numel, ZB)
+        extra -= n_zero
+    if HAS_QUANT:
+        if (extra >= 0) & (extra < q_rows):
+            _quant_row(qx_ptr, qq_ptr, qs_ptr, extra, q_cols, q_stride, tl.cast(q_eps, tl.float32), QC, MAX_FP8,
+                       EMULATE)  # fmt: skip
+        extra -= q_rows
+    if HAS_PF:
+        if extra >= 0:
+            zeros = _l2_prefetch_rows(pf_ptr, extra, pf_rows, pf_stride, pf_bytes, PF_R)
+            tl.store(pw_ptr + tl.arange(0, PF_R), zeros.to(tl.float32), mask=zeros != 0)  # never stores
     if pid < n_route:
         cols = tl.arange(0, BLOCK_E)
         col_ok = cols < E
@@ -345,6 +425,25 @@ def _topk_rows_kernel(
                         rw_ptr, srow_ptr, T, E, HS, start, SPLIT, K, RB)  # fmt: skip
 
 
+# Rows one prefetching program asks into the L2 (one bulk prefetch per row).
+PREFETCH_ROWS_PER_PROGRAM = 512
+
+
+def prefetch_ok(w: torch.Tensor, rows: int, nbytes: int) -> bool:
+    """Whether the routing launch can prefetch the first ``nbytes`` of ``w``'s first ``rows`` rows:
+    a CUDA device of compute capability 9.0 or later (``cp.async.bulk.prefetch``), not the
+    interpreter, a 2-D ``w`` with a unit last stride, ``0 < rows <= w.shape[0]``, and the bulk
+    prefetch's 16-byte alignment of the base, the row stride and ``nbytes`` (at most a row)."""
+    if interpreting() or w.device.type != "cuda" or w.dim() != 2 or w.stride(1) != 1:
+        return False
+    if _capability_major(w.device.index) < 9:
+        return False
+    row_bytes = w.shape[1] * w.element_size()
+    stride_bytes = w.stride(0) * w.element_size()
+    return (0 < rows <= w.shape[0] and 0 < nbytes <= row_bytes and nbytes % 16 == 0 and stride_bytes % 16 == 0
+            and w.data_ptr() % 16 == 0)  # fmt: skip
+
+
 class SplitPlan(NamedTuple):
     """Launch shape of the split path: ``bt`` tokens per sub-tile, ``tpb`` per block (program),
     ``n`` blocks, ``warps`` per routing program, ``hs`` (E rounded up to 16: the count rows'
@@ -440,8 +539,14 @@ def route_and_shuffle(
     start: int,
     end: int,
     zero_buffer: Optional[torch.Tensor],
+    quant: Optional[tuple] = None,
+    prefetch: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launcher (validated arguments, shapes ``kernel_supports``)."""
+    """Launcher (validated arguments, shapes ``kernel_supports``). ``quant``: ``(x [R, C] 16-bit,
+    q [R, C] e4m3fn, scale [R] float32)``, x's rows quantized into q / scale by extra programs
+    (``quantize_fp8_row``'s bits, its default eps). ``prefetch``: ``(w [rows, cols], rows, bytes)``,
+    the first ``bytes`` of w's first ``rows`` rows asked into the L2 by extra programs, where
+    ``prefetch_ok`` (else nothing is prefetched)."""
     T, E = (int(d) for d in logits.shape)
     dev = logits.device
     N = T * top_k
@@ -461,13 +566,24 @@ def route_and_shuffle(
     zero_buffer = _memset_if_large(zero_buffer)
     zero_numel = 0 if zero_buffer is None else zero_buffer.numel()
     ng = 1 if n_group is None else int(n_group)
-    launch(_route_fused_kernel)[(n_route + cdiv(zero_numel, ZERO_BLOCK),)](
-        logits, bias, counts, eidx, tidx, rw, srow, packed, pw, bcounts, zero_buffer,
+    n_zero = cdiv(zero_numel, ZERO_BLOCK)
+    qx, qq, qs = quant if quant is not None else (None, None, None)
+    q_rows, q_cols = (int(qx.shape[0]), int(qx.shape[1])) if quant is not None else (0, 0)
+    if prefetch is not None and not prefetch_ok(*prefetch):
+        prefetch = None
+    pf, pf_rows, pf_bytes = prefetch if prefetch is not None else (None, 0, 0)
+    pf_r = PREFETCH_ROWS_PER_PROGRAM
+    n_pf = cdiv(pf_rows, pf_r)
+    launch(_route_fused_kernel)[(n_route + n_zero + q_rows + n_pf,)](
+        logits, bias, counts, eidx, tidx, rw, srow, packed, pw, bcounts, zero_buffer, qx, qq, qs, pf,
         T, E, start, end, logits.stride(0), logits.stride(1), float(scale), zero_numel, n_route, tpb,
-        p.hs if split else 16, K=top_k, SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+        p.hs if split else 16, n_zero, q_rows, q_cols, qx.stride(0) if quant is not None else 0, DEFAULT_EPS,
+        pf_rows, pf.stride(0) if pf is not None else 0, pf_bytes,
+        K=top_k, SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         NG=ng, TOPK_GROUP=int(topk_group or 1), HAS_ZERO=zero_buffer is not None, SPLIT=split,
         BT=bt, BLOCK_E=block_e, K_PAD=k_pad, RB=min(1024, max(16, next_pow2(N))), ZB=ZERO_BLOCK,
-        num_warps=warps,
+        HAS_QUANT=q_rows > 0, QC=min(max(16, next_pow2(q_cols)), 512 * warps), HAS_PF=n_pf > 0, PF_R=pf_r,
+        MAX_FP8=FP8_MAX, EMULATE=EMULATE_FP8, num_warps=warps,
     )  # fmt: skip
     if split:
         _place(bcounts, packed, pw, counts, eidx, tidx, rw, srow, T, E, start, top_k, p)
