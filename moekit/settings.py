@@ -98,9 +98,8 @@ class Settings:
     #                                     grouped_gemm_swiglu: token rows quantized once)      True
     #   GG_PERSIST_REGS                   grouped_gemm (persistent swap-AB grid bounded by the
     #                                     compiled kernel's registers, not only its shared memory) False
-    #   ROUTE_QUANT                       experts (FP8 token rows quantized by the routing launch) True
-    #   L2_PREFETCH_KB                    experts (gate/up weights the streaming GEMM reads first,
-    #                                     asked into the L2 by the routing launch; KB, 0: off)    0
+    #   ROUTE_QUANT                       experts (FP8 token rows quantized by the routing launch,
+    #                                     read by moekit.layers.functional)                     True
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -123,7 +122,7 @@ KNOBS = (
     "GATHER_WHOLE_ROW_MIN_ROWS_PER_SM", "GATHER_WHOLE_ROW_MAX_ROWS_PER_SM", "GATHER_STREAM_PROGRAMS_PER_SM",
     "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
     "COMBINE_MIN_TOP_K", "DECODE_FUSED_MIN_TOP_K", "DECODE_FUSED_MAX_TOKENS",
-    "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU", "GG_PERSIST_REGS", "ROUTE_QUANT", "L2_PREFETCH_KB",
+    "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU", "GG_PERSIST_REGS", "ROUTE_QUANT",
 )  # fmt: skip
 
 

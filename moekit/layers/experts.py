@@ -46,7 +46,7 @@ from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
 
 __all__ = [
     "run_experts", "choose_path", "decode_fused", "down_sums_rows", "will_store_rows", "quantizes_token_rows",
-    "gate_up_prefetch", "prefetch_plan", "DECODE_ROWS_PER_EXPERT",
+    "DECODE_ROWS_PER_EXPERT",
 ]  # fmt: skip
 
 # Mean rows per hit expert below which the decode pipeline runs (the grouped GEMM's streaming
@@ -237,8 +237,7 @@ FUSED_SWIGLU_MIN_SAVING = 0.3
 MACHINE_BALANCE = 160.0
 
 
-def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int, device: Optional[torch.device],
-                  sms: Optional[int] = None) -> bool:  # fmt: skip
+def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int, device: torch.device) -> bool:
     """Whether the sorted pipeline runs ``grouped_gemm_swiglu`` (rows read by index, SwiGLU in
     the epilogue) for its gate/up GEMM: ``settings.sorted_swiglu``, and either FP8 weights at
     streaming sizes (knob ``FP8_STREAM_SWIGLU``) or rows per expert that take its persistent
@@ -252,8 +251,7 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
 
     # swiglu_config's choice (its tiled kernel where the grouped GEMM's rules pick tiles), without
     # its lru_cache: torch.compile traces this function and warns on cached calls.
-    if sms is None:
-        sms = num_sms(device) if device is not None and device.type == "cuda" else 132
+    sms = num_sms(device) if device.type == "cuda" else 132
     kind = heuristic_config(rows, F, D, max(experts, 1), fp8, elem, sms, persist=False).kind
     # FP8 at streaming sizes (knob FP8_STREAM_SWIGLU): the weights are the traffic, and the fused
     # kernel drops the gathered copy and the [N, 2F] intermediate. H200, session 22 run 3, layer
@@ -265,12 +263,6 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
     if MACHINE_BALANCE * (4 * D + 10 * F) / (4 * D * F) < FUSED_SWIGLU_MIN_SAVING:
         return False
     return kind == "tiled"
-
-
-# Routed rows per expert from which the streaming gate/up GEMM's first wave of experts is taken
-# to be the first experts in memory (every expert hit: the kernel's items go in expert order over
-# the hit ones), so that the routing launch may prefetch their weights (``gate_up_prefetch``).
-PREFETCH_MIN_ROWS_PER_EXPERT = 4
 
 
 def quantizes_token_rows(x: torch.Tensor, w13_e2FD: torch.Tensor, rows: int, top_k: int,
@@ -285,53 +277,6 @@ def quantizes_token_rows(x: torch.Tensor, w13_e2FD: torch.Tensor, rows: int, top
     if choose_path(rows, e, path, fp8=True, top_k=top_k) == "decode":
         return False
     return _fused_swiglu(rows, e, twoF // 2, D, True, 1, x.device)
-
-
-def gate_up_prefetch(x: torch.Tensor, w13_e2FD: torch.Tensor, rows: int, top_k: int,
-                     path: Optional[str] = None) -> Optional[tuple[torch.Tensor, int, int]]:  # fmt: skip
-    """``(w13 [e * 2F, D], rows, bytes)`` for ``route_and_shuffle``'s ``l2_prefetch`` (knob
-    ``L2_PREFETCH_KB``; ``prefetch_plan``), or None: CUDA tokens only."""
-    budget = int(settings.get().knob("L2_PREFETCH_KB", 0)) * 1024
-    if budget <= 0 or rows == 0 or x.device.type != "cuda":
-        return None
-    from moekit.ops._common import num_sms
-
-    e, twoF, D = w13_e2FD.shape
-    plan = prefetch_plan(rows, e, twoF // 2, D, w13_e2FD.dtype == FP8_DTYPE, x.element_size(),
-                         w13_e2FD.element_size(), num_sms(x.device), top_k, budget, path)  # fmt: skip
-    return None if plan is None else (w13_e2FD.reshape(-1, D), *plan)
-
-
-def prefetch_plan(rows: int, experts: int, F: int, D: int, fp8_w: bool, x_elem: int, w_elem: int, sms: int,
-                  top_k: int, budget: int, path: Optional[str] = None) -> Optional[tuple[int, int]]:  # fmt: skip
-    """``(rows, bytes)`` of ``w13 [experts * 2F, D]`` worth asking into the L2 while the routing
-    launches run (they leave the DRAM idle): the first bytes of every row of the experts that
-    ``run_experts``' gate/up GEMM reads first, at most ``budget`` bytes in all. Only where that
-    GEMM is ``grouped_gemm_swiglu``'s streaming kernel and every expert is hit (at least
-    ``PREFETCH_MIN_ROWS_PER_EXPERT`` rows each on average): its items go in expert order over the
-    hit experts, so its first wave of programs reads the first experts' ``[2F, D]`` blocks, each
-    row from its start. None elsewhere."""
-    if budget <= 0 or rows < PREFETCH_MIN_ROWS_PER_EXPERT * experts:
-        return None
-    from moekit.ops._triton.gg_swiglu import swiglu_config, swiglu_stream_grid
-
-    decode = choose_path(rows, experts, path, fp8=fp8_w, top_k=top_k) == "decode"
-    if decode:
-        cfg = swiglu_config(rows, F, D, experts, False, x_elem, sms, w_elem=w_elem)
-    elif fp8_w and _fused_swiglu(rows, experts, F, D, True, 1, None, sms):
-        cfg = swiglu_config(rows, F, D, experts, True, 1, sms, w_elem=1)
-    else:  # the unfused gate/up GEMM, or the fused one's tiled kernel (prefill)
-        return None
-    if cfg.kind != "stream":
-        return None
-    n_blocks = -(-F // cfg.block_n)
-    first = min(experts, -(-swiglu_stream_grid(rows, F, experts, cfg.block_n, sms) // n_blocks))
-    row_bytes = D * w_elem
-    n = first * 2 * F
-    nbytes = min(row_bytes // 16 * 16, budget // n // 128 * 128)
-    if nbytes == 0:  # the budget holds fewer lines than the wave has rows: one line of the first rows
-        n, nbytes = budget // 128, min(128, row_bytes // 16 * 16)
-    return (n, nbytes) if n > 0 and nbytes > 0 else None
 
 
 def run_experts(

@@ -83,8 +83,9 @@ def moe_forward(
     (sorted pipeline). ``path``: ``"auto"`` (``settings.moe_path``), ``"decode"`` or ``"sorted"``
     (see ``moekit.layers.experts``).
     """
-    from moekit.layers.experts import decode_fused, gate_up_prefetch, quantizes_token_rows, run_experts, will_store_rows
+    from moekit.layers.experts import decode_fused, quantizes_token_rows, run_experts, will_store_rows
     from moekit.ops import moe_decode, route_and_shuffle
+    from moekit.ops.routing import quantize_rides
 
     if not isinstance(cfg, RoutingConfig):
         raise TypeError(f"cfg must be a RoutingConfig, got {type(cfg).__name__}")
@@ -125,17 +126,17 @@ def moe_forward(
         # Summed rows are stored into out as it is; any other down projection adds into it, zeroed
         # by the routing launch.
         empty = will_store_rows(out, T * cfg.top_k, E, cfg.top_k, fp8, deterministic, path)
-    # Beside the routing programs, in the same launch: the token rows' FP8 copy where the experts
-    # would quantize them next, and an L2 prefetch of the weights the gate/up GEMM reads first.
+    # The token rows' FP8 copy where the experts would quantize them next: by extra programs of
+    # the routing launch, one launch fewer (where that pays: quantize_rides).
     quant = None
     rows = T * cfg.top_k
-    if settings.get().knob("ROUTE_QUANT", True) and quantizes_token_rows(x_TD, w13_e2FD, rows, cfg.top_k, path):
+    if (settings.get().knob("ROUTE_QUANT", True) and quantizes_token_rows(x_TD, w13_e2FD, rows, cfg.top_k, path)
+            and quantize_rides(logits_TE, cfg.top_k, cfg.n_group, T, D)):  # fmt: skip
         quant = (x_TD, torch.empty((T, D), dtype=FP8_DTYPE, device=dev), torch.empty((T,), dtype=torch.float32, device=dev))
     counts, expert_ids, token_ids, row_weights, selection_rows = route_and_shuffle(
         logits_TE, cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group, topk_group=cfg.topk_group,
         e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=cfg.routed_scaling_factor,
         zero_buffer=None if shared_out_TD is not None or empty else out, quantize=quant,
-        l2_prefetch=gate_up_prefetch(x_TD, w13_e2FD, rows, cfg.top_k, path),
     )  # fmt: skip
     return run_experts(
         x_TD, w13_e2FD, w2_eDF, counts[:E], token_ids=token_ids, expert_ids=expert_ids, row_weights=row_weights,

@@ -243,12 +243,11 @@ def _route_and_shuffle_op(
     expert_index_start: int,
     expert_index_end: int,
     zero_buffer: Optional[torch.Tensor],
-    quant_rows: Optional[torch.Tensor] = None,
-    quant_out: Optional[torch.Tensor] = None,
-    quant_scale_out: Optional[torch.Tensor] = None,
-    l2_prefetch: Optional[torch.Tensor] = None,
-    l2_prefetch_rows: int = 0,
-    l2_prefetch_bytes: int = 0,
+    # No defaults: torch 2.11's ADInplaceOrView kernel indexes a mutated argument in the call's
+    # arguments, where a trailing defaulted one may be missing (IndexError under torch.compile).
+    quant_rows: Optional[torch.Tensor],
+    quant_out: Optional[torch.Tensor],
+    quant_scale_out: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     quant = (quant_rows, quant_out, quant_scale_out) if quant_rows is not None else None
     if use_triton(logits_TE):
@@ -257,13 +256,12 @@ def _route_and_shuffle_op(
 
         T, E = logits_TE.shape
         if _route.kernel_supports(T, E, top_k, n_group):
-            ride = quant is not None and quant_rows.shape[1] > 0
+            ride = quant is not None and _route.quant_rides(T, E, top_k, *quant_rows.shape)
             if quant is not None and not ride:
                 _quantize_into(*quant)
-            pf = (l2_prefetch, l2_prefetch_rows, l2_prefetch_bytes) if l2_prefetch is not None else None
             return _route.route_and_shuffle(
                 logits_TE, e_score_correction_bias, top_k, score_func, renormalize, n_group, topk_group,
-                routed_scaling_factor, expert_index_start, expert_index_end, zero_buffer, quant if ride else None, pf,
+                routed_scaling_factor, expert_index_start, expert_index_end, zero_buffer, quant if ride else None,
             )  # fmt: skip
         # Batches past the kernels: dense scores (torch ops), index_shuffling's kernels,
         # one gather of the sorted rows' weights.
@@ -318,7 +316,6 @@ def route_and_shuffle(
     expert_index_end: Optional[int] = None,
     zero_buffer: Optional[torch.Tensor] = None,
     quantize: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-    l2_prefetch: Optional[tuple[torch.Tensor, int, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits to the sorted row layout, fused: score function, top-k, weights, counts
     and ``index_shuffling``'s (expert, token)-sorted rows, for ``E <= 512``, ``top_k <= 16``: one
@@ -338,14 +335,10 @@ def route_and_shuffle(
     at ``t * top_k + j`` (-1 when it produced no row), the token-major inverse map. ``zero_buffer`` (optional, contiguous) is set to zeros by the same launch: the
     output the down GEMM adds into needs no memset of its own.
 
-    Two more jobs can ride along the routing launch (extra programs beside the routing ones,
-    which leave the DRAM nearly idle): ``quantize=(x, x_fp8, x_scale)`` writes
-    ``quantize_fp8_row(x)`` (``x [R, D]`` bf16 / fp16 / fp32 with a unit last stride, default eps)
-    into ``x_fp8 [R, D]`` float8_e4m3fn and ``x_scale [R]`` float32 (contiguous), the same bits;
-    ``l2_prefetch=(w, rows, nbytes)`` asks the L2 for the first ``nbytes`` of each of the first
-    ``rows`` rows of a 2-D ``w`` (the weights the next GEMM reads first), on sm_90+ where the
-    rows are 16-byte aligned and ``nbytes`` a multiple of 16 (ignored elsewhere: a hint, never
-    a result). Past ``E = 4096`` the
+    ``quantize=(x, x_fp8, x_scale)`` writes ``quantize_fp8_row(x)`` (``x [R, D]`` bf16 / fp16 /
+    fp32 with a unit last stride, default eps) into ``x_fp8 [R, D]`` float8_e4m3fn and ``x_scale
+    [R]`` float32 (contiguous), the same bits: by extra programs of the routing launch where that
+    pays (``quantize_rides``), else by a launch of its own. Past ``E = 4096`` the
     ``index_shuffling`` step on CUDA is the PyTorch reference's (a ``UserWarning``, once per
     process). No host synchronization; CUDA-graph capturable.
     """
@@ -363,11 +356,23 @@ def route_and_shuffle(
     if T * top_k >= 2**31:
         raise ValueError(f"logits_TE rows * top_k must be < 2**31, got {T} * {top_k} = {T * top_k}")
     qx, qq, qs = _check_quantize(quantize, logits_TE.device)
-    pw, pr, pb = _check_prefetch(l2_prefetch, logits_TE.device)
     return call_op(
         _route_and_shuffle_op, logits_TE, e_score_correction_bias, top_k, score_func, renormalize, n_group, topk_group,
-        float(routed_scaling_factor), start, end, zero_buffer, qx, qq, qs, pw, pr, pb,
+        float(routed_scaling_factor), start, end, zero_buffer, qx, qq, qs,
     )  # fmt: skip
+
+
+def quantize_rides(logits_TE: torch.Tensor, top_k: int, n_group: Optional[int], rows: int, cols: int) -> bool:
+    """Whether ``route_and_shuffle(logits_TE, top_k, ..., quantize=...)`` quantizes ``[rows, cols]``
+    token rows inside its routing launch (the kernels' sizes, where riding pays); elsewhere the
+    ``quantize`` outputs are filled by a launch of their own, which a caller that would quantize
+    anyway can as well run itself."""
+    if not use_triton(logits_TE):
+        return False
+    from moekit.ops._triton import route as _route
+
+    T, E = logits_TE.shape
+    return _route.kernel_supports(T, E, top_k, n_group) and _route.quant_rides(T, E, top_k, rows, cols)
 
 
 def _check_quantize(quantize, device: torch.device) -> tuple:
@@ -385,21 +390,6 @@ def _check_quantize(quantize, device: torch.device) -> tuple:
     if R >= 2**31 - 2**16:
         raise ValueError(f"quantize x must have fewer than 2**31 - 2**16 rows, got {R}")
     return x, q, s
-
-
-def _check_prefetch(l2_prefetch, device: torch.device) -> tuple:
-    """``route_and_shuffle``'s ``l2_prefetch`` triple, checked: ``(w, rows, nbytes)`` or ``(None, 0, 0)``."""
-    if l2_prefetch is None:
-        return None, 0, 0
-    if not isinstance(l2_prefetch, (tuple, list)) or len(l2_prefetch) != 3:
-        raise TypeError(f"l2_prefetch must be a tuple (w, rows, nbytes), got {type(l2_prefetch).__name__}")
-    w, rows, nbytes = l2_prefetch
-    check_tensor("l2_prefetch w", w, ndim=2, device=device)
-    rows = check_int("l2_prefetch rows", rows, lo=0)
-    nbytes = check_int("l2_prefetch nbytes", nbytes, lo=0)
-    if rows > w.shape[0]:
-        raise ValueError(f"l2_prefetch rows must be at most w's {w.shape[0]} rows, got {rows}")
-    return w, rows, nbytes
 
 
 # ----------------------------------------------------------------------------------------------

@@ -158,32 +158,29 @@ def test_moe_forward_gpu_fp8(T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("T", [64, 256])
-def test_gpu_route_launch_quantize_and_prefetch_same_bits(fp8, T):
-    """On the H200 at Qwen3-30B's expert shapes: the routing launch's L2 prefetch of the gate/up
-    weights (knob ``L2_PREFETCH_KB``) and its FP8 copy of the token rows (``ROUTE_QUANT``) leave
-    the layer's output bit for bit as without them (``deterministic=True``: no atomics' order)."""
+@pytest.mark.parametrize("name, T", [("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 256), ("deepseek-v3", 256)])
+def test_gpu_route_launch_quantize_same_bits(name, T):
+    """On the H200 at the models' expert shapes (DeepSeek-V3: its TP8 shard), FP8: the token rows
+    quantized by the routing launch (knob ``ROUTE_QUANT``) give the layer's output bit for bit as
+    the experts quantizing them (``deterministic=True``: no atomics' order)."""
     from dataclasses import replace
 
     from moekit import settings
-    from moekit.layers.experts import gate_up_prefetch
+    from moekit.ops.routing import quantize_rides
 
-    s = replace(MODEL_SHAPES["qwen3-30b-a3b"], shared_F=0)
+    s = replace(MODEL_SHAPES[name], shared_F=0, **({"F": 256} if name == "deepseek-v3" else {}))
     w = random_expert_weights(s, dtype=torch.bfloat16, device="cuda", seed=T)
     x = torch.randn(T, s.D, device="cuda").bfloat16()
     logits = x.float() @ w["router_DE"].float()
-    w13, w2, kw = w["w13_e2FD"], w["w2_eDF"], {}
-    if fp8:
-        w13, w13s = quantize_expert_weights(w13)
-        w2, w2s = quantize_expert_weights(w2)
-        kw = dict(w13_scale_e2F=w13s, w2_scale_eD=w2s)
+    assert quantize_rides(logits, s.top_k, s.n_group, T, s.D)
+    w13, w13s = quantize_expert_weights(w["w13_e2FD"])
+    w2, w2s = quantize_expert_weights(w["w2_eDF"])
     outs = []
-    for knobs in ({"L2_PREFETCH_KB": 0, "ROUTE_QUANT": False}, {"L2_PREFETCH_KB": 32768, "ROUTE_QUANT": True}):
-        with settings.override(knobs=knobs):
-            if knobs["L2_PREFETCH_KB"]:
-                assert gate_up_prefetch(x, w13, T * s.top_k, s.top_k) is not None
-            outs.append(moe_forward(x, None, w13, w2, _cfg(s), logits_TE=logits, deterministic=True, **kw))
+    for on in (False, True):
+        with settings.override(knobs={"ROUTE_QUANT": on}):
+            outs.append(moe_forward(x, None, w13, w2, _cfg(s), logits_TE=logits, deterministic=True,
+                                    e_score_correction_bias=w.get("e_score_correction_bias"), w13_scale_e2F=w13s,
+                                    w2_scale_eD=w2s))  # fmt: skip
     assert torch.equal(outs[0], outs[1])
 
 
@@ -275,29 +272,6 @@ def test_route_quant_knob_same_bits():
         run_experts(x, w["w13_e2FD"].to(torch.bfloat16), w["w2_eDF"].to(torch.bfloat16), m,
                     token_ids=torch.zeros(T * s.top_k, dtype=torch.int32),
                     expert_ids=torch.zeros(T * s.top_k, dtype=torch.int32), x_fp8=(x, x))  # fmt: skip
-
-
-@pytest.mark.reference
-def test_gate_up_prefetch_plan():
-    """``prefetch_plan``: the first experts' ``[2F, D]`` rows the streaming gate/up GEMM's first
-    wave reads (Qwen3-30B at T=256: 44 experts x 1536 rows, 384 bytes each within 32 MB), within
-    the budget, 16-byte multiples; none when some experts are likely empty, on the tiled
-    (prefill) kernel, or with no budget; off by default (knob ``L2_PREFETCH_KB``)."""
-    from moekit.layers.experts import gate_up_prefetch, prefetch_plan
-
-    mb = 1 << 20
-    assert prefetch_plan(256 * 8, 128, 768, 2048, True, 2, 1, 132, 8, 32 * mb) == (44 * 1536, 384)
-    for rows, E, F, D, fp8, budget in ((2048, 128, 768, 2048, True, 8 * mb), (2048, 256, 256, 7168, False, 32 * mb),
-                                       (512, 128, 768, 2048, False, 4 * mb), (2048, 128, 768, 2048, True, 64 << 10)):
-        plan = prefetch_plan(rows, E, F, D, fp8, 2, 1 if fp8 else 2, 132, 8, budget)
-        assert plan is not None
-        n, nbytes = plan
-        assert 0 < n <= E * 2 * F and n * nbytes <= budget and nbytes % 16 == 0 and nbytes <= D * (1 if fp8 else 2)
-    assert prefetch_plan(16 * 8, 128, 768, 2048, True, 2, 1, 132, 8, 32 * mb) is None  # experts likely empty
-    assert prefetch_plan(1024 * 8, 128, 768, 2048, True, 2, 1, 132, 8, 32 * mb) is None  # tiled kernel
-    assert prefetch_plan(256 * 8, 128, 768, 2048, True, 2, 1, 132, 8, 0) is None
-    w13 = torch.zeros(128, 1536, 2048)
-    assert gate_up_prefetch(torch.zeros(256, 2048), w13, 2048, 8) is None  # knob off, and not CUDA
 
 
 @pytest.mark.reference

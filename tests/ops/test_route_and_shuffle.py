@@ -211,17 +211,19 @@ def test_interp_quantize_rides_along(T, D, fused_max_t, dtype):
 
 
 @pytest.mark.reference
-def test_quantize_and_prefetch_through_the_public_op_cpu():
+def test_quantize_through_the_public_op_cpu():
     """The public op on the CPU (reference routing): ``quantize`` filled as ``quantize_fp8_row``
-    does it, ``l2_prefetch`` accepted and a no-op."""
+    does it; ``quantize_rides`` is False off the kernels."""
+    from moekit.ops.routing import quantize_rides
+
     from moekit.ops import quantize_fp8_row
 
     logits, k, sf, renorm, kw = _inputs(ROUTINGS[0], 7, seed=1)
     x = torch.randn(7, 64, dtype=torch.bfloat16)
     q = torch.empty(7, 64, dtype=torch.float8_e4m3fn)
     s = torch.empty(7)
-    w = torch.randn(32, 64)
-    got = route_and_shuffle(logits, k, sf, renorm, quantize=(x, q, s), l2_prefetch=(w, 16, 128), **kw)
+    assert not quantize_rides(logits, k, None, 7, 64)
+    got = route_and_shuffle(logits, k, sf, renorm, quantize=(x, q, s), **kw)
     check(got, ref.route_and_shuffle(logits, k, sf, renorm, **kw))
     wq, ws = quantize_fp8_row(x)
     assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
@@ -240,23 +242,23 @@ def test_quantize_and_prefetch_through_the_public_op_cpu():
          ValueError, "x_scale"),
         (dict(quantize=(torch.zeros(3, 8)[:, ::2], torch.zeros(3, 4, dtype=torch.float8_e4m3fn), torch.zeros(3))),
          ValueError, "quantize x"),
-        (dict(l2_prefetch=torch.zeros(3, 4)), TypeError, "l2_prefetch must be a tuple"),
-        (dict(l2_prefetch=(torch.zeros(3, 4), 4, 16)), ValueError, "at most"),
-        (dict(l2_prefetch=(torch.zeros(3, 4), 2, -1)), ValueError, "nbytes"),
-        (dict(l2_prefetch=(torch.zeros(3, 4), 2.0, 16)), TypeError, "rows"),
     ],
 )
-def test_quantize_and_prefetch_bad_arguments(kw, exc, match):
+def test_quantize_bad_arguments(kw, exc, match):
     with pytest.raises(exc, match=match):
         route_and_shuffle(torch.randn(3, 16), 2, "softmax", **kw)
 
 
 @pytest.mark.reference
-def test_prefetch_ok_off_the_gpu():
-    """The bulk prefetch needs sm_90+ CUDA memory with 16-byte rows: never on the CPU."""
-    from moekit.ops._triton.route import prefetch_ok
+def test_quant_rides_rule():
+    """The token rows ride along while a row is at most ``QUANT_RIDE_MAX_CHUNKS`` chunks of the
+    routing programs' 16 values per thread and the copy at most ``QUANT_RIDE_MAX`` elements:
+    Qwen3-30B's rows (D=2048) at T = 16-1024, DeepSeek-V3's (D=7168) at T=256 only."""
+    from moekit.ops._triton.route import QUANT_RIDE_MAX, quant_rides
 
-    assert not prefetch_ok(torch.zeros(8, 64), 4, 128)
+    assert all(quant_rides(T, 128, 8, T, 2048) for T in (1, 16, 64, 256, 1024))
+    assert [quant_rides(T, 256, 8, T, 7168) for T in (16, 64, 256, 1024)] == [False, False, True, False]
+    assert not quant_rides(64, 128, 8, 64, 0) and not quant_rides(2048, 128, 8, 2048, QUANT_RIDE_MAX // 2048 + 1)
 
 
 @pytest.mark.reference
@@ -375,10 +377,10 @@ def test_bad_arguments(kw, exc, match):
 def test_opcheck_and_compile_cpu():
     logits, k, sf, renorm, kw = _inputs(ROUTINGS[1], 6, seed=0)
     args = (logits, kw["e_score_correction_bias"], k, sf, renorm, 8, 4, 2.5, 0, 256, torch.ones(6, 8))
-    torch.library.opcheck(torch.ops.moekit.route_and_shuffle.default, args)
+    torch.library.opcheck(torch.ops.moekit.route_and_shuffle.default, args + (None, None, None))
     quant = (torch.randn(6, 32), torch.empty(6, 32, dtype=torch.float8_e4m3fn), torch.empty(6))
     # (opcheck's schema test compares the FP8 output by arithmetic, which the CPU lacks for e4m3)
-    torch.library.opcheck(torch.ops.moekit.route_and_shuffle.default, args + quant + (torch.zeros(4, 16), 2, 16),
+    torch.library.opcheck(torch.ops.moekit.route_and_shuffle.default, args + quant,
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     torch._dynamo.reset()
     fn = torch.compile(lambda l, b: route_and_shuffle(l, k, sf, renorm, n_group=8, topk_group=4,
@@ -407,16 +409,13 @@ def test_kernel_compiles_for_sm90():
             b = torch.empty(E, device=m) if bias else None
             R.route_and_shuffle(logits, b, k, sf, renorm, ng, tg, 1.0, 0, E,
                                 torch.empty(T, 2048, dtype=torch.bfloat16, device=m))
-        # The quantizing and prefetching programs beside the routing ones (the layer's FP8
-        # streaming sizes; prefetch_ok is False on meta tensors, pinned here).
-        R.prefetch_ok = lambda *a: True
+        # The quantizing programs beside the routing ones (the layer's FP8 streaming sizes).
         for T, D, E in ((256, 2048, 128), (16, 7168, 256), (4, 2048, 128)):
             logits = torch.empty(T, E, dtype=torch.float32, device=m)
             quant = (torch.empty(T, D, dtype=torch.bfloat16, device=m),
                      torch.empty(T, D, dtype=torch.float8_e4m3fn, device=m), torch.empty(T, device=m))
-            w = torch.empty(E * 512, D, dtype=torch.float8_e4m3fn, device=m)
             R.route_and_shuffle(logits, None, 8, "softmax", True, None, None, 1.0, 0, E,
-                                torch.empty(T, D, dtype=torch.bfloat16, device=m), quant, (w, 5000, 384))
+                                torch.empty(T, D, dtype=torch.bfloat16, device=m), quant)
         """,
         ["moekit.ops._triton.route"],
         pdl=True,
@@ -444,41 +443,36 @@ def test_gpu_matches_reference(r, T, cuda):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T, D", [(1, 2048), (16, 7168), (256, 2048), (300, 2880)])
-def test_gpu_quantize_and_prefetch_ride_along(T, D, cuda):
-    """On the H200: the token rows' FP8 copy from the routing launch equals ``quantize_fp8_row``
-    bit for bit, the L2 prefetch (of every row of a weight tensor, and of a few) changes no
-    result, in eager calls and in a CUDA graph replayed with new tokens and logits."""
+@pytest.mark.parametrize("T, D", [(1, 2048), (16, 7168), (256, 2048), (256, 7168), (300, 2880)])
+def test_gpu_quantize_rides_along(T, D, cuda):
+    """On the H200: the token rows' FP8 copy from the routing launch (or its own launch where it
+    does not ride) equals ``quantize_fp8_row`` bit for bit, in an eager call and in a CUDA graph
+    replayed with new tokens and logits."""
     from moekit.ops import quantize_fp8_row
-    from moekit.ops._triton.route import prefetch_ok
 
     r = ROUTINGS[1]
     logits, k, sf, renorm, kw = _inputs(r, T, seed=T)
-    kw = {**kw, "e_score_correction_bias": kw["e_score_correction_bias"].to(cuda)}
+    b = kw["e_score_correction_bias"]
+    kw = {**kw, "e_score_correction_bias": b.to(cuda)}
     x = torch.randn(T, D, device=cuda, dtype=torch.bfloat16) * 3
-    q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=cuda)
+    q = torch.zeros(T, D, dtype=torch.float8_e4m3fn, device=cuda)
     s = torch.empty(T, device=cuda)
-    w = torch.randn(4096, D, device=cuda).to(torch.float8_e4m3fn)
-    assert prefetch_ok(w, 4096, 384)
-    want = ref.route_and_shuffle(logits, k, sf, renorm, **{**kw, "e_score_correction_bias": kw["e_score_correction_bias"].cpu()})
-    for pf in ((w, 4096, 384), (w, 3, 16), None):
-        q.fill_(0)
-        got = route_and_shuffle(logits.to(cuda), k, sf, renorm, quantize=(x, q, s), l2_prefetch=pf, **kw)
-        check(got, want, f"prefetch {pf is not None}")
-        wq, ws = quantize_fp8_row(x)
-        assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
+    got = route_and_shuffle(logits.to(cuda), k, sf, renorm, quantize=(x, q, s), **kw)
+    check(got, ref.route_and_shuffle(logits, k, sf, renorm, **{**kw, "e_score_correction_bias": b}))
+    wq, ws = quantize_fp8_row(x)
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
     static = logits.to(cuda)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        outs = route_and_shuffle(static, k, sf, renorm, quantize=(x, q, s), l2_prefetch=(w, 4096, 384), **kw)
+        outs = route_and_shuffle(static, k, sf, renorm, quantize=(x, q, s), **kw)
     for seed in (5, 6):
         new = tie_free_logits(T, 256, seed)
         static.copy_(new)
         x.copy_(torch.randn(T, D, device=cuda) * seed)
         g.replay()
         torch.cuda.synchronize()
-        check(outs, ref.route_and_shuffle(new, k, sf, renorm, **{**kw, "e_score_correction_bias": kw["e_score_correction_bias"].cpu()}))
+        check(outs, ref.route_and_shuffle(new, k, sf, renorm, **{**kw, "e_score_correction_bias": b}))
         wq, ws = quantize_fp8_row(x)
         assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
 
@@ -562,12 +556,36 @@ for r, T, knobs in ((ROUTINGS[0], 5, {}), (ROUTINGS[0], 40, {}), (ROUTINGS[1], 3
         return gm
 
     with settings.override(knobs=knobs):
-        traced = aot_function(lambda *t: op(*t), inspect)(*args)
-        eager = op(*args[:-1], torch.ones(T, 16))
+        traced = aot_function(lambda *t: op(*t, None, None, None), inspect)(*args)
+        eager = op(*args[:-1], torch.ones(T, 16), None, None, None)
     launches.add(len(nodes))
     for x, y in zip(traced, eager):
         assert torch.equal(x, y)
 assert launches == {1, 2, 3}, launches  # one program up to 8 tokens; blocks (+ scan) + placement past it
+# The token rows' FP8 copy riding along: the quantize outputs are the only inputs taken as written.
+for T in (5, 40):
+    logits, k, sf, renorm, kw = _inputs(ROUTINGS[0], T, seed=T)
+    x = torch.randn(T, 48)
+    def quant():
+        return (x, torch.zeros(T, 48, dtype=torch.float8_e4m3fn), torch.zeros(T))
+    args = (logits, None, k, sf, renorm, None, None, 1.0, 0, 128, None)
+    nodes = []
+
+    def inspect_q(gm, _):
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and "triton_kernel_wrapper" in str(n.target):
+                kwn = n.kwargs["kwargs"]
+                for name in n.kwargs.get("tensors_to_clone", []):
+                    assert kwn[name].op != "placeholder" or name in ("qq_ptr", "qs_ptr"), f"input {name} taken as written"
+                nodes.append(n)
+        return gm
+
+    tq = quant()
+    traced = aot_function(lambda *t: op(*t), inspect_q)(*args, *tq)
+    eq = quant()
+    eager = op(*args, *eq)
+    assert nodes and all(torch.equal(a, b) for a, b in zip(traced, eager))
+    assert torch.equal(tq[1].view(torch.uint8), eq[1].view(torch.uint8)) and torch.equal(tq[2], eq[2])
 print("TRACED OK")
 """
 

@@ -418,12 +418,6 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     return replace(cfg, stages=max(2, min(cfg.stages, budget // stage)))
 
 
-def swiglu_stream_grid(M: int, F: int, G: int, block_n: int, sms: int) -> int:
-    """Programs of the streaming kernel: one per (group, column block) while a group may hold a
-    row, at most four per SM (then they loop, items in group-major order over the hit groups)."""
-    return max(1, min(min(G, M) * cdiv(F, block_n), 4 * sms))
-
-
 def grouped_gemm_swiglu(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -481,7 +475,7 @@ def grouped_gemm_swiglu(
             FLATTEN=cfg.flatten, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
         )  # fmt: skip
         return z
-    grid = (swiglu_stream_grid(M, F, G, cfg.block_n, sms),)
+    grid = (max(1, min(min(G, M) * cdiv(F, cfg.block_n), 4 * sms)),)
     launch(_swiglu_stream_kernel)[grid](
         x, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
         W_CAST=w13.dtype != x.dtype, USE_TMA=use_tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from moekit import settings
 from moekit._validate import FP8_MAX
-from moekit.ops._common import _capability_major, cdiv, interpreting, launch, next_pow2
+from moekit.ops._common import cdiv, launch, next_pow2
 from moekit.ops._triton._fp8 import EMULATE_FP8
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.quantize import _store_fp8, max_nan, row_scales
@@ -141,25 +141,6 @@ def _quant_row(x_ptr, q_ptr, s_ptr, row, C, stride_x, eps, QC: tl.constexpr, MAX
 
 
 @triton.jit
-def _l2_prefetch_rows(pf_ptr, chunk, pf_rows, pf_stride, pf_bytes, PF_R: tl.constexpr):
-    """Rows ``[chunk * PF_R, (chunk + 1) * PF_R)`` (clamped to ``pf_rows``) of ``pf_ptr`` (row
-    stride ``pf_stride`` elements): their first ``pf_bytes`` (a multiple of 16, 16-byte aligned
-    rows) asked into the L2 by one bulk prefetch each (``cp.async.bulk.prefetch.L2``: no
-    registers, no wait). The weights the next GEMM reads first, fetched while the routing launches
-    leave the DRAM idle. sm_90 and later only (the launcher's check); rows past ``pf_rows``
-    repeat the last one. Returns zeros the caller must use (a masked store that never writes): the
-    asm is declared pure, as impure asm would make inductor's mutation analysis count every
-    argument of the kernel as written."""
-    r = tl.minimum(chunk * PF_R + tl.arange(0, PF_R), pf_rows - 1)
-    ptrs = pf_ptr + r.to(tl.int64) * pf_stride
-    size = tl.full([PF_R], 0, tl.int32) + pf_bytes
-    return tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [ptrs, size],
-        dtype=tl.int32, is_pure=True, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_ptr, pw_ptr, eidx_ptr, tidx_ptr,
                     rw_ptr, srow_ptr, T, E, HS, start, SPLIT: tl.constexpr, K: tl.constexpr, RB: tl.constexpr):  # fmt: skip
     """After a routing program's tokens: ``SPLIT``, its expert counts ``carry`` as row ``pid`` of
@@ -180,7 +161,7 @@ def _finish_routing(carry, cols, col_ok, pid, bcounts_ptr, counts_ptr, packed_pt
 
 
 @triton.jit(do_not_specialize=["T", "start", "end", "zero_numel", "n_route", "tokens_per_block", "n_zero", "q_rows",
-                               "q_cols", "q_stride", "pf_rows", "pf_stride", "pf_bytes"])  # fmt: skip
+                               "q_cols", "q_stride"])  # fmt: skip
 def _route_fused_kernel(
     logits_ptr,
     bias_ptr,
@@ -196,7 +177,6 @@ def _route_fused_kernel(
     qx_ptr,
     qq_ptr,
     qs_ptr,
-    pf_ptr,
     T,
     E,
     start,
@@ -213,9 +193,6 @@ def _route_fused_kernel(
     q_cols,
     q_stride,
     q_eps,
-    pf_rows,
-    pf_stride,
-    pf_bytes,
     K: tl.constexpr,
     SCORE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -231,8 +208,6 @@ def _route_fused_kernel(
     ZB: tl.constexpr,
     HAS_QUANT: tl.constexpr = False,
     QC: tl.constexpr = 16,
-    HAS_PF: tl.constexpr = False,
-    PF_R: tl.constexpr = 16,
     MAX_FP8: tl.constexpr = 448.0,
     EMULATE: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
@@ -243,8 +218,7 @@ def _route_fused_kernel(
     expert counts as row ``b`` of ``bcounts [n_route, HS]`` (``_route_place_kernel`` places the
     rows). The programs after them, in this order: ``n_zero`` zero ``zero_ptr`` (``HAS_ZERO``),
     ``q_rows`` quantize one row of ``qx_ptr`` each into ``qq_ptr`` / ``qs_ptr`` (``HAS_QUANT``:
-    ``quantize_fp8_row``'s bits), the rest prefetch ``PF_R`` rows of ``pf_ptr`` into the L2 each
-    (``HAS_PF``)."""
+    ``quantize_fp8_row``'s bits)."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     extra = pid - n_route
@@ -256,11 +230,6 @@ def _route_fused_kernel(
         if (extra >= 0) & (extra < q_rows):
             _quant_row(qx_ptr, qq_ptr, qs_ptr, extra, q_cols, q_stride, tl.cast(q_eps, tl.float32), QC, MAX_FP8,
                        EMULATE)  # fmt: skip
-        extra -= q_rows
-    if HAS_PF:
-        if extra >= 0:
-            zeros = _l2_prefetch_rows(pf_ptr, extra, pf_rows, pf_stride, pf_bytes, PF_R)
-            tl.store(pw_ptr + tl.arange(0, PF_R), zeros.to(tl.float32), mask=zeros != 0)  # never stores
     if pid < n_route:
         cols = tl.arange(0, BLOCK_E)
         col_ok = cols < E
@@ -425,23 +394,40 @@ def _topk_rows_kernel(
                         rw_ptr, srow_ptr, T, E, HS, start, SPLIT, K, RB)  # fmt: skip
 
 
-# Rows one prefetching program asks into the L2 (one bulk prefetch per row).
-PREFETCH_ROWS_PER_PROGRAM = 512
+# The token rows' FP8 copy rides along the routing launch (``quant_rides``) while a row takes at
+# most ``QUANT_RIDE_MAX_CHUNKS`` chunks of 16 values per thread of a routing program (each chunk a
+# dependent load, twice) and the copy holds at most ``QUANT_RIDE_MAX`` elements (past it the rows'
+# programs, as heavy as the routing ones in registers, take more waves than the routing does).
+# H200, session 24 run 1, layer from logits, same call, separate quantize launch -> riding:
+# Qwen3-30B FP8 (D=2048) T = 16 / 64 / 256 / 1024 102.8 / 156.0 / 175.1 / 243.4 -> 101.7 / 153.6 /
+# 175.2 / 240.8 µs; DeepSeek-V3 TP8 (D=7168) 153.7 / 287.1 / 360.5 / 516.1 -> 156.7 / 289.9 / 359.9
+# / 528.8 (T = 16 and 64: 1-warp programs, 14 chunks a row; T=1024: 7.3M elements).
+QUANT_RIDE_MAX_CHUNKS = 4
+QUANT_RIDE_MAX = 2 * 1024 * 1024
 
 
-def prefetch_ok(w: torch.Tensor, rows: int, nbytes: int) -> bool:
-    """Whether the routing launch can prefetch the first ``nbytes`` of ``w``'s first ``rows`` rows:
-    a CUDA device of compute capability 9.0 or later (``cp.async.bulk.prefetch``), not the
-    interpreter, a 2-D ``w`` with a unit last stride, ``0 < rows <= w.shape[0]``, and the bulk
-    prefetch's 16-byte alignment of the base, the row stride and ``nbytes`` (at most a row)."""
-    if interpreting() or w.device.type != "cuda" or w.dim() != 2 or w.stride(1) != 1:
+def quant_chunk(cols: int, warps: int) -> int:
+    """Columns of one chunk of a riding quantization row: 16 values per thread, the row's power of
+    two at most."""
+    return min(max(16, next_pow2(cols)), 512 * warps)
+
+
+def quant_rides(T: int, E: int, top_k: int, rows: int, cols: int) -> bool:
+    """Whether ``route_and_shuffle``'s launch for ``[T, E]`` logits quantizes ``[rows, cols]`` token
+    rows with extra programs (else a ``quantize_fp8_row`` launch of its own pays more; see
+    ``QUANT_RIDE_MAX_CHUNKS``)."""
+    if rows == 0 or cols == 0 or rows * cols > QUANT_RIDE_MAX:
         return False
-    if _capability_major(w.device.index) < 9:
-        return False
-    row_bytes = w.shape[1] * w.element_size()
-    stride_bytes = w.stride(0) * w.element_size()
-    return (0 < rows <= w.shape[0] and 0 < nbytes <= row_bytes and nbytes % 16 == 0 and stride_bytes % 16 == 0
-            and w.data_ptr() % 16 == 0)  # fmt: skip
+    return cdiv(cols, quant_chunk(cols, _route_warps(T, E, top_k))) <= QUANT_RIDE_MAX_CHUNKS
+
+
+def _route_warps(T: int, E: int, top_k: int) -> int:
+    """Warps of the routing launch's programs (``route_and_shuffle``'s rule)."""
+    if T > settings.get().route_fused_max_t:
+        return split_plan(T, E, top_k).warps
+    block_e = max(16, next_pow2(E))
+    bt = max(1, min(next_pow2(max(T, 1)), ROUTE_TILE // block_e))
+    return max(1, min(8, bt * block_e // 256))
 
 
 class SplitPlan(NamedTuple):
@@ -540,13 +526,10 @@ def route_and_shuffle(
     end: int,
     zero_buffer: Optional[torch.Tensor],
     quant: Optional[tuple] = None,
-    prefetch: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher (validated arguments, shapes ``kernel_supports``). ``quant``: ``(x [R, C] 16-bit,
     q [R, C] e4m3fn, scale [R] float32)``, x's rows quantized into q / scale by extra programs
-    (``quantize_fp8_row``'s bits, its default eps). ``prefetch``: ``(w [rows, cols], rows, bytes)``,
-    the first ``bytes`` of w's first ``rows`` rows asked into the L2 by extra programs, where
-    ``prefetch_ok`` (else nothing is prefetched)."""
+    (``quantize_fp8_row``'s bits, its default eps; any sizes, ``quant_rides`` says where it pays)."""
     T, E = (int(d) for d in logits.shape)
     dev = logits.device
     N = T * top_k
@@ -569,20 +552,14 @@ def route_and_shuffle(
     n_zero = cdiv(zero_numel, ZERO_BLOCK)
     qx, qq, qs = quant if quant is not None else (None, None, None)
     q_rows, q_cols = (int(qx.shape[0]), int(qx.shape[1])) if quant is not None else (0, 0)
-    if prefetch is not None and not prefetch_ok(*prefetch):
-        prefetch = None
-    pf, pf_rows, pf_bytes = prefetch if prefetch is not None else (None, 0, 0)
-    pf_r = PREFETCH_ROWS_PER_PROGRAM
-    n_pf = cdiv(pf_rows, pf_r)
-    launch(_route_fused_kernel)[(n_route + n_zero + q_rows + n_pf,)](
-        logits, bias, counts, eidx, tidx, rw, srow, packed, pw, bcounts, zero_buffer, qx, qq, qs, pf,
+    launch(_route_fused_kernel)[(n_route + n_zero + q_rows,)](
+        logits, bias, counts, eidx, tidx, rw, srow, packed, pw, bcounts, zero_buffer, qx, qq, qs,
         T, E, start, end, logits.stride(0), logits.stride(1), float(scale), zero_numel, n_route, tpb,
         p.hs if split else 16, n_zero, q_rows, q_cols, qx.stride(0) if quant is not None else 0, DEFAULT_EPS,
-        pf_rows, pf.stride(0) if pf is not None else 0, pf_bytes,
         K=top_k, SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         NG=ng, TOPK_GROUP=int(topk_group or 1), HAS_ZERO=zero_buffer is not None, SPLIT=split,
         BT=bt, BLOCK_E=block_e, K_PAD=k_pad, RB=min(1024, max(16, next_pow2(N))), ZB=ZERO_BLOCK,
-        HAS_QUANT=q_rows > 0, QC=min(max(16, next_pow2(q_cols)), 512 * warps), HAS_PF=n_pf > 0, PF_R=pf_r,
+        HAS_QUANT=q_rows > 0, QC=quant_chunk(q_cols, warps),
         MAX_FP8=FP8_MAX, EMULATE=EMULATE_FP8, num_warps=warps,
     )  # fmt: skip
     if split:
