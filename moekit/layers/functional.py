@@ -132,7 +132,11 @@ def moe_forward(
     rows = T * cfg.top_k
     if (settings.get().knob("ROUTE_QUANT", True) and quantizes_token_rows(x_TD, w13_e2FD, rows, cfg.top_k, path)
             and quantize_rides(logits_TE, cfg.top_k, cfg.n_group, T, D)):  # fmt: skip
-        quant = (x_TD, torch.empty((T, D), dtype=FP8_DTYPE, device=dev), torch.empty((T,), dtype=torch.float32, device=dev))
+        quant = (
+            x_TD,
+            torch.empty((T, D), dtype=FP8_DTYPE, device=dev),
+            torch.empty((T,), dtype=torch.float32, device=dev),
+        )
     counts, expert_ids, token_ids, row_weights, selection_rows = route_and_shuffle(
         logits_TE, cfg.top_k, cfg.score_func, cfg.renormalize, n_group=cfg.n_group, topk_group=cfg.topk_group,
         e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=cfg.routed_scaling_factor,

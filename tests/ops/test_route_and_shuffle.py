@@ -190,7 +190,7 @@ def test_interp_quantize_rides_along(T, D, fused_max_t, dtype):
     r = ROUTINGS[1]
     logits, k, sf, renorm, kw = _inputs(r, T, seed=T + D)
     g = torch.Generator().manual_seed(D)
-    x = (torch.randn(T, D + 8, generator=g) * 4).to(dtype)[:, 3:D + 3]
+    x = (torch.randn(T, D + 8, generator=g) * 4).to(dtype)[:, 3 : D + 3]
     x[0, D // 2] = 1e-6 if T == 1 else 300.0
     if T > 2:
         x[1] = 0.0
@@ -236,12 +236,21 @@ def test_quantize_through_the_public_op_cpu():
         (dict(quantize=torch.zeros(3, 4)), TypeError, "quantize must be a tuple"),
         (dict(quantize=(torch.zeros(3, 4, dtype=torch.int32), None, None)), TypeError, "quantize x"),
         (dict(quantize=(torch.zeros(3, 4), torch.zeros(3, 4), torch.zeros(3))), TypeError, "x_fp8"),
-        (dict(quantize=(torch.zeros(3, 4), torch.zeros(3, 5, dtype=torch.float8_e4m3fn), torch.zeros(3))),
-         ValueError, "x_fp8"),
-        (dict(quantize=(torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.float8_e4m3fn), torch.zeros(2))),
-         ValueError, "x_scale"),
-        (dict(quantize=(torch.zeros(3, 8)[:, ::2], torch.zeros(3, 4, dtype=torch.float8_e4m3fn), torch.zeros(3))),
-         ValueError, "quantize x"),
+        (
+            dict(quantize=(torch.zeros(3, 4), torch.zeros(3, 5, dtype=torch.float8_e4m3fn), torch.zeros(3))),
+            ValueError,
+            "x_fp8",
+        ),
+        (
+            dict(quantize=(torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.float8_e4m3fn), torch.zeros(2))),
+            ValueError,
+            "x_scale",
+        ),
+        (
+            dict(quantize=(torch.zeros(3, 8)[:, ::2], torch.zeros(3, 4, dtype=torch.float8_e4m3fn), torch.zeros(3))),
+            ValueError,
+            "quantize x",
+        ),
     ],
 )
 def test_quantize_bad_arguments(kw, exc, match):
@@ -380,8 +389,11 @@ def test_opcheck_and_compile_cpu():
     torch.library.opcheck(torch.ops.moekit.route_and_shuffle.default, args + (None, None, None))
     quant = (torch.randn(6, 32), torch.empty(6, 32, dtype=torch.float8_e4m3fn), torch.empty(6))
     # (opcheck's schema test compares the FP8 output by arithmetic, which the CPU lacks for e4m3)
-    torch.library.opcheck(torch.ops.moekit.route_and_shuffle.default, args + quant,
-                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        torch.ops.moekit.route_and_shuffle.default,
+        args + quant,
+        test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"),
+    )
     torch._dynamo.reset()
     fn = torch.compile(lambda l, b: route_and_shuffle(l, k, sf, renorm, n_group=8, topk_group=4,
                                                       e_score_correction_bias=b, routed_scaling_factor=2.5),
