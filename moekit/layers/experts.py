@@ -279,6 +279,11 @@ def quantizes_token_rows(x: torch.Tensor, w13_e2FD: torch.Tensor, rows: int, top
     return _fused_swiglu(rows, e, twoF // 2, D, True, 1, x.device)
 
 
+def _no_x_fp8() -> None:
+    raise ValueError("x_fp8 is taken only where run_experts quantizes the token rows itself "
+                     "(quantizes_token_rows: FP8 weights, 16-bit rows by token_ids, the fused gate/up GEMM)")  # fmt: skip
+
+
 def run_experts(
     x: torch.Tensor,
     w13_e2FD: torch.Tensor,
@@ -347,14 +352,10 @@ def run_experts(
     top_k = max(1, N // max(1, x.shape[0])) if token_ids is not None else 1
     rows_dtype = torch.bfloat16 if fp8_w else x.dtype
     decode = choose_path(N, e, path, fp8=fp8_w, top_k=top_k) == "decode"
-    if x_fp8 is not None:
-        if not (token_ids is not None and quantizes_token_rows(x, w13_e2FD, N, top_k, path)):
-            raise ValueError("x_fp8 is taken only where run_experts quantizes the token rows itself "
-                             "(quantizes_token_rows: FP8 weights, 16-bit rows by token_ids, the fused gate/up GEMM)")  # fmt: skip
-        if not (isinstance(x_fp8, (tuple, list)) and len(x_fp8) == 2):
-            raise TypeError(f"x_fp8 must be a tuple (x_fp8, x_scale), got {type(x_fp8).__name__}")
-        check_tensor("x_fp8[0]", x_fp8[0], shape=tuple(x.shape), dtype=FP8_DTYPE, device=x.device)
-        check_tensor("x_fp8[1]", x_fp8[1], shape=(x.shape[0],), dtype=torch.float32, device=x.device)
+    # x_fp8: quantizes_token_rows' conditions, from this call's own choices (decode; fused below).
+    takes_x_fp8 = token_ids is not None and fp8_w and x.dtype != FP8_DTYPE and x.dim() == 2 and x.stride(-1) == 1
+    if x_fp8 is not None and (decode or not takes_x_fp8):
+        _no_x_fp8()
     # The down projection into out: scatter-add (atomics), per-token combine (decode), or stored
     # rows + combine_rows (which stores into an empty out; the others add into a zeroed one).
     mode = _down_mode(out, selection_rows is not None, rows_dtype, N, e, top_k, decode, deterministic)
@@ -374,6 +375,13 @@ def run_experts(
         return grouped_gemm(z, w2, m_sizes, w_scale=ws2, **down)
 
     fused = _fused_swiglu(N, e, F, D, fp8_w, 1 if fp8_w else x.element_size(), x.device)
+    if x_fp8 is not None:
+        if not fused:
+            _no_x_fp8()
+        if not (isinstance(x_fp8, (tuple, list)) and len(x_fp8) == 2):
+            raise TypeError(f"x_fp8 must be a tuple (x_fp8, x_scale), got {type(x_fp8).__name__}")
+        check_tensor("x_fp8[0]", x_fp8[0], shape=tuple(x.shape), dtype=FP8_DTYPE, device=x.device)
+        check_tensor("x_fp8[1]", x_fp8[1], shape=(x.shape[0],), dtype=torch.float32, device=x.device)
     if not fp8_w:
         if fused:
             z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w)

@@ -384,9 +384,15 @@ def _route_warps(T: int, E: int, top_k: int) -> int:
     """Warps of the routing launch's programs (``route_and_shuffle``'s rule)."""
     if T > settings.get().route_fused_max_t:
         return split_plan(T, E, top_k).warps
+    return _one_program_plan(T, E)[1]
+
+
+def _one_program_plan(T: int, E: int) -> tuple[int, int]:
+    """``(tokens per sub-tile, warps)`` of the one-program path: one warp for a single token's row
+    (no cross-warp reductions on the decode critical path)."""
     block_e = max(16, next_pow2(E))
     bt = max(1, min(next_pow2(max(T, 1)), ROUTE_TILE // block_e))
-    return max(1, min(8, bt * block_e // 256))
+    return bt, max(1, min(8, bt * block_e // 256))
 
 
 class SplitPlan(NamedTuple):
@@ -500,10 +506,7 @@ def route_and_shuffle(
         p = split_plan(T, E, top_k)
         bt, tpb, n_route, warps = p.bt, p.tpb, p.n, p.warps
     else:
-        bt, n_route = max(1, min(next_pow2(max(T, 1)), ROUTE_TILE // block_e)), 1
-        tpb = T
-        # One warp for a single token's row (no cross-warp reductions on the decode critical path).
-        warps = max(1, min(8, bt * block_e // 256))
+        (bt, warps), n_route, tpb = _one_program_plan(T, E), 1, T
     bcounts = torch.empty((n_route * p.hs) if split else (1,), dtype=torch.int32, device=dev)
     zero_buffer = _memset_if_large(zero_buffer)
     zero_numel = 0 if zero_buffer is None else zero_buffer.numel()
