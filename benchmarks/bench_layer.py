@@ -4,7 +4,7 @@ and the sorted one pinned) vs vLLM 0.33's Triton fused_moe (routing precomputed:
 PyTorch, one process, every output checked against a float32 reference before it is timed.
 
     python benchmarks/bench_layer.py [--quick] [--models qwen3-30b-a3b,deepseek-v3-tp8] [--dtype bf16,fp8]
-        [--tokens 1,4,16,64,256]
+        [--tokens 1,4,16,64,256] [--lean]
 
 vLLM's harness is found at $MOEKIT_VLLM_HARNESS, .peers/vllm_fused_moe or ../shared/peers/vllm_fused_moe.
 """
@@ -30,6 +30,7 @@ def main() -> int:
     )
     p.add_argument("--dtype", default="bf16,fp8")
     p.add_argument("--tokens", default=None)
+    p.add_argument("--lean", action="store_true", help="moekit's automatic pipeline and vLLM only (A/B lanes)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_layer needs CUDA; nothing to do on this machine")
@@ -47,7 +48,7 @@ def main() -> int:
         for m in models:
             print(f"== {m} {dt}", flush=True)
             try:
-                rows += layer_bench.run(m, tokens, dt == "fp8", a.quick)
+                rows += layer_bench.run(m, tokens, dt == "fp8", a.quick, lean=a.lean)
                 save_rows("bench_layer", rows)  # after every model: a run cut short keeps its rows
             except AssertionError as exc:  # a wrong result: fail the benchmark (after the other models)
                 print(f"   {m} {dt} WRONG RESULT: {exc}")

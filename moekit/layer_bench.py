@@ -156,12 +156,13 @@ def _reference_routed(x, w13, w2, ids, weights, on_input):
     return out
 
 
-def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
+def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = False) -> list[dict]:
     """One row per T: the routed experts of one layer, **from router logits to output**, for
     moekit (``moe_forward(logits_TE=...)``, the automatic pipeline, and the sorted one pinned),
     vLLM 0.33's Triton fused_moe with the routing precomputed (its ``us_moe_only``), MSLK's
     pipeline (top-1 sigmoid) and plain torch; each checked against a float32 reference before it
-    is timed. Inputs rotate over several routings so the experts' weights are not served from L2."""
+    is timed. Inputs rotate over several routings so the experts' weights are not served from L2.
+    ``lean``: moekit's automatic pipeline and vLLM only (same-call A/B lanes of a setting)."""
     from moekit import settings
     from moekit.benchmarking import rotations
     from moekit.reference.routing import routing_weights
@@ -224,12 +225,12 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
             row["path"] = "fused"  # moe_decode: two launches from the logits
         row["moekit_err"] = _check("moekit", ours(sets[0]), ref0, tol)
         row["moekit_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
-        if cuda and T <= 2048:  # the other pipeline on the same rows
+        if cuda and T <= 2048 and not lean:  # the other pipeline on the same rows
             alt = "sorted" if row["path"] in ("decode", "fused") else "decode"
             with settings.override(moe_path=alt):
                 _check(f"moekit {alt}", ours(sets[0]), ref0, tol)
                 row[f"{alt}_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
-        if cuda and s.top_k > 1 and not quick:
+        if cuda and s.top_k > 1 and not (quick or lean):
             row["det_us"] = bench_us([lambda st=st: ours(st, det=True) for st in sets], replays=reps)
         if vllm is not None and not on_input:
             try:
@@ -250,14 +251,14 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool) -> list[dict]:
                 row["vllm_us"] = None
                 row["vllm_error"] = f"{type(exc).__name__}: {exc}"[:120]
                 print(f"   vLLM T={T}: {row['vllm_error']}")
-        if not quick or T <= 64:
+        if not lean and (not quick or T <= 64):
             try:
                 row["torch_us"] = bench_us([lambda st=st: torch_routed(st["x"], st["logits"], w, cfg)
                                             for st in sets], replays=reps)  # fmt: skip
             except Exception as exc:  # torch._grouped_mm needs sm_90+ on CUDA
                 row["torch_us"] = None
                 row["torch_error"] = type(exc).__name__
-        if mslk_ok:
+        if mslk_ok and not lean:
             try:
                 w13l = w["w13_e2FD"].reshape(-1, s.D)
                 w2l = w["w2_eDF"].reshape(-1, s.F)

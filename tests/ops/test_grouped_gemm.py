@@ -213,6 +213,93 @@ def test_interp_stream_persist_matches_the_streaming_kernel(dtype, tma, x_tma, f
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, FP8], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("kind", ["stream", "persist", "tiled"])
+def test_interp_early_epilogue_same_bits(kind, dtype):
+    """Every placement of the epilogue's loads (``early_epilogue``: after the K loop, the operands
+    before it, the destination rows too; knobs ``GG_EARLY_EPI`` / ``GG_EARLY_DST``) writes the same
+    bits, rows stored and (float32: the interpreter's only atomic add) scatter-added; each launch
+    ran the placement asked for (the kernel's ``EARLY_EPI``)."""
+    from dataclasses import replace
+
+    from moekit.ops._triton import grouped_gemm as GG
+
+    M, G, N, K = 53, 4, 48, 64
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=11)
+    ms = torch.tensor([0, 40, 3, 10], dtype=torch.int32)
+    tw = torch.rand(M, generator=_gen(2)) + 0.5
+    idx = torch.randperm(M, generator=_gen(3)).to(torch.int32) % 31 - 1  # -1 rows dropped, repeats summed
+    cfg = _cfg("tiled" if kind == "tiled" else "stream", 16, 16, 32, tma=kind != "stream")
+    if kind == "persist":
+        cfg = replace(cfg, persist=True)
+    fp8 = dtype == FP8
+    seen, results = [], []
+    launch = GG.launch
+
+    def spy(kernel):
+        inner = launch(kernel)
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def go(*a, **kw):
+                    seen.append(kw["EARLY_EPI"])
+                    return inner[grid](*a, **kw)
+
+                return go
+
+        return _Grid()
+
+    GG.launch = spy
+    try:
+        for knobs, level in (({"GG_EARLY_EPI": 0}, 0), ({"GG_EARLY_EPI": 2}, 1),
+                             ({"GG_EARLY_EPI": 2, "GG_EARLY_DST": True}, 2)):  # fmt: skip
+            # swap-AB tiles: FP8 ones always early (the knob adds the destination rows), 16-bit never;
+            # FP8 tiled tiles: no destination rows early (no registers left for them)
+            want = min(level, 1 if fp8 else 2) if kind == "tiled" else (max(level, 1) if fp8 else 0)
+            with settings.override(knobs=knobs, gg_stream_pps=1):
+                y = GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, config=cfg)
+                outs = [y[: int(ms.sum())]]
+                if not fp8:
+                    out = torch.randn(30, N, generator=_gen(4))
+                    GG.grouped_gemm(x, w, ms, token_weights=tw, out=out, scatter_indices=idx, config=cfg)
+                    outs.append(out)
+            assert seen[-len(outs) :] == [want] * len(outs), (knobs, seen)
+            results.append(outs)
+    finally:
+        GG.launch = launch
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    if fp8:
+        want = ref.grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw)
+        assert_close(results[0][0].float(), want[: int(ms.sum())].float(), tol=1e-2)
+
+
+@pytest.mark.reference
+def test_early_epilogue_rule():
+    """``early_epilogue``: FP8 swap-AB tiles load their operands early (and with knob
+    ``GG_EARLY_DST`` their destination rows), 16-bit swap-AB tiles never; tiled tiles of at most
+    ``EARLY_EPI_MAX_TILE`` by knob ``GG_EARLY_EPI`` (1: FP8, 2: every dtype), 128 x 256 never."""
+    from moekit.ops._triton.grouped_gemm import EARLY_EPI_MAX_TILE, early_epilogue
+
+    C = _tri().GemmConfig
+    small, big, stream = (
+        C("tiled", 64, 256, 128, 4, 8),
+        C("tiled", 128, 256, 128, 3, 8),
+        C("stream", 16, 128, 256, 3, 4),
+    )
+    assert small.block_m * small.block_n == EARLY_EPI_MAX_TILE
+    rule = lambda: [early_epilogue(c, fp8, swap) for c, swap in ((stream, True), (small, False), (big, False))
+                    for fp8 in (True, False)]  # fmt: skip
+    assert rule() == [1, 0, 0, 0, 0, 0]
+    with settings.override(knobs={"GG_EARLY_EPI": 1}):
+        assert rule() == [1, 0, 1, 0, 0, 0]
+    with settings.override(knobs={"GG_EARLY_EPI": 2}):
+        assert rule() == [1, 0, 1, 1, 0, 0]
+    with settings.override(knobs={"GG_EARLY_EPI": 2, "GG_EARLY_DST": True}):  # FP8 tiled: no room for the rows
+        assert rule() == [2, 0, 1, 2, 0, 0]
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["stream", "tiled"])
 def test_interp_fp8(kind):
     M, G, N, K = 41, 3, 32, 64
@@ -575,6 +662,56 @@ def test_prefill_tiles_compile_without_spills_for_sm90():
     # fused loop everywhere but FP8's scatter-add; no spills
     assert all((t[4] == "True") == (t[2] == "False" or t[3] == "False") for t in tiles), tiles
     assert all(not t[5] for t in tiles), tiles
+
+
+@pytest.mark.reference
+def test_early_epilogue_tiles_compile_without_spills_for_sm90():
+    """Knobs ``GG_EARLY_EPI=2`` and ``GG_EARLY_DST``: the mid-size tiled tiles they take (64 x 256:
+    Qwen3-30B's down projection at T = 1024, DeepSeek-V3 TP8's at 2048; 128 x 128), bf16 and FP8,
+    scatter-added and stored, and the FP8 streaming tiles with their destination rows early, all
+    compile for sm_90 with no stack frame (operands through TMA descriptors, as on the GPU: the
+    pointer tiles of a meta-tensor compile take registers the GPU's kernels do not), loading
+    early as asked."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from dataclasses import replace
+        from moekit import settings
+        from moekit.ops._triton import grouped_gemm as GG
+        from moekit.ops._triton.gg_config import heuristic_config
+        GG._tma_ok = lambda t, block: t.stride(-1) == 1  # descriptors for meta tensors too
+        m = "meta"
+        with settings.override(knobs={"GG_EARLY_EPI": 2, "GG_EARLY_DST": True}):
+            for fp8 in (False, True):
+                dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+                for M, N, K, G, tile in ((8192, 2048, 768, 128, None), (16384, 7168, 256, 256, None),
+                                         (16384, 7168, 256, 256, (128, 128)), (2048, 2048, 768, 128, None)):
+                    x, w = torch.empty(M, K, dtype=dt, device=m), torch.empty(G * N, K, dtype=dt, device=m)
+                    ms = torch.empty(G, dtype=torch.int32, device=m)
+                    xs = torch.empty(M, device=m) if fp8 else None
+                    ws = torch.empty(G * N, device=m) if fp8 else None
+                    tw = torch.empty(M, device=m)
+                    cfg = heuristic_config(M, N, K, G, fp8, x.element_size(), 132)
+                    if tile:
+                        cfg = replace(cfg, block_m=tile[0], block_n=tile[1])
+                    out = torch.empty(M // 8, N, dtype=torch.bfloat16, device=m)
+                    idx = torch.empty(M, dtype=torch.int32, device=m)
+                    GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, out=out, scatter_indices=idx,
+                                    config=cfg)
+                    GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, config=cfg)
+        """,
+        ["moekit.ops._triton.grouped_gemm"],
+    )
+    assert_all_compiled(records, 16)
+    got = [(r["kernel"], r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["constants"]["FP8"],
+            r["constants"]["SCATTER"], r["constants"]["EARLY_EPI"], r["stack"]) for r in records]  # fmt: skip
+    assert all(g[0] == "_gg_tiled_kernel" for g in got[:6] + got[8:14]), got
+    # the (2048, ...) streaming tiles: FP8 early with the destination rows, 16-bit after the loop
+    assert [g[5] for g in got[6:8]] == ["0", "0"] and [g[5] for g in got[14:16]] == ["2", "2"], got
+    # tiled: bf16 with the destination rows, FP8 without them
+    assert all(g[5] == ("1" if g[3] == "True" else "2") for g in got[:6] + got[8:14]), got
+    assert all(not g[6] for g in got), got
 
 
 @pytest.mark.reference
@@ -1027,6 +1164,35 @@ def test_gpu_stream_persist_matches_the_streaming_kernel(G, M, N, K, dtype, cuda
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("G,M,N,K", [(128, 8192, 2048, 768), (256, 16384, 7168, 256), (128, 2048, 2048, 768),
+                                     (256, 2048, 7168, 256)])  # fmt: skip
+def test_gpu_early_epilogue_same_bits(G, M, N, K, dtype, cuda):
+    """Knobs ``GG_EARLY_EPI`` / ``GG_EARLY_DST`` on the heuristic's own tiles (Qwen3-30B and
+    DeepSeek-V3 TP8 down projections: tiled 64 x 256 at 8192 / 16384 rows, streaming and
+    persistent swap-AB at 2048): the stored rows bit for bit those of the loads after the loop,
+    and the scatter-add into distinct destination rows (one add each: no ordering) too."""
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=G + M, device=cuda)
+    ms = random_m_sizes(M, G, device=cuda)
+    tw = torch.rand(M, device=cuda) + 0.5
+    T = M + 7
+    idx = torch.randperm(T, device=cuda)[:M].to(torch.int32)
+    idx[::97] = -1
+    out0 = torch.randn(T, N, device=cuda).to(torch.bfloat16)
+    got = []
+    for knobs in ({"GG_EARLY_EPI": 0}, {"GG_EARLY_EPI": 2}, {"GG_EARLY_EPI": 2, "GG_EARLY_DST": True}):
+        with settings.override(knobs=knobs):
+            y = _tri().grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+            out = out0.clone()
+            _tri().grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, out=out, scatter_indices=idx)
+        got.append((y, out))
+    for y, out in got[1:]:
+        assert torch.equal(y, got[0][0]) and torch.equal(out, got[0][1])
+    want = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+    assert_close(got[-1][0].float(), want, tol=_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("G,M,N,K", [(16, 1, 5120, 1024), (128, 128, 2048, 768), (16, 4096, 2048, 1024)])
 def test_gpu_scatter_add(G, M, N, K, dtype, cuda):
     x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=G, device=cuda)
@@ -1276,15 +1442,20 @@ base = dict(x_ptr=t(M, K, dt=torch.float8_e4m3fn), w_ptr=t(G * N, K, dt=torch.fl
             SCATTER=True, W_ONLY=False, G_BLOCK=16)
 cases = {
     "gemv": dict(base, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, STAGES=5, USE_PDL=0),
-    "stream": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False, USE_PDL=0),
+    "stream": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False, EARLY_EPI=1,
+                   USE_PDL=0),
+    "stream_dst": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False,
+                       EARLY_EPI=2, USE_PDL=0),
     "tiled": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                  GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, USE_PDL=0),
+                  GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=0, USE_PDL=0),
+    "tiled_dst": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+                      GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=2, USE_PDL=0),
     "persist": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
-                    GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, USE_PDL=0),
+                    GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, EARLY_EPI=1, USE_PDL=0),
 }
 out = {}
 for name, kw in cases.items():
-    kernel = getattr(GG, "_gg_%s_kernel" % ("tiled" if name == "persist" else name))
+    kernel = getattr(GG, "_gg_%s_kernel" % name.split("_")[0].replace("persist", "tiled"))
     acc = identify_accessed_tensors(kernel, kw, {})
     out[name] = sorted(d.name for d in acc.read_writes.writes)
 print("@@" + json.dumps(out))
@@ -1294,7 +1465,8 @@ print("@@" + json.dumps(out))
 @pytest.mark.reference
 def test_inductor_sees_only_the_output_written():
     """torch.compile's mutation analysis of the three kernels (every feature on, distinct
-    tensors): only the output is written (the tiled kernel's m_sizes is a known over-approximation
+    tensors; the epilogue's operands and destination rows loaded before or after the K loop): only
+    the output is written (the tiled kernel's m_sizes is a known over-approximation
     of the analysis: a [G] clone). A wider set makes inductor clone and copy back user tensors, and
     an aliased argument once wrote an untouched clone over the result."""
     import json
@@ -1310,8 +1482,10 @@ def test_inductor_sees_only_the_output_written():
     assert proc.returncode == 0 and line, proc.stderr[-4000:]
     writes = json.loads(line[-1][2:])
     assert "Encountered an exception" not in proc.stderr, proc.stderr[-4000:]
-    assert writes["gemv"] == ["y_ptr"] and writes["stream"] == ["y_ptr"], writes
+    assert writes["gemv"] == ["y_ptr"] and writes["stream"] == ["y_ptr"] and writes["stream_dst"] == ["y_ptr"], writes
     assert writes["tiled"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes
+    # the destination rows loaded before the K loop (knob GG_EARLY_DST) in the kernel's own body
+    assert writes["tiled_dst"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes
     assert writes["persist"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes  # the swap-AB tiles on it
 
 

@@ -136,14 +136,16 @@ def _epilogue(
     HAS_TW: tl.constexpr,
     SCATTER: tl.constexpr,
     W_ONLY: tl.constexpr = False,
+    dst=None,
 ):
     """``acc`` [BM, BN] float32 for rows ``offs_m`` and expert columns ``offs_n``, with the
     operands ``_epilogue_vectors`` loaded: scale (FP8: x and w scales; ``W_ONLY``, weight-only
     FP8: the w scales), add bias, weight by token, then store or scatter-add into ``y[idx[row]]``.
-    The destination rows load here, beside the stores they address: inductor's mutation analysis
-    (torch.compile) follows pointers into called @triton.jit functions coarsely, and a store
-    address computed from values another helper loaded made it count every input pointer of the
-    kernel as written (tests/ops/test_grouped_gemm.py checks)."""
+    The destination rows load here, beside the stores they address, unless the kernel loaded them
+    itself (``dst``, int64; before its K loop): inductor's mutation analysis (torch.compile)
+    follows pointers into called @triton.jit functions coarsely, and a store address computed from
+    values another helper loaded (and returned) made it count every input pointer of the kernel as
+    written; a load in the kernel's own body passes (tests/ops/test_grouped_gemm.py checks both)."""
     if FP8:
         acc = acc * xs[:, None] * ws[None, :]
     if W_ONLY:
@@ -154,7 +156,8 @@ def _epilogue(
         acc = acc * tw[:, None]
     val = acc.to(y_ptr.dtype.element_ty)
     if SCATTER:
-        dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
+        if dst is None:
+            dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
         ok = m_mask & (dst >= 0) & (dst < T_OUT)
         ptrs = y_ptr + dst[:, None] * stride_ym + offs_n[None, :]
         tl.atomic_add(ptrs, val, mask=ok[:, None] & n_mask[None, :], sem="relaxed")
@@ -199,12 +202,14 @@ def _gg_stream_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
-    X_TMA: tl.constexpr = False,
+    X_TMA: tl.constexpr,
+    EARLY_EPI: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
     """``X_TMA``: ``x_ptr`` is a TMA descriptor too: the row tile is read whole from ``m0`` (rows of
     the next group or past M come along, zero past M, and are never stored), which frees the
-    ``[BLOCK_M, BLOCK_K]`` pointer tile's registers for more resident programs."""
+    ``[BLOCK_M, BLOCK_K]`` pointer tile's registers for more resident programs. ``EARLY_EPI`` as
+    the tiled kernel's."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -230,11 +235,14 @@ def _gg_stream_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_mask = offs_m < m_end
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            if FP8:  # FP8 tiles: the epilogue's operands load under the K loop
+            if EARLY_EPI > 0:  # the epilogue's operands load under the K loop
                 e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
                     offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
                     W_ONLY,
                 )  # fmt: skip
+            e_dst = None
+            if SCATTER and EARLY_EPI == 2:  # here, not in a helper: see _epilogue
+                e_dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
             if not X_TMA:
                 x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
             for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -256,14 +264,14 @@ def _gg_stream_kernel(
                 if W_ONLY:  # weight-only FP8: the weight tile in x's dtype, in registers
                     w_t = w_t.to(x_t.dtype)
                 acc = tl.dot(w_t, tl.trans(x_t), acc)
-            if not FP8:  # 16-bit and weight-only FP8 tiles: after the loop (see _epilogue_vectors)
+            if EARLY_EPI == 0:  # after the loop (see _epilogue_vectors)
                 e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
                     offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
                     W_ONLY,
                 )  # fmt: skip
             _epilogue(
                 tl.trans(acc), offs_m, m_mask, offs_n, n_mask, e_xs, e_ws, e_b, e_tw, y_ptr, stride_ym, idx_ptr,
-                T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
+                T_OUT, FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY, e_dst,
             )  # fmt: skip
 
 
@@ -406,12 +414,15 @@ def _gg_tiled_kernel(
     STAGES: tl.constexpr,
     SWAP_AB: tl.constexpr,
     X_TMA: tl.constexpr,
+    EARLY_EPI: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
     """``SWAP_AB``: the MMA takes the weight tile as its left operand (``[BLOCK_N, BLOCK_M] = w @
     x.T``, BLOCK_N on the warpgroup's M side, a few token rows on its N side: the streaming
     kernel's tiles on this persistent tile loop). ``X_TMA``: x through its TMA descriptor, else
-    masked pointers (``USE_TMA``: the weights through theirs)."""
+    masked pointers (``USE_TMA``: the weights through theirs). ``EARLY_EPI``: 1 the epilogue's
+    operands load before each tile's K loop, 2 its destination rows too, 0 both after it
+    (``grouped_gemm.early_epilogue`` says for which tiles)."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -430,11 +441,14 @@ def _gg_tiled_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if SWAP_AB:  # streaming tiles: the epilogue's operands load under the K loop
+        if EARLY_EPI > 0:  # the epilogue's operands load under the K loop
             e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
                 offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
                 W_ONLY,
             )  # fmt: skip
+        e_dst = None
+        if SCATTER and EARLY_EPI == 2:  # here, not in a helper: see _epilogue
+            e_dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
@@ -469,13 +483,12 @@ def _gg_tiled_kernel(
             acc_mn = tl.trans(acc)
         else:
             acc_mn = acc
-        if not (SWAP_AB and FP8):
-            # Prefill tiles, 16-bit swap-AB ones: after the loop (see _epilogue_vectors).
+        if EARLY_EPI == 0:  # after the loop (see _epilogue_vectors)
             e_xs, e_ws, e_b, e_tw = _epilogue_vectors(
                 offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
                 W_ONLY,
             )  # fmt: skip
         _epilogue(
             acc_mn, offs_m, m_mask, offs_n, n_mask, e_xs, e_ws, e_b, e_tw, y_ptr, stride_ym, idx_ptr, T_OUT, FP8,
-            HAS_BIAS, HAS_TW, SCATTER, W_ONLY,
+            HAS_BIAS, HAS_TW, SCATTER, W_ONLY, e_dst,
         )  # fmt: skip

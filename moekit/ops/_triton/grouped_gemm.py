@@ -245,7 +245,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         grid = (max(1, min(upper, pps * sms)),)
         compiled = launch(_gg_tiled_kernel)[grid](
             *args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
-            X_TMA=x_tma, **common,
+            X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True), **common,
         )  # fmt: skip
         regs = getattr(compiled, "n_regs", None) if by_regs else None  # None in the interpreter or a trace
         if isinstance(regs, int) and regs > 0:
@@ -255,7 +255,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         # programs per SM): programs past the non-empty groups exit at once, and a capped grid
         # loops over the items.
         grid = (max(1, min(min(G, M) * cdiv(N, bn), settings.get().gg_stream_pps * sms)),)
-        launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, **common)
+        launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True), **common)
     else:
         grid = (max(1, min(sms, upper)),)
         launch(_gg_tiled_kernel)[grid](
@@ -265,9 +265,39 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             GROUP_M=cfg.group_m,
             SWAP_AB=False,
             X_TMA=use_tma,  # every argument given: inductor's kernel analysis fills in no defaults
+            EARLY_EPI=early_epilogue(cfg, fp8, False),
             **common,
         )
     return None if scatter else y
+
+
+# Largest tiled-kernel output tile (BLOCK_M x BLOCK_N) whose epilogue operands knob
+# ``GG_EARLY_EPI`` may load before the K loop: the 128 x 256 prefill tiles would hold them across
+# it at 255 registers (FP8) and spill.
+EARLY_EPI_MAX_TILE = 64 * 256
+
+
+def early_epilogue(cfg: GemmConfig, fp8: bool, swap_ab: bool) -> int:
+    """Where a tile's epilogue operands load (the kernels' ``EARLY_EPI``): 0 after its K loop, 1
+    the x / w scales, bias and token weights before it, 2 the scatter-add's destination rows too
+    (knob ``GG_EARLY_DST``, off until measured; not for FP8 tiled tiles). Swap-AB tiles (the streaming kernel's, on their
+    own or on the persistent loop) load early with FP8 rows: their loads sat exposed once per tile
+    (H200, session 23: DeepSeek-V3 TP8 FP8 T=256 down GEMM 157 -> 132 us); never with 16-bit ones
+    (bf16 DeepSeek-V3 TP8 T=1024 lost 2.5%, the weight-only FP8 decode down GEMM 7-11%). The
+    tiled kernel's tiles by knob ``GG_EARLY_EPI``: 0 none (the default), 1 FP8 tiles of at most
+    ``EARLY_EPI_MAX_TILE``, 2 every dtype's. (An L1 prefetch of those lines instead, which would
+    hold no registers across the loop, needs inline PTX, which inductor's mutation analysis cannot
+    read: it then takes every input of the kernel as written.)"""
+    s = settings.get()
+    level = 2 if s.knob("GG_EARLY_DST", False) else 1
+    if swap_ab:
+        return level if fp8 else 0
+    mode = s.knob("GG_EARLY_EPI", 0)
+    if mode < (1 if fp8 else 2) or cfg.block_m * cfg.block_n > EARLY_EPI_MAX_TILE:
+        return 0
+    # FP8 64 x 256 tiles hold their operands at 255 registers (sm_90, TMA): the destination rows
+    # on top spilled (72 bytes), so they keep loading those after the loop.
+    return 1 if fp8 else level
 
 
 # Registers per thread of the compiled persistent swap-AB tiles, by specialization (the launch
