@@ -101,7 +101,7 @@ class Settings:
     #   ROUTE_QUANT                       experts (FP8 token rows quantized by the routing launch,
     #                                     read by moekit.layers.functional)                     True
     #   GG_EARLY_EPI                      grouped_gemm (tiled tiles' epilogue operands loaded before
-    #                                     the K loop: 0 none, 1 FP8 tiles, 2 every dtype)          0
+    #                                     the K loop: 0 none, 1 FP8 tiles, 2 every dtype)          1
     #   GG_EARLY_DST                      grouped_gemm (the scatter-add's destination rows loaded
     #                                     before the K loop too, where the operands are)        False
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8

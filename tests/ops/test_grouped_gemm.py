@@ -290,9 +290,9 @@ def test_early_epilogue_rule():
     assert small.block_m * small.block_n == EARLY_EPI_MAX_TILE
     rule = lambda: [early_epilogue(c, fp8, swap) for c, swap in ((stream, True), (small, False), (big, False))
                     for fp8 in (True, False)]  # fmt: skip
-    assert rule() == [1, 0, 0, 0, 0, 0]
-    with settings.override(knobs={"GG_EARLY_EPI": 1}):
-        assert rule() == [1, 0, 1, 0, 0, 0]
+    assert rule() == [1, 0, 1, 0, 0, 0]  # the default: FP8 tiled tiles early (GG_EARLY_EPI=1)
+    with settings.override(knobs={"GG_EARLY_EPI": 0}):
+        assert rule() == [1, 0, 0, 0, 0, 0]
     with settings.override(knobs={"GG_EARLY_EPI": 2}):
         assert rule() == [1, 0, 1, 1, 0, 0]
     with settings.override(knobs={"GG_EARLY_EPI": 2, "GG_EARLY_DST": True}):  # FP8 tiled: no room for the rows

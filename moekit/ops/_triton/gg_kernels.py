@@ -91,15 +91,17 @@ def _epilogue_vectors(
     W_ONLY: tl.constexpr = False,
 ):
     """The epilogue's per-row and per-column operands of a tile: x scales, w scales, bias and token
-    weights (placeholders where a feature is off). FP8 streaming tiles (the streaming kernel and
-    the persistent swap-AB loop) load them before the tile's K loop, so that their latency hides
-    under its loads and MMAs instead of stalling the epilogue. H200, session 23, the layer's own
-    FP8 down GEMM alone (``isolate_stages.py``): loaded after the loop, DeepSeek-V3 TP8 (K=256,
-    persistent loop) at T=256 ran 124 us with its rows stored and 157 us with token weights and
-    scatter-add, loaded before it 132 us (layer 387 -> 362 us); Qwen3-30B (K=768, streaming
-    kernel) 65 -> 60 us. Other tiles load them after the loop: early, the persistent loop's bf16
-    tiles lost 2.5% (DeepSeek T=1024) and the weight-only FP8 down GEMM of the decode pipeline
-    7-11% (T=16), and prefill tiles would hold them across it (FP8 128 x 256 spills)."""
+    weights (placeholders where a feature is off). FP8 tiles (the streaming kernel, the persistent
+    swap-AB loop, tiled tiles up to 64 x 256) load them before the tile's K loop, so that their
+    latency hides under its loads and MMAs instead of stalling the epilogue (the kernels'
+    ``EARLY_EPI``; ``grouped_gemm.early_epilogue`` has the rule and its measurements). H200,
+    session 23, the layer's own FP8 down GEMM alone (``isolate_stages.py``): loaded after the loop,
+    DeepSeek-V3 TP8 (K=256, persistent loop) at T=256 ran 124 us with its rows stored and 157 us
+    with token weights and scatter-add, loaded before it 132 us (layer 387 -> 362 us); Qwen3-30B
+    (K=768, streaming kernel) 65 -> 60 us. 16-bit tiles load them after the loop (early, the
+    persistent loop's bf16 tiles lost 2.5% at DeepSeek T=1024, the weight-only FP8 down GEMM of
+    the decode pipeline 7-11% at T=16, bf16 tiled tiles 2-11%), and prefill tiles would hold them
+    across it (FP8 128 x 256 spills)."""
     col = g.to(tl.int64) * N + offs_n
     xs = offs_m.to(tl.float32)
     ws = offs_n.to(tl.float32)

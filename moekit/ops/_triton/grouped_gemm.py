@@ -280,23 +280,27 @@ EARLY_EPI_MAX_TILE = 64 * 256
 def early_epilogue(cfg: GemmConfig, fp8: bool, swap_ab: bool) -> int:
     """Where a tile's epilogue operands load (the kernels' ``EARLY_EPI``): 0 after its K loop, 1
     the x / w scales, bias and token weights before it, 2 the scatter-add's destination rows too
-    (knob ``GG_EARLY_DST``, off until measured; not for FP8 tiled tiles). Swap-AB tiles (the streaming kernel's, on their
-    own or on the persistent loop) load early with FP8 rows: their loads sat exposed once per tile
-    (H200, session 23: DeepSeek-V3 TP8 FP8 T=256 down GEMM 157 -> 132 us); never with 16-bit ones
-    (bf16 DeepSeek-V3 TP8 T=1024 lost 2.5%, the weight-only FP8 decode down GEMM 7-11%). The
-    tiled kernel's tiles by knob ``GG_EARLY_EPI``: 0 none (the default), 1 FP8 tiles of at most
-    ``EARLY_EPI_MAX_TILE``, 2 every dtype's. (An L1 prefetch of those lines instead, which would
-    hold no registers across the loop, needs inline PTX, which inductor's mutation analysis cannot
-    read: it then takes every input of the kernel as written.)"""
+    (knob ``GG_EARLY_DST``, off: measured mixed; never for FP8 tiled tiles, which hold their
+    operands at 255 registers already and spilled with the rows). The loads sat exposed once per
+    tile after the last MMA.
+
+    - Swap-AB tiles (the streaming kernel's, alone or on the persistent loop) with FP8 rows: early
+      (H200, session 23: DeepSeek-V3 TP8 FP8 T=256 down GEMM 157 -> 132 us); 16-bit ones never
+      (bf16 DeepSeek-V3 TP8 T=1024 lost 2.5%, the weight-only FP8 decode down GEMM 7-11%).
+    - Tiled tiles of at most ``EARLY_EPI_MAX_TILE`` by knob ``GG_EARLY_EPI``: 1 (default) FP8
+      tiles, 2 every dtype's, 0 none. Session 25, same call, layer from logits (H100, the tool's
+      card; µs, loads after -> before): Qwen3-30B FP8 T=1024 293.5 / 292.7 -> 284.3 (its 64x256
+      down GEMM), T=2048 371.6 / 369.8 -> 366.8, DeepSeek-V3 TP8 FP8 T=2048 768.2 / 765.6 ->
+      739.9; bf16 slower (Qwen3 T=1024 469.5 -> 479.0, DeepSeek T=2048 1156 -> 1285).
+    - With the destination rows too (``GG_EARLY_DST``, same call): DeepSeek FP8 T=1024 637.8 ->
+      627.8 but T=256 491.7 -> 527.2."""
     s = settings.get()
     level = 2 if s.knob("GG_EARLY_DST", False) else 1
     if swap_ab:
         return level if fp8 else 0
-    mode = s.knob("GG_EARLY_EPI", 0)
+    mode = s.knob("GG_EARLY_EPI", 1)
     if mode < (1 if fp8 else 2) or cfg.block_m * cfg.block_n > EARLY_EPI_MAX_TILE:
         return 0
-    # FP8 64 x 256 tiles hold their operands at 255 registers (sm_90, TMA): the destination rows
-    # on top spilled (72 bytes), so they keep loading those after the loop.
     return 1 if fp8 else level
 
 
