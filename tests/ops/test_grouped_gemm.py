@@ -278,8 +278,9 @@ def test_interp_early_epilogue_same_bits(kind, dtype):
 def test_early_epilogue_rule():
     """``early_epilogue``: FP8 swap-AB tiles load their operands early (and with knob
     ``GG_EARLY_DST`` their destination rows), 16-bit swap-AB tiles never; tiled tiles of at most
-    ``EARLY_EPI_MAX_TILE`` by knob ``GG_EARLY_EPI`` (1: FP8, 2: every dtype), 128 x 256 never."""
-    from moekit.ops._triton.grouped_gemm import EARLY_EPI_MAX_TILE, early_epilogue
+    ``EARLY_EPI_MAX_TILE`` with K at most ``EARLY_EPI_MAX_K`` by knob ``GG_EARLY_EPI`` (1: FP8, 2:
+    every dtype), 128 x 256 or long K never."""
+    from moekit.ops._triton.grouped_gemm import EARLY_EPI_MAX_K, EARLY_EPI_MAX_TILE, early_epilogue
 
     C = _tri().GemmConfig
     small, big, stream = (
@@ -288,9 +289,11 @@ def test_early_epilogue_rule():
         C("stream", 16, 128, 256, 3, 4),
     )
     assert small.block_m * small.block_n == EARLY_EPI_MAX_TILE
-    rule = lambda: [early_epilogue(c, fp8, swap) for c, swap in ((stream, True), (small, False), (big, False))
-                    for fp8 in (True, False)]  # fmt: skip
+    rule = lambda K=768: [early_epilogue(c, fp8, swap, K) for c, swap in ((stream, True), (small, False), (big, False))
+                          for fp8 in (True, False)]  # fmt: skip
     assert rule() == [1, 0, 1, 0, 0, 0]  # the default: FP8 tiled tiles early (GG_EARLY_EPI=1)
+    assert rule(EARLY_EPI_MAX_K) == [1, 0, 1, 0, 0, 0]
+    assert rule(EARLY_EPI_MAX_K + 1) == [1, 0, 0, 0, 0, 0]  # long K: after the loop (gpt-oss: 2880)
     with settings.override(knobs={"GG_EARLY_EPI": 0}):
         assert rule() == [1, 0, 0, 0, 0, 0]
     with settings.override(knobs={"GG_EARLY_EPI": 2}):

@@ -245,7 +245,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         grid = (max(1, min(upper, pps * sms)),)
         compiled = launch(_gg_tiled_kernel)[grid](
             *args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
-            X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True), **common,
+            X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), **common,
         )  # fmt: skip
         regs = getattr(compiled, "n_regs", None) if by_regs else None  # None in the interpreter or a trace
         if isinstance(regs, int) and regs > 0:
@@ -255,7 +255,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         # programs per SM): programs past the non-empty groups exit at once, and a capped grid
         # loops over the items.
         grid = (max(1, min(min(G, M) * cdiv(N, bn), settings.get().gg_stream_pps * sms)),)
-        launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True), **common)
+        launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), **common)
     else:
         grid = (max(1, min(sms, upper)),)
         launch(_gg_tiled_kernel)[grid](
@@ -265,7 +265,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             GROUP_M=cfg.group_m,
             SWAP_AB=False,
             X_TMA=use_tma,  # every argument given: inductor's kernel analysis fills in no defaults
-            EARLY_EPI=early_epilogue(cfg, fp8, False),
+            EARLY_EPI=early_epilogue(cfg, fp8, False, K),
             **common,
         )
     return None if scatter else y
@@ -275,9 +275,14 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
 # ``GG_EARLY_EPI`` may load before the K loop: the 128 x 256 prefill tiles would hold them across
 # it at 255 registers (FP8) and spill.
 EARLY_EPI_MAX_TILE = 64 * 256
+# Longest K of a tiled tile that loads its epilogue operands early: the latency they hide is paid
+# once per tile, so it counts where the K loop is short (measured: the down GEMMs of Qwen3-30B, K =
+# 768, and DeepSeek-V3 TP8, K = 256); long-K tiles (gpt-oss-120b 2880, Llama 4 5120-8192) were not
+# measured.
+EARLY_EPI_MAX_K = 1024
 
 
-def early_epilogue(cfg: GemmConfig, fp8: bool, swap_ab: bool) -> int:
+def early_epilogue(cfg: GemmConfig, fp8: bool, swap_ab: bool, K: int) -> int:
     """Where a tile's epilogue operands load (the kernels' ``EARLY_EPI``): 0 after its K loop, 1
     the x / w scales, bias and token weights before it, 2 the scatter-add's destination rows too
     (knob ``GG_EARLY_DST``, off: measured mixed; never for FP8 tiled tiles, which hold their
@@ -287,8 +292,8 @@ def early_epilogue(cfg: GemmConfig, fp8: bool, swap_ab: bool) -> int:
     - Swap-AB tiles (the streaming kernel's, alone or on the persistent loop) with FP8 rows: early
       (H200, session 23: DeepSeek-V3 TP8 FP8 T=256 down GEMM 157 -> 132 us); 16-bit ones never
       (bf16 DeepSeek-V3 TP8 T=1024 lost 2.5%, the weight-only FP8 decode down GEMM 7-11%).
-    - Tiled tiles of at most ``EARLY_EPI_MAX_TILE`` by knob ``GG_EARLY_EPI``: 1 (default) FP8
-      tiles, 2 every dtype's, 0 none. Session 25, same call, layer from logits (H100, the tool's
+    - Tiled tiles of at most ``EARLY_EPI_MAX_TILE`` with K at most ``EARLY_EPI_MAX_K`` by knob
+      ``GG_EARLY_EPI``: 1 (default) FP8 tiles, 2 every dtype's, 0 none. Session 25, same call, layer from logits (H100, the tool's
       card; µs, loads after -> before): Qwen3-30B FP8 T=1024 293.5 / 292.7 -> 284.3 (its 64x256
       down GEMM), T=2048 371.6 / 369.8 -> 366.8, DeepSeek-V3 TP8 FP8 T=2048 768.2 / 765.6 ->
       739.9; bf16 slower (Qwen3 T=1024 469.5 -> 479.0, DeepSeek T=2048 1156 -> 1285).
@@ -300,6 +305,8 @@ def early_epilogue(cfg: GemmConfig, fp8: bool, swap_ab: bool) -> int:
         return level if fp8 else 0
     mode = s.knob("GG_EARLY_EPI", 1)
     if mode < (1 if fp8 else 2) or cfg.block_m * cfg.block_n > EARLY_EPI_MAX_TILE:
+        return 0
+    if K > EARLY_EPI_MAX_K:
         return 0
     return 1 if fp8 else level
 
