@@ -92,7 +92,7 @@ def _epilogue_vectors(
 ):
     """The epilogue's per-row and per-column operands of a tile: x scales, w scales, bias and token
     weights (placeholders where a feature is off). FP8 tiles (the streaming kernel, the persistent
-    swap-AB loop, tiled tiles up to 64 x 256) load them before the tile's K loop, so that their
+    swap-AB loop, short-K tiled tiles up to 64 x 256) load them before the tile's K loop, so that their
     latency hides under its loads and MMAs instead of stalling the epilogue (the kernels'
     ``EARLY_EPI``; ``grouped_gemm.early_epilogue`` has the rule and its measurements). H200,
     session 23, the layer's own FP8 down GEMM alone (``isolate_stages.py``): loaded after the loop,

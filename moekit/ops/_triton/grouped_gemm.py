@@ -293,10 +293,11 @@ def early_epilogue(cfg: GemmConfig, fp8: bool, swap_ab: bool, K: int) -> int:
       (H200, session 23: DeepSeek-V3 TP8 FP8 T=256 down GEMM 157 -> 132 us); 16-bit ones never
       (bf16 DeepSeek-V3 TP8 T=1024 lost 2.5%, the weight-only FP8 decode down GEMM 7-11%).
     - Tiled tiles of at most ``EARLY_EPI_MAX_TILE`` with K at most ``EARLY_EPI_MAX_K`` by knob
-      ``GG_EARLY_EPI``: 1 (default) FP8 tiles, 2 every dtype's, 0 none. Session 25, same call, layer from logits (H100, the tool's
-      card; µs, loads after -> before): Qwen3-30B FP8 T=1024 293.5 / 292.7 -> 284.3 (its 64x256
-      down GEMM), T=2048 371.6 / 369.8 -> 366.8, DeepSeek-V3 TP8 FP8 T=2048 768.2 / 765.6 ->
-      739.9; bf16 slower (Qwen3 T=1024 469.5 -> 479.0, DeepSeek T=2048 1156 -> 1285).
+      ``GG_EARLY_EPI``: 1 (default) FP8 tiles, 2 every dtype's, 0 none. Session 25, same call,
+      layer from logits (H100, the tool's card; µs, loads after -> before): Qwen3-30B FP8 T=1024
+      293.5 / 292.7 -> 284.3 (its 64x256 down GEMM), T=2048 371.6 / 369.8 -> 366.8, DeepSeek-V3
+      TP8 FP8 T=2048 768.2 / 765.6 -> 739.9; bf16 slower (Qwen3 T=1024 469.5 -> 479.0, DeepSeek
+      T=2048 1156 -> 1285).
     - With the destination rows too (``GG_EARLY_DST``, same call): DeepSeek FP8 T=1024 637.8 ->
       627.8 but T=256 491.7 -> 527.2."""
     s = settings.get()
@@ -304,9 +305,7 @@ def early_epilogue(cfg: GemmConfig, fp8: bool, swap_ab: bool, K: int) -> int:
     if swap_ab:
         return level if fp8 else 0
     mode = s.knob("GG_EARLY_EPI", 1)
-    if mode < (1 if fp8 else 2) or cfg.block_m * cfg.block_n > EARLY_EPI_MAX_TILE:
-        return 0
-    if K > EARLY_EPI_MAX_K:
+    if mode < (1 if fp8 else 2) or cfg.block_m * cfg.block_n > EARLY_EPI_MAX_TILE or K > EARLY_EPI_MAX_K:
         return 0
     return 1 if fp8 else level
 
