@@ -37,6 +37,7 @@ class GemmConfig:
     flatten: bool = True
     x_tma: bool = False
     persist: bool = False
+    ws: bool = False
 
 
 def expected_groups_hit(M: int, G: int) -> float:
