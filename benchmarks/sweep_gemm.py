@@ -46,17 +46,6 @@ DEFAULT = (
 )
 
 
-def ws_pairs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> list[GemmConfig]:
-    """The heuristic's configuration, then tiled tiles each without and with warp specialization
-    (``GemmConfig.ws``; ``--ws-ab``)."""
-    bk = 128 if elem == 1 else 64
-    out = [heuristic_config(M, N, K, G, fp8, elem, sms)]
-    for bm, bn, stages in ((128, 128, 4), (128, 256, 3), (64, 128, 4)):
-        out.append(GemmConfig("tiled", bm, bn, bk, stages, 8, flatten=True))
-        out.append(GemmConfig("tiled", bm, bn, bk, stages, 4, flatten=False, ws=True))
-    return out
-
-
 def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> list[GemmConfig]:
     """A dozen configurations around the heuristic's choice (same kind first, then the other)."""
     h = heuristic_config(M, N, K, G, fp8, elem, sms)
@@ -103,8 +92,6 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
     ):
         for flatten in (True, False):
             out.append(GemmConfig("tiled", bm, bn, k, stages, 8, flatten=flatten))
-        if bm * bn != 64 * 256:  # warp-specialized (``GemmConfig.ws``; Triton 3.6 cannot split 64 x 256)
-            out.append(GemmConfig("tiled", bm, bn, k, stages, 4, flatten=False, ws=True))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
@@ -113,9 +100,7 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
     return uniq
 
 
-def tune(
-    shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "cuda", log=print, candidates=None
-) -> dict:
+def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "cuda", log=print) -> dict:
     """Time ``candidate_configs`` for each ``(M, N, K, G, dtype)`` in ``shapes`` (rows spread by
     a random routing) and return {config_key: best config}; written as JSON to ``path`` when
     given (point $MOEKIT_GG_TUNED at it, or save it as ``moekit/ops/_triton/grouped_gemm_tuned.json``)."""
@@ -134,7 +119,7 @@ def tune(
         xs = torch.rand(M, device=device) if fp8 else None
         ws = torch.rand(G * N, device=device) if fp8 else None
         best = None
-        for cfg in (candidates or candidate_configs)(M, N, K, G, fp8, x.element_size(), sms):
+        for cfg in candidate_configs(M, N, K, G, fp8, x.element_size(), sms):
             calls = [lambda ms=ms: grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, config=cfg) for ms in ms_sets]
             try:
                 t = bench_us(calls, replays=10)
@@ -173,7 +158,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=DEFAULT)
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh (QUICK=1); no effect")
-    ap.add_argument("--ws-ab", action="store_true", help="only tiled tiles without and with warp specialization")
     ap.add_argument("--out", default=os.path.join(settings.get().bench_dir or ".", "gg_tuned.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -183,7 +167,7 @@ def main() -> int:
     table = {}
     for shape in parse(args.shapes):
         print(f"#### {shape} ({time.time() - t0:.0f} s)", flush=True)
-        table.update(tune([shape], log=lambda s: print(s, flush=True), candidates=ws_pairs if args.ws_ab else None))
+        table.update(tune([shape], log=lambda s: print(s, flush=True)))
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)
     print(f"done in {time.time() - t0:.0f} s; table in {args.out}")

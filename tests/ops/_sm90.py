@@ -8,8 +8,7 @@ the real Triton compiler (through ptxas) for ``GPUTarget("cuda", 90, 32)``. Pyth
 arguments are typed ``fp64``, as torch.compile (inductor) passes them to user-defined Triton
 kernels; ints equal to 1 are specialized as Triton's launcher does. Returns one dict per launch
 (``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``regs`` per thread and ``stack``
-frame bytes (spills; None when ``cuobjdump`` is missing), ``warp_specialized`` (Triton split the
-kernel into producer and consumer warpgroups), ``error`` or None). With
+frame bytes (spills; None when ``cuobjdump`` is missing), ``error`` or None). With
 ``SM90_DUMP_DIR=<folder>`` each launch's TTGIR, PTX and cubin are written there (for
 ``cuobjdump -sass``).
 """
@@ -88,7 +87,6 @@ def compile_one(kernel, args, kwargs):
                            target=GPUTarget("cuda", 90, 32), options=opts)
         assert k.asm.get("cubin"), "no cubin"
         rec["shared"] = int(k.metadata.shared)
-        rec["warp_specialized"] = "ttg.warp_specialize(" in k.asm["ttgir"]
         rec["regs"], rec["stack"] = registers(k.asm["cubin"])
         dump = os.environ.get("SM90_DUMP_DIR")  # a folder: each launch's TTGIR, PTX and cubin
         if dump:

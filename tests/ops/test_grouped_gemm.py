@@ -274,88 +274,6 @@ def test_interp_early_epilogue_same_bits(kind, dtype):
         assert_close(results[0][0].float(), want[: int(ms.sum())].float(), tol=1e-2)
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, FP8], ids=["fp32", "fp8"])
-@pytest.mark.parametrize("kind", ["routing", "zeros", "short", "over", "one", "dense"])
-def test_interp_warp_specialized_tiles_same_bits(kind, dtype):
-    """``GemmConfig.ws`` (the tiled kernel warp-specialized, its tiles read from the list
-    ``_tile_list_kernel`` writes first): the same bits as the tile table's loop, rows stored, on
-    group sizes with empty groups, sums under and over M, one group, and no groups (dense); the
-    tiles in the grouped order of several row tiles per band and of bands cut short. Scatter-adds
-    never take it (Triton 3.6 cannot split atomics)."""
-    from dataclasses import replace
-
-    M, G, N, K = 70, 5, 40, 48
-    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=13)
-    ms = None if kind == "dense" else _sizes(kind, M, G, seed=5)
-    if ms is None:
-        w = w[:N]
-        ws = None if ws is None else ws[:N]
-    tw = torch.rand(M, generator=_gen(6)) + 0.5
-    kw = dict(x_scale=xs, w_scale=ws, token_weights=tw)
-    for bm, bn, group_m in ((16, 16, 2), (16, 32, 8), (32, 16, 1)):
-        cfg = _cfg("tiled", bm, bn, 16, group_m=group_m, flatten=False)
-        y0 = _tri().grouped_gemm(x, w, ms, config=cfg, **kw)
-        y1 = _tri().grouped_gemm(x, w, ms, config=replace(cfg, ws=True), **kw)
-        n = M if ms is None else min(M, int(ms.clamp(min=0).sum()))
-        assert torch.equal(y0[:n], y1[:n]), (bm, bn, group_m)
-    if dtype == FP8 and ms is not None:
-        want = ref.grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw)
-        assert_close(y1[:n].float(), want[:n].float(), tol=1e-2)
-
-
-@pytest.mark.reference
-def test_warp_specialized_rule():
-    """Knob ``GG_WS``: 0 keeps the tiled configuration, 1 splits its tiles (64 x 256, which Triton
-    3.6 cannot split, as 64 x 128), 2 with 128-row tiles; 4-warp warpgroups, no fused tile + K loop,
-    stages within the shared memory."""
-    from moekit.ops._triton.grouped_gemm import warp_specialized
-
-    C = _tri().GemmConfig
-    a, b = C("tiled", 64, 256, 128, 4, 8), C("tiled", 128, 256, 64, 4, 8)
-    assert warp_specialized(a, 0, 1) is a
-    got = [(c.block_m, c.block_n, c.ws, c.warps, c.flatten) for c in
-           (warp_specialized(a, 1, 1), warp_specialized(a, 2, 1), warp_specialized(b, 1, 2))]  # fmt: skip
-    assert got == [(64, 128, True, 4, False), (128, 256, True, 4, False), (128, 256, True, 4, False)], got
-    assert warp_specialized(b, 1, 2).stages == 3 and warp_specialized(a, 1, 1).stages == 4
-
-
-@pytest.mark.reference
-def test_warp_specialized_tiles_compile_for_sm90():
-    """The warp-specialized tiled kernel (``GemmConfig.ws``) at the layer's gate/up and stored
-    down-projection shapes (Qwen3-30B, gpt-oss-120b, DeepSeek-V3 TP8), bf16 and FP8 with token
-    weights: Triton splits it into producer and consumer warpgroups (12 warps), no stack frame,
-    within shared memory; its tile list kernel compiles beside it."""
-    from tests.ops._sm90 import assert_all_compiled, compile_launches
-
-    records = compile_launches(
-        """
-        from dataclasses import replace
-        from moekit import settings
-        from moekit.ops._triton import grouped_gemm as GG
-        GG._tma_ok = lambda t, block: t.stride(-1) == 1  # descriptors for meta tensors too
-        GG.warp_specialize_ok = lambda device: True
-        m = "meta"
-        for ws_mode in (1, 2):
-            with settings.override(knobs={"GG_WS": ws_mode}):
-                for fp8 in (False, True):
-                    dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
-                    for M, N, K, G in ((16384, 1536, 2048, 128), (8192, 5760, 2880, 128), (65536, 7168, 256, 256)):
-                        x, w = torch.empty(M, K, dtype=dt, device=m), torch.empty(G * N, K, dtype=dt, device=m)
-                        ms = torch.empty(G, dtype=torch.int32, device=m)
-                        xs = torch.empty(M, device=m) if fp8 else None
-                        ws = torch.empty(G * N, device=m) if fp8 else None
-                        GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=torch.empty(M, device=m))
-        """,
-        ["moekit.ops._triton.grouped_gemm"],
-    )
-    assert_all_compiled(records, 24)
-    tiled = [r for r in records if r["kernel"] == "_gg_tiled_kernel"]
-    assert len(tiled) == 12 and all(r["warp_specialized"] for r in tiled), [(r["constants"], r) for r in tiled]
-    assert all(r["constants"]["WARP_SPEC"] == "True" and not r["stack"] for r in tiled), tiled
-    assert sum(r["kernel"] == "_tile_list_kernel" for r in records) == 12
-
-
 @pytest.mark.reference
 def test_early_epilogue_rule():
     """``early_epilogue``: FP8 swap-AB tiles load their operands early (and with knob
@@ -1281,32 +1199,6 @@ def test_gpu_early_epilogue_same_bits(G, M, N, K, dtype, cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("G,M,N,K", [(128, 16384, 1536, 2048), (128, 8192, 5760, 2880), (256, 16384, 7168, 256),
-                                     (0, 4096, 4096, 4096)])  # fmt: skip
-def test_gpu_warp_specialized_same_bits(G, M, N, K, dtype, cuda):
-    """Knob ``GG_WS`` (the tiled kernel warp-specialized, from the tile list) on the layer's gate/up
-    and down shapes (Qwen3-30B, gpt-oss-120b, DeepSeek-V3 TP8) and a dense GEMM (``G=0``): the
-    stored rows bit for bit those of the tile table's loop, with token weights, on sm_90."""
-    from moekit.ops._triton.grouped_gemm import warp_specialize_ok
-
-    if not warp_specialize_ok(torch.device(cuda)):
-        pytest.skip("warp specialization is for sm_90")
-    x, w, xs, ws = _inputs(M, max(G, 1), N, K, dtype, seed=G + M, device=cuda)
-    ms = random_m_sizes(M, G, device=cuda) if G else None
-    tw = torch.rand(M, device=cuda) + 0.5
-    got = []
-    for mode in (0, 1, 2):
-        with settings.override(knobs={"GG_WS": mode}):
-            got.append(_tri().grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw))
-    for i, y in enumerate(got[1:], 1):
-        assert torch.equal(y, got[0]), (i, (y.float() - got[0].float()).abs().max().item())
-    if G:
-        want = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
-        assert_close(got[1].float(), want, tol=_tol(dtype))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("G,M,N,K", [(16, 1, 5120, 1024), (128, 128, 2048, 768), (16, 4096, 2048, 1024)])
 def test_gpu_scatter_add(G, M, N, K, dtype, cuda):
     x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=G, device=cuda)
@@ -1560,11 +1452,11 @@ cases = {
                    USE_PDL=0),
     "stream_dst": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False,
                        EARLY_EPI=2, USE_PDL=0),
-    "tiled": dict(base, tiles_ptr=t(4, dt=torch.int32), WARP_SPEC=False, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+    "tiled": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
                   GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=0, USE_PDL=0),
-    "tiled_dst": dict(base, tiles_ptr=t(4, dt=torch.int32), WARP_SPEC=False, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+    "tiled_dst": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
                       GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=2, USE_PDL=0),
-    "persist": dict(base, tiles_ptr=t(4, dt=torch.int32), WARP_SPEC=False, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
+    "persist": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
                     GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, EARLY_EPI=1, USE_PDL=0),
 }
 out = {}

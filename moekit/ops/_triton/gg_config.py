@@ -37,7 +37,6 @@ class GemmConfig:
     flatten: bool = True
     x_tma: bool = False
     persist: bool = False
-    ws: bool = False
 
 
 def expected_groups_hit(M: int, G: int) -> float:

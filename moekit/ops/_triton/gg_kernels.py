@@ -62,61 +62,15 @@ def _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, n_tiles_n, GROUP_M: tl
     local = t - (gt & 0xFFFFFFFF).to(tl.int32)
     m_begin = (sr >> 32).to(tl.int32)
     rows_g = (sr & 0xFFFFFFFF).to(tl.int32)
-    m0, n0 = _tile_in_group(local, m_begin, rows_g, n_tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
-    return g, m0, m_begin + rows_g, n0
-
-
-@triton.jit
-def _tile_in_group(local, m_begin, rows_g, n_tiles_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):  # fmt: skip
-    """The first row and column of a group's tile ``local`` (``_tile_at``'s grouped order)."""
+    m_end = m_begin + rows_g
     mt_g = (rows_g + BLOCK_M - 1) // BLOCK_M
     band_tiles = GROUP_M * n_tiles_n
     first_m = (local // band_tiles) * GROUP_M
     band_m = tl.minimum(mt_g - first_m, GROUP_M)
     in_band = local % band_tiles
-    return m_begin + (first_m + in_band % band_m) * BLOCK_M, (in_band // band_m) * BLOCK_N
-
-
-@triton.jit
-def _tile_list_kernel(
-    m_sizes_ptr,
-    tiles_ptr,
-    M,
-    G,
-    N,
-    HAS_MSIZES: tl.constexpr,
-    G_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """The warp-specialized tiled kernel's tile list (``WARP_SPEC``): Triton's Hopper warp
-    specialization takes no scan or reduction in the kernel it splits, so the tile table
-    (``_tile_table``, ``_tile_at``) is written here first. Program ``g`` writes group ``g``'s tiles
-    in ``_tile_at``'s order as int32 ``(group, m0, row end, n0)`` at ``tiles[4 + 4 * t]``; program
-    0 writes the number of tiles at ``tiles[0]``."""
-    g = tl.program_id(0)
-    gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    _, _, tiles_begin, tiles_end, total = _tile_table(gi, starts, rows, n_tiles_n, BLOCK_M)
-    if g == 0:
-        tl.store(tiles_ptr, total)
-    mine = gi == g
-    begin = _pick(tiles_begin, mine)
-    n_mine = _pick(tiles_end, mine) - begin
-    m_begin = _pick(starts, mine)
-    rows_g = _pick(rows, mine)
-    for c in range(0, n_mine, CHUNK):
-        ok = c + tl.arange(0, CHUNK) < n_mine
-        local = tl.minimum(c + tl.arange(0, CHUNK), n_mine - 1)  # masked lanes: a real tile (no / 0)
-        m0, n0 = _tile_in_group(local, m_begin, rows_g, n_tiles_n, GROUP_M, BLOCK_M, BLOCK_N)
-        row = tiles_ptr + 4 + 4 * (begin + local).to(tl.int64)
-        tl.store(row, tl.full((CHUNK,), 0, tl.int32) + g, mask=ok)
-        tl.store(row + 1, m0, mask=ok)
-        tl.store(row + 2, tl.full((CHUNK,), 0, tl.int32) + m_begin + rows_g, mask=ok)
-        tl.store(row + 3, n0, mask=ok)
+    m0 = m_begin + (first_m + in_band % band_m) * BLOCK_M
+    n0 = (in_band // band_m) * BLOCK_N
+    return g, m0, m_end, n0
 
 
 @triton.jit
@@ -437,7 +391,6 @@ def _gg_tiled_kernel(
     bias_ptr,
     tw_ptr,
     idx_ptr,
-    tiles_ptr,
     M,
     N,
     K,
@@ -464,7 +417,6 @@ def _gg_tiled_kernel(
     SWAP_AB: tl.constexpr,
     X_TMA: tl.constexpr,
     EARLY_EPI: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
     """``SWAP_AB``: the MMA takes the weight tile as its left operand (``[BLOCK_N, BLOCK_M] = w @
@@ -476,30 +428,12 @@ def _gg_tiled_kernel(
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
-    x_src = x_ptr
-    w_src = w_ptr
-    if WARP_SPEC:  # the tile list _tile_list_kernel wrote (no scan or reduction here)
-        total = tl.load(tiles_ptr)
-        # Descriptors made here, not on the host: Triton splits the x tile between the consumer
-        # warpgroups and gives each load its own box; a host descriptor keeps the whole tile's
-        # box, and its TMA then writes twice the bytes the barrier expects (the kernel hung).
-        x_src = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-        w_src = tl.make_tensor_descriptor(w_ptr, shape=[G * N, K], strides=[stride_wn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
-    else:
-        gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
-        n_tiles_n = tl.cdiv(N, BLOCK_N)
-        pack_gt, pack_sr, tiles_begin, tiles_end, total = _tile_table(gi, starts, rows, n_tiles_n, BLOCK_M)
-    for t in tl.range(pid, total, n_progs, flatten=FLATTEN, warp_specialize=WARP_SPEC):
-        if WARP_SPEC:
-            entry = tiles_ptr + 4 + 4 * t  # (fewer than 2**29 tiles: the launcher bounds M and G * N)
-            g = tl.load(entry)
-            m0 = tl.load(entry + 1)
-            m_end = tl.load(entry + 2)
-            n0 = tl.load(entry + 3)
-        else:
-            g, m0, m_end, n0 = _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, n_tiles_n, GROUP_M, BLOCK_M,
-                                        BLOCK_N)  # fmt: skip
+    gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    pack_gt, pack_sr, tiles_begin, tiles_end, total = _tile_table(gi, starts, rows, n_tiles_n, BLOCK_M)
+    for t in tl.range(pid, total, n_progs, flatten=FLATTEN):
+        g, m0, m_end, n0 = _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, n_tiles_n, GROUP_M, BLOCK_M,
+                                    BLOCK_N)  # fmt: skip
         w_row0 = g * N + n0
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -521,7 +455,7 @@ def _gg_tiled_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
             if X_TMA:
-                a = x_src.load([m0, k0])
+                a = x_ptr.load([m0, k0])
             else:
                 a = tl.load(
                     x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
@@ -529,7 +463,7 @@ def _gg_tiled_kernel(
                     other=0.0,
                 )
             if USE_TMA:
-                b = w_src.load([w_row0, k0])
+                b = w_ptr.load([w_row0, k0])
             else:
                 b = tl.load(
                     w_ptr + (w_row0.to(tl.int64) + tl.arange(0, BLOCK_N))[:, None] * stride_wn + offs_k[None, :],

@@ -49,7 +49,6 @@ path always accumulates exact float32 products). Ignored for 16-bit inputs.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from typing import Optional
 
@@ -68,7 +67,7 @@ from moekit.ops._triton.gg_config import (  # noqa: F401  (re-exported: the laun
     select_config,
     use_table,
 )
-from moekit.ops._triton.gg_kernels import _gg_gemv_kernel, _gg_stream_kernel, _gg_tiled_kernel, _tile_list_kernel
+from moekit.ops._triton.gg_kernels import _gg_gemv_kernel, _gg_stream_kernel, _gg_tiled_kernel
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -96,49 +95,6 @@ def _tma_ok(t: torch.Tensor, block: tuple[int, int]) -> bool:
     if block[1] * es < 16 or block[0] > 256:
         return False
     return t.shape[0] > 0 and t.shape[1] > 0
-
-
-def warp_specialize_ok(device: torch.device) -> bool:
-    """Triton's Hopper warp specialization (``GemmConfig.ws``) for the tiled kernel on ``device``:
-    sm_90 GPUs, and the interpreter (which runs the tile list and ignores the split)."""
-    if interpreting():
-        return True
-    return (
-        device.type == "cuda"
-        and _capability_major(device.index if device.index is not None else torch.cuda.current_device()) == 9
-    )
-
-
-def warp_specialized(cfg: GemmConfig, mode: int, elem: int) -> GemmConfig:
-    """Knob ``GG_WS`` on a tiled configuration of stored rows: 0 as it is, 1 its tiles
-    warp-specialized (``GemmConfig.ws``: Triton's Hopper split of TMA loads and MMAs into
-    producer and consumer warpgroups, 4 warps each, so that a tile's loads run ahead of its MMAs and
-    the next tile's under its epilogue), 2 the same with 128-row tiles. Triton 3.6 cannot split
-    64 x 256 tiles (its pass fails): those take 64 x 128."""
-    if not mode:
-        return cfg
-    bm, bn = (128 if mode == 2 else cfg.block_m), cfg.block_n
-    if bm == 64 and bn > 128:
-        bn = 128
-    stages = max(2, min(4, (176 * 1024) // ((bm + bn) * cfg.block_k * elem)))
-    return replace(cfg, block_m=bm, block_n=bn, stages=stages, warps=4, flatten=False, ws=True)
-
-
-@contextlib.contextmanager
-def _scratch_allocator(device: torch.device, needed: bool):
-    """Triton's global scratch allocator for a launch that makes TMA descriptors in the kernel
-    (128 bytes per descriptor and program, allocated at each launch: from the graph's pool under
-    CUDA-graph capture), set for the launch only and only where the caller set none."""
-    from triton.runtime import _allocation as A
-
-    if not needed or A._allocator.get() is not A._NULL_ALLOCATOR:
-        yield
-        return
-    token = A._allocator.set(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
-    try:
-        yield
-    finally:
-        A._allocator.reset(token)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
@@ -214,8 +170,6 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     cfg = config or select_config(M, N, K, G, fp8, x.element_size(), sms, w_only)
     if w_only and cfg.kind == "gemv" and config is None:
         cfg = gemv_config(M, N, K, 1, sms)  # K tiles sized by the 1-byte weights it streams
-    if config is None and cfg.kind == "tiled" and not scatter:
-        cfg = warp_specialized(cfg, settings.get().knob("GG_WS", 0), x.element_size())
     if fp8 and not fast_accum and cfg.kind == "tiled" and cfg.block_n > 128:
         cfg = replace(cfg, block_n=128)  # the promoted accumulator needs registers: 128x256 spills
     if fp8 and scatter and cfg.kind == "tiled" and cfg.flatten and cfg.block_m * cfg.block_n >= 128 * 256:
@@ -242,12 +196,8 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     # The streaming kernel reads x through masked pointers (only the group's rows move).
     use_tma = cfg.use_tma and _tma_ok(w, tuple(w_block)) and (stream or _tma_ok(x, tuple(x_block)))
     x_tma = stream and use_tma and cfg.x_tma and _tma_ok(x, tuple(x_block))
-    ws = cfg.ws and cfg.kind == "tiled" and use_tma and not scatter and warp_specialize_ok(x.device)
-    if cfg.ws and not ws:  # (scatter-adds, pointer loads, other GPUs): the tiles with 8 warps, unsplit
-        cfg = replace(cfg, warps=8, ws=False)
-    # (a warp-specialized kernel makes its descriptors itself: see _gg_tiled_kernel)
-    x_arg = _descriptor(x, x_block) if use_tma and (not stream or x_tma) and not ws else x
-    w_arg = _descriptor(w, w_block) if use_tma and not ws else w
+    x_arg = _descriptor(x, x_block) if use_tma and (not stream or x_tma) else x
+    w_arg = _descriptor(w, w_block) if use_tma else w
     common = dict(
         HAS_MSIZES=m_sizes is not None,
         FP8=fp8,
@@ -264,18 +214,21 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         num_warps=cfg.warps,
         num_stages=cfg.stages,
     )
+    args = (
+        x_arg,
+        w_arg,
+        y,
+        *optional,
+        M,
+        N,
+        K,
+        G,
+        out_rows,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+    )
     upper = (cdiv(M, bm) + min(G, M)) * cdiv(N, bn)  # the persistent tile loop's most tiles
-    tiles = ph
-    if ws:  # the tile list first: the warp-specialized loop takes no scan or reduction
-        tiles = torch.empty((4 + 4 * upper,), dtype=torch.int32, device=x.device)
-        launch(_tile_list_kernel)[(G if m_sizes is not None else 1,)](
-            m_sizes if m_sizes is not None else ph, tiles, M, G, N, HAS_MSIZES=m_sizes is not None,
-            G_BLOCK=max(16, next_pow2(G)), BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.group_m, CHUNK=128, num_warps=4,
-        )  # fmt: skip
-    ptrs = (x_arg, w_arg, y, *optional)
-    sizes = (M, N, K, G, out_rows, x.stride(0), w.stride(0), y.stride(0))
-    args = ptrs + sizes
-    tiled_args = ptrs + (tiles,) + sizes
     if stream and cfg.persist:
         # The swap-AB tiles on the persistent tile loop (``GemmConfig.persist``): the streaming
         # kernel's programs per SM, no more than fit side by side (a program that starts only
@@ -291,8 +244,8 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         pps = persist_programs_per_sm(smem, cfg.warps, _PERSIST_REGS.get(key))
         grid = (max(1, min(upper, pps * sms)),)
         compiled = launch(_gg_tiled_kernel)[grid](
-            *tiled_args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
-            X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), WARP_SPEC=False, **common,
+            *args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
+            X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), **common,
         )  # fmt: skip
         regs = getattr(compiled, "n_regs", None) if by_regs else None  # None in the interpreter or a trace
         if isinstance(regs, int) and regs > 0:
@@ -305,18 +258,16 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), **common)
     else:
         grid = (max(1, min(sms, upper)),)
-        with _scratch_allocator(x.device, ws):
-            launch(_gg_tiled_kernel)[grid](
-                *tiled_args,
-                FAST_ACCUM=bool(fast_accum) or not fp8,
-                FLATTEN=cfg.flatten and not ws,
-                GROUP_M=cfg.group_m,
-                SWAP_AB=False,
-                X_TMA=use_tma,  # every argument given: inductor's kernel analysis fills in no defaults
-                EARLY_EPI=0 if ws else early_epilogue(cfg, fp8, False, K),
-                WARP_SPEC=ws,
-                **(dict(common, num_warps=4) if ws else common),
-            )
+        launch(_gg_tiled_kernel)[grid](
+            *args,
+            FAST_ACCUM=bool(fast_accum) or not fp8,
+            FLATTEN=cfg.flatten,
+            GROUP_M=cfg.group_m,
+            SWAP_AB=False,
+            X_TMA=use_tma,  # every argument given: inductor's kernel analysis fills in no defaults
+            EARLY_EPI=early_epilogue(cfg, fp8, False, K),
+            **common,
+        )
     return None if scatter else y
 
 
