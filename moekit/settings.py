@@ -104,6 +104,7 @@ class Settings:
     #                                     the K loop: 0 none, 1 FP8 tiles, 2 every dtype)          1
     #   GG_EARLY_DST                      grouped_gemm (the scatter-add's destination rows loaded
     #                                     before the K loop too, where the operands are)        False
+    #   EARLY_EPI_MAX_K                   grouped_gemm (longest K of a tiled tile loading early)  1024
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -127,7 +128,7 @@ KNOBS = (
     "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
     "COMBINE_MIN_TOP_K", "DECODE_FUSED_MIN_TOP_K", "DECODE_FUSED_MAX_TOKENS",
     "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU", "GG_PERSIST_REGS", "ROUTE_QUANT", "GG_EARLY_EPI",
-    "GG_EARLY_DST",
+    "GG_EARLY_DST", "EARLY_EPI_MAX_K",
 )  # fmt: skip
 
 

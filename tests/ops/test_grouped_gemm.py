@@ -294,6 +294,8 @@ def test_early_epilogue_rule():
     assert rule() == [1, 0, 1, 0, 0, 0]  # the default: FP8 tiled tiles early (GG_EARLY_EPI=1)
     assert rule(EARLY_EPI_MAX_K) == [1, 0, 1, 0, 0, 0]
     assert rule(EARLY_EPI_MAX_K + 1) == [1, 0, 0, 0, 0, 0]  # long K: after the loop (gpt-oss: 2880)
+    with settings.override(knobs={"EARLY_EPI_MAX_K": 8192}):  # knob EARLY_EPI_MAX_K moves the bound
+        assert rule(2880) == [1, 0, 1, 0, 0, 0]
     with settings.override(knobs={"GG_EARLY_EPI": 0}):
         assert rule() == [1, 0, 0, 0, 0, 0]
     with settings.override(knobs={"GG_EARLY_EPI": 2}):

@@ -275,10 +275,12 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
 # ``GG_EARLY_EPI`` may load before the K loop: the 128 x 256 prefill tiles would hold them across
 # it at 255 registers (FP8) and spill.
 EARLY_EPI_MAX_TILE = 64 * 256
-# Longest K of a tiled tile that loads its epilogue operands early: the latency they hide is paid
-# once per tile, so it counts where the K loop is short (measured: the down GEMMs of Qwen3-30B, K =
-# 768, and DeepSeek-V3 TP8, K = 256); long-K tiles (gpt-oss-120b 2880, Llama 4 5120-8192) were not
-# measured.
+# Longest K of a tiled tile that loads its epilogue operands early (knob ``EARLY_EPI_MAX_K``): the
+# latency they hide is paid once per tile, so it counts where the K loop is short (measured: the
+# down GEMMs of Qwen3-30B, K = 768, and DeepSeek-V3 TP8, K = 256). Long K measured in session 26
+# (H100, same call, layer from logits, µs, bound 1024 twice -> 8192): gpt-oss-120b FP8 (K = 2880)
+# T = 1024 1250.3 / 1248.2 -> 1247.8, T = 2048 1463.2 / 1459.1 -> 1460.3 (level); Llama 4 Scout FP8
+# (K = 5120 / 8192) T = 1024 796.9 / 800.7 -> 822.3, T = 2048 879.1 / 882.4 -> 918.0 (3-4% slower).
 EARLY_EPI_MAX_K = 1024
 
 
@@ -297,7 +299,8 @@ def early_epilogue(cfg: GemmConfig, fp8: bool, swap_ab: bool, K: int) -> int:
       layer from logits (H100, the tool's card; µs, loads after -> before): Qwen3-30B FP8 T=1024
       293.5 / 292.7 -> 284.3 (its 64x256 down GEMM), T=2048 371.6 / 369.8 -> 366.8, DeepSeek-V3
       TP8 FP8 T=2048 768.2 / 765.6 -> 739.9; bf16 slower (Qwen3 T=1024 469.5 -> 479.0, DeepSeek
-      T=2048 1156 -> 1285).
+      T=2048 1156 -> 1285). Longer K (knob ``EARLY_EPI_MAX_K``) measured level for gpt-oss-120b
+      and 3-4% slower for Llama 4 Scout (session 26; see ``EARLY_EPI_MAX_K``).
     - With the destination rows too (``GG_EARLY_DST``, same call): DeepSeek FP8 T=1024 637.8 ->
       627.8 but T=256 491.7 -> 527.2."""
     s = settings.get()
@@ -305,7 +308,8 @@ def early_epilogue(cfg: GemmConfig, fp8: bool, swap_ab: bool, K: int) -> int:
     if swap_ab:
         return level if fp8 else 0
     mode = s.knob("GG_EARLY_EPI", 1)
-    if mode < (1 if fp8 else 2) or cfg.block_m * cfg.block_n > EARLY_EPI_MAX_TILE or K > EARLY_EPI_MAX_K:
+    max_k = s.knob("EARLY_EPI_MAX_K", EARLY_EPI_MAX_K)
+    if mode < (1 if fp8 else 2) or cfg.block_m * cfg.block_n > EARLY_EPI_MAX_TILE or K > max_k:
         return 0
     return 1 if fp8 else level
 
