@@ -4,6 +4,8 @@
 # whole call ends inside the 10-minute command limit. Writes logs and JSON to $OUT.
 #   PHASES="tests comm bench lanes ab"   BENCHES="routing gather_scatter ..."   LANES="0:a,b 1:c"
 #   QUICK=1   BUDGET_S=560   BENCH_ARGS_<name>="extra args for benchmarks/bench_<name>.py"
+#   LANE_MAX_S=<s> (each lane entry's own time limit, else what is left of BUDGET_S: an entry that
+#   hangs, as a kernel that never returns did in session 26, then costs only this much)
 #   BENCH_ENV_<name>[_<tag>]="VAR=value ..." (environment of one lane entry; "name@tag" entries take
 #   BENCH_ARGS_<name>_<tag>, else BENCH_ARGS_<name>; scripts/ab_trees.sh: earlier commits' trees)
 #   TESTS="tests/ops ..." (GPU tier; on 2 GPUs the grouped-GEMM file runs on GPU 1, GEMM_K="-k expr")
@@ -58,7 +60,8 @@ run_lanes() {
         [ -n "$tag" ] && [ -z "${!extra_var+x}" ] && extra_var="BENCH_ARGS_$b"
         script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py
         env_var="BENCH_ENV_$b${tag:+_$tag}"  # environment for this entry, e.g. BENCH_ENV_layer_nopdl="MOEKIT_PDL=0"
-        CUDA_VISIBLE_DEVICES=$gpu timeout $((t-10)) env ${!env_var:-} python3 "$script" ${QUICK:+--quick} ${!extra_var:-} \
+        lim=$((t-10)); [ -n "${LANE_MAX_S:-}" ] && [ "$LANE_MAX_S" -lt "$lim" ] && lim=$LANE_MAX_S
+        CUDA_VISIBLE_DEVICES=$gpu timeout $lim env ${!env_var:-} python3 "$script" ${QUICK:+--quick} ${!extra_var:-} \
           > "$RES/bench_$b${tag:+_$tag}.log" 2>&1
         echo "== bench_$entry on GPU $gpu rc=$? at $((SECONDS - start))s" >> "$RES/lane$gpu.txt"
       done
