@@ -38,3 +38,27 @@ def test_jit_ast_diff_tells_moved_kernels_from_changed_ones(tmp_path):
     assert same.returncode == 0 and "1 @triton.jit functions identical, 0 differ" in same.stdout, same.stdout
     diff = subprocess.run([sys.executable, script, str(a), str(c)], capture_output=True, text=True)
     assert diff.returncode == 1 and "differs: _k" in diff.stdout, diff.stdout
+
+
+@pytest.mark.reference
+def test_tile_use_counts_each_experts_last_tile():
+    """``scripts/tile_use.py``: routed rows over the rows of the row tiles holding them (an expert
+    of 65 rows takes two 64-row tiles, an empty one none); the table names the stages the layer
+    runs (Qwen3-30B at T=2048: the fused SwiGLU gate/up and the down projection)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import tile_use
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    assert tile_use.row_use(torch.tensor([64, 65, 0]), 64) == 129 / 192
+    assert tile_use.row_use(torch.tensor([64, 65, 0]), 32) == 129 / 160
+    rows = tile_use.table(["qwen3-30b-a3b"], [2048])
+    assert [(r["dtype"], r["stage"]) for r in rows] == [
+        ("fp8", "w13 (fused SwiGLU)"), ("fp8", "w2"), ("bf16", "w13 (fused SwiGLU)"), ("bf16", "w2")]  # fmt: skip
+    assert all(r["use@32"] >= r["use@64"] >= r["use@128"] for r in rows)
+    assert all(r["use"] == r[f"use@{r['tile rows']}"] for r in rows)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tile_use.py"), "--models", "gpt-oss-120b",
+                          "--tokens", "2048"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and "| gpt-oss-120b | 2048 | fp8 | w13 (gathered rows) |" in out.stdout, out.stdout

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""How much of the tensor-core tiles' rows carry real routed rows: for each model and batch size,
+the tiled GEMM stages the sorted pipeline runs (``grouped_gemm_swiglu``'s tiled kernel for the fused
+gate/up projection where the layer fuses it, else ``grouped_gemm``'s, and the down projection's), the row tile the
+launchers' rules pick and the share of its rows that hold routed rows on a uniform top-k routing
+(each expert's last row tile is partly empty), beside what 32-, 64- and 128-row tiles would give.
+CPU only: the rules and a random routing, no kernel runs.
+
+    python scripts/tile_use.py [--models qwen3-30b-a3b,...] [--tokens 1024,2048,8192] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from moekit.layers.experts import _fused_swiglu  # noqa: E402
+from moekit.ops._triton.gg_config import heuristic_config  # noqa: E402
+from moekit.ops._triton.gg_swiglu import swiglu_config  # noqa: E402
+from moekit.testing.data import MODEL_SHAPES  # noqa: E402
+
+SMS = 132  # H100 / H200
+TILE_ROWS = (32, 64, 128)
+
+
+def expert_rows(T: int, E: int, k: int, seed: int) -> torch.Tensor:
+    """Rows per expert of a uniform top-k routing of T tokens (k distinct experts per token)."""
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.rand(T, E, generator=g).topk(k, dim=1).indices.flatten()
+    return torch.bincount(picks, minlength=E)
+
+
+def row_use(rows: torch.Tensor, block_m: int) -> float:
+    """Routed rows over the rows of the row tiles that hold them."""
+    tiles = (rows + block_m - 1) // block_m
+    return float(rows.sum()) / max(1, int(tiles.sum()) * block_m)
+
+
+def stages(model: str, T: int, fp8: bool) -> list[tuple[str, int]]:
+    """(stage, the rules' row tile) for each tiled stage the sorted pipeline runs at T tokens (its
+    gate/up GEMM fused with the SwiGLU where ``experts._fused_swiglu`` says so)."""
+    s = MODEL_SHAPES[model]
+    M, elem = T * s.top_k, 1 if fp8 else 2
+    if _fused_swiglu(M, s.E, s.F, s.D, fp8, elem, torch.device("cpu")):
+        w13 = ("w13 (fused SwiGLU)", swiglu_config(M, s.F, s.D, s.E, fp8, elem, SMS))
+    else:
+        w13 = ("w13 (gathered rows)", heuristic_config(M, 2 * s.F, s.D, s.E, fp8, elem, SMS))
+    w2 = ("w2", heuristic_config(M, s.D, s.F, s.E, fp8, elem, SMS))
+    return [(name, cfg.block_m) for name, cfg in (w13, w2) if cfg.kind == "tiled"]
+
+
+def table(models: list[str], tokens: list[int], seed: int = 0) -> list[dict]:
+    rows = []
+    for model in models:
+        s = MODEL_SHAPES[model]
+        for T in tokens:
+            per_expert = expert_rows(T, s.E, s.top_k, seed)
+            for fp8 in (True, False):
+                for stage, bm in stages(model, T, fp8):
+                    row = {"model": model, "T": T, "dtype": "fp8" if fp8 else "bf16", "stage": stage,
+                           "rows/expert": T * s.top_k / s.E, "tile rows": bm, "use": row_use(per_expert, bm)}  # fmt: skip
+                    row.update({f"use@{b}": row_use(per_expert, b) for b in TILE_ROWS})
+                    rows.append(row)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout")
+    ap.add_argument("--tokens", default="1024,2048,8192,16384")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rows = table(args.models.split(","), [int(t) for t in args.tokens.split(",")], args.seed)
+    cols = ["model", "T", "dtype", "stage", "rows/expert", "tile rows", "use"] + [f"use@{b}" for b in TILE_ROWS]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        cells = [f"{r[c]:.0%}" if c.startswith("use") else (f"{r[c]:.0f}" if c == "rows/expert" else str(r[c]))
+                 for c in cols]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
