@@ -383,6 +383,49 @@ def test_tiled_kernel_compiles_for_sm90_without_spills():
     assert all(not r.get("stack") for r in records), [(r["constants"], r["stack"]) for r in records]
 
 
+@pytest.mark.reference
+def test_small_tiles_knob_rule_and_sm90_compile():
+    """Knob ``SWIGLU_SMALL_TILES``: the tiled kernel takes 64-row tiles (4 stages) below 192 rows
+    per expert (Qwen3-30B T = 1024 and 2048, DeepSeek-V3 TP8 T=2048) and 128-row tiles above
+    (T=8192); off, 128 rows everywhere. Its 64 x 128 tiles, bf16 and FP8, compile for sm_90 with no
+    stack frame, weights through TMA descriptors as on the GPU."""
+    from moekit import settings
+    from moekit.ops._triton.gg_swiglu import swiglu_config
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    cases = [(1024 * 8, 768, 2048, 128), (2048 * 8, 768, 2048, 128), (2048 * 8, 256, 7168, 256),
+             (8192 * 8, 768, 2048, 128)]  # fmt: skip
+    for fp8, elem in ((True, 1), (False, 2)):
+        with settings.override(knobs={"SWIGLU_SMALL_TILES": True}):
+            got = [swiglu_config(M, F, K, G, fp8, elem, 132) for M, F, K, G in cases]
+        assert [(c.kind, c.block_m, c.stages) for c in got] == [("tiled", 64, 4)] * 3 + [("tiled", 128, 3)], got
+        assert all(swiglu_config(M, F, K, G, fp8, elem, 132).block_m == 128 for M, F, K, G in cases)
+    records = compile_launches(
+        """
+        from moekit import settings
+        from moekit.ops._triton import gg_swiglu as SW
+        SW._tma_ok = lambda t, block: t.stride(-1) == 1  # descriptors for meta tensors too
+        m = "meta"
+        f8 = torch.float8_e4m3fn
+        with settings.override(knobs={"SWIGLU_SMALL_TILES": True}):
+            for T, k, G, F, D in ((2048, 8, 128, 768, 2048), (2048, 8, 256, 256, 7168)):
+                M = T * k
+                for dt in (torch.bfloat16, f8):
+                    x = torch.empty(T, D, dtype=dt, device=m)
+                    w13 = torch.empty(G * 2 * F, D, dtype=dt, device=m)
+                    xs = torch.empty(T, device=m) if dt == f8 else None
+                    ws = torch.empty(G * 2 * F, device=m) if dt == f8 else None
+                    SW.grouped_gemm_swiglu(x, w13, torch.empty(G, dtype=torch.int32, device=m),
+                                           torch.empty(M, dtype=torch.int32, device=m), torch.empty(M, device=m),
+                                           xs, ws)
+        """,
+        ["moekit.ops._triton.gg_swiglu"],
+    )
+    assert_all_compiled(records, 4)
+    assert all(r["kernel"] == "_swiglu_tiled_kernel" and r["constants"]["BLOCK_M"] == "64" for r in records), records
+    assert all(not r["stack"] for r in records), [(r["constants"], r["regs"], r["stack"]) for r in records]
+
+
 # ---------------------------------------------------------------------------- GPU tier
 
 # (T, k, G, F, D): Qwen3-30B, DeepSeek-V3 TP8 experts, gpt-oss-120b, Llama 4 Scout decode sizes (fewer
@@ -451,6 +494,26 @@ def test_gpu_swiglu_tiled_fused_loop_same_bits(shape, w_kind, cuda):
         b = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=replace(cfg, flatten=True))
         ok = _valid_rows(gi, T)
         assert torch.equal(a[ok], b[ok]), f"stages={stages}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_kind", ["same", "fp8x"])
+@pytest.mark.parametrize("shape", [(1024, 8, 128, 768, 2048), (2048, 8, 256, 256, 7168)], ids=["qwen3", "deepseek"])
+def test_gpu_swiglu_small_tiles_same_bits(shape, w_kind, cuda):
+    """Knob ``SWIGLU_SMALL_TILES`` (64-row tiles at 64 rows per expert): the same bits as the
+    128-row tiles (same K order per output), and the reference's values."""
+    from moekit import settings
+
+    T, k, G, F, D = shape
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, D, torch.bfloat16, w_kind, seed=7, device=cuda)
+    got = []
+    for small in (False, True):
+        with settings.override(knobs={"SWIGLU_SMALL_TILES": small}):
+            got.append(grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws))
+    ok = _valid_rows(gi, T)
+    assert torch.equal(got[0][ok], got[1][ok])
+    want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    assert_close(got[1][ok].float(), want[ok].float(), tol=1e-2)
 
 
 @pytest.mark.gpu

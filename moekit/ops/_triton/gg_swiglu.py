@@ -351,6 +351,13 @@ def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int
     ``sweep_swiglu.py``: e.g. Qwen3-30B bf16 T=8192 788 µs vs 1038-1300)."""
     block_n = min(128, max(16, next_pow2(F)))
     block_k = 128 if elem == 1 else (64 if elem == 2 else 32)
+    # Knob SWIGLU_SMALL_TILES (off until measured): below 192 rows per expert 64-row tiles, the
+    # grouped GEMM's rule. Each expert's last row tile is partly empty: at 64 rows per expert
+    # (Qwen3-30B T=1024, DeepSeek-V3 TP8 T=2048) 128-row tiles hold 50% routed rows, 64-row ones
+    # 68-69% (scripts/tile_use.py); session 22's sweep had 64 x 128 x 4 stages 2.5-5% faster on
+    # this stage in 4 of 5 cells.
+    if settings.get().knob("SWIGLU_SMALL_TILES", False) and M < 192 * hits:
+        return GemmConfig("tiled", 64, block_n, block_k, 4, 8, flatten=False)
     # The fused (flattened) tile + K loop won 18-26% for the plain GEMM at short K (session 15);
     # here it is a candidate of sweep_swiglu.py, not yet measured (bf16 compiles without spills,
     # FP8 128x128x128 spills 8 bytes with 3 stages).
