@@ -106,6 +106,9 @@ class Settings:
     #                                     before the K loop too, where the operands are)        False
     #   EARLY_EPI_MAX_K                   grouped_gemm (longest K of a tiled tile loading early)  1024
     #   SWIGLU_SMALL_TILES                gg_swiglu (64-row tiled tiles below 192 rows/expert)  False
+    #   BF16_STREAM_SWIGLU                experts + gg_swiglu (16-bit sorted pipeline's gate/up
+    #                                     GEMM fused at streaming sizes, as FP8_STREAM_SWIGLU)  False
+    #   TILED_MIN_ROWS                    grouped_gemm (tiled kernel from, rows per expert)      48
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -129,7 +132,7 @@ KNOBS = (
     "ONE_PASS_MAX_D", "LOCKED_MIN_ROWS", "SCAN_MAX_ROWS", "UNROLL_MAX", "PIPELINE",
     "COMBINE_MIN_TOP_K", "DECODE_FUSED_MIN_TOP_K", "DECODE_FUSED_MAX_TOKENS",
     "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU", "GG_PERSIST_REGS", "ROUTE_QUANT", "GG_EARLY_EPI",
-    "GG_EARLY_DST", "EARLY_EPI_MAX_K", "SWIGLU_SMALL_TILES",
+    "GG_EARLY_DST", "EARLY_EPI_MAX_K", "SWIGLU_SMALL_TILES", "BF16_STREAM_SWIGLU", "TILED_MIN_ROWS",
 )  # fmt: skip
 
 

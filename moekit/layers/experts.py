@@ -260,6 +260,9 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
     # 392.3, gpt-oss-120b 332.7 / 711.5 / 812.5 -> 327.9 / 706.3 / 804.6.
     if fp8 and kind == "stream" and s.knob("FP8_STREAM_SWIGLU", True):
         return True
+    # The same for 16-bit weights (knob BF16_STREAM_SWIGLU, off until measured on the H200).
+    if not fp8 and kind == "stream" and s.knob("BF16_STREAM_SWIGLU", False):
+        return True
     if MACHINE_BALANCE * (4 * D + 10 * F) / (4 * D * F) < FUSED_SWIGLU_MIN_SAVING:
         return False
     return kind == "tiled"

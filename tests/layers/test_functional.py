@@ -242,6 +242,35 @@ def test_fp8_stream_swiglu_knob_cpu(name):
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_bf16_stream_swiglu_knob_cpu(name):
+    """Knob ``BF16_STREAM_SWIGLU``: the 16-bit sorted pipeline at streaming sizes takes
+    ``grouped_gemm_swiglu`` (token rows read by index, SiLU * up in the epilogue); off, the
+    gathered copy, the GEMM and ``silu_mul``. Both against the float32 layer; FP8 weights are
+    untouched by it."""
+    from moekit import settings
+    from moekit.layers.experts import _fused_swiglu
+    from moekit.ops._triton.gg_swiglu import swiglu_config
+
+    s = _small(name, E=16, top_k=4, n_group=None, topk_group=None) if name == "deepseek-v3" else _small(name, E=16)
+    T = 24  # 96 rows over 16 experts: 6 per expert, the streaming kernel's range
+    w = random_expert_weights(s, dtype=torch.float32, seed=9)  # the CPU path's 16/32-bit rule is the same
+    x = torch.randn(T, s.D, generator=torch.Generator().manual_seed(9))
+    kw = dict(e_score_correction_bias=w.get("e_score_correction_bias"))
+    routed = {k: v for k, v in w.items() if not k.startswith("shared")}
+    want = _reference(x, routed, s)
+    M = T * s.top_k
+    for on in (False, True):
+        with settings.override(moe_path="sorted", knobs={"BF16_STREAM_SWIGLU": on}):
+            assert _fused_swiglu(M, s.E, s.F, s.D, False, 4, x.device) is on
+            assert _fused_swiglu(M, s.E, s.F, s.D, True, 1, x.device)
+            cfg = swiglu_config(M, s.F, s.D, s.E, False, 4, 132)
+            assert cfg.kind == "stream"
+            got = moe_forward(x, w["router_DE"], w["w13_e2FD"], w["w2_eDF"], _cfg(s), **kw)
+        assert_close(got.float(), want, tol=1e-4, msg=f"BF16_STREAM_SWIGLU={on}")
+
+
+@pytest.mark.reference
 @pytest.mark.interpreter
 def test_route_quant_knob_same_bits():
     """Knob ``ROUTE_QUANT`` (on by default): the FP8 sorted pipeline's token rows quantized by
@@ -505,6 +534,36 @@ def test_gpu_sorted_prefill_fused_swiglu_matches_reference(name, fp8):
             assert _fused_swiglu(T * s.top_k, s.E, s.F, s.D, fp8, 1 if fp8 else 2, x.device) is expect
             got = _forward(s, w, x, logits, fp8)
         assert_close(got.float(), want, tol=8e-2 if fp8 else 2e-2, msg=f"{name} fused={fused}")
+
+
+@FULL_SIZE
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3-tp8"])
+@pytest.mark.parametrize("T", [16, 256, 1024])
+def test_gpu_bf16_stream_swiglu_matches_reference(name, T):
+    """Knob ``BF16_STREAM_SWIGLU`` (the bf16 sorted pipeline at streaming sizes through
+    ``grouped_gemm_swiglu``'s streaming kernel, rows read by index) against the float32 layer,
+    and against the unfused pipeline on the same rows."""
+    from moekit import settings
+    from moekit.layers.experts import _fused_swiglu
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    s = MODEL_SHAPES[name]
+    w = _gpu_weights(name, False)
+    x = torch.randn(T, s.D, generator=torch.Generator(device="cuda").manual_seed(11), device="cuda").bfloat16()
+    logits = x.float() @ w["router_DE"].float()
+    want = _reference_hit(x, w, s, logits)
+    M = T * s.top_k
+    stream = heuristic_config(M, s.F, s.D, s.E, False, 2, torch.cuda.get_device_properties(0).multi_processor_count,
+                              persist=False).kind == "stream"  # fmt: skip
+    outs = {}
+    for on in (False, True):
+        with settings.override(moe_path="sorted", knobs={"BF16_STREAM_SWIGLU": on}):
+            outs[on] = _forward(s, w, x, logits, False)
+            if stream:
+                assert _fused_swiglu(M, s.E, s.F, s.D, False, 2, x.device) is on
+        assert_close(outs[on].float(), want, tol=2e-2, msg=f"{name} T={T} BF16_STREAM_SWIGLU={on}")
+    assert_close(outs[True].float(), outs[False].float(), tol=2e-2, msg=f"{name} T={T} fused vs unfused")
 
 
 @FULL_SIZE

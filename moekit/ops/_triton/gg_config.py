@@ -160,7 +160,9 @@ def heuristic_config(
     # (few groups: e.g. one group of 64 rows is 2 x cdiv(N, 256) tiles) where the streaming
     # kernel still spreads the weights over every SM.
     tiled_tiles = (M / 64 + hits) * cdiv(N, 256)
-    if rows_per_group < 48 or (rows_per_group <= 64 and tiled_tiles < sms):
+    # (Knob TILED_MIN_ROWS moves the 48.)
+    tiled_min = settings.get().knob("TILED_MIN_ROWS", 48)
+    if rows_per_group < tiled_min or (rows_per_group <= max(64, tiled_min) and tiled_tiles < sms):
         # Streaming: the weights of the hit experts are the traffic. Rows tile: room for about
         # twice the mean group size, so a group rarely needs a second pass over its weights.
         block_m = min(128, max(16, next_pow2(int(math.ceil(2 * rows_per_group - 1e-3)))))
