@@ -50,7 +50,7 @@ __all__ = [
 ]  # fmt: skip
 
 # Mean rows per hit expert below which the decode pipeline runs (the grouped GEMM's streaming
-# kernel range: from 48 rows per group it takes its tiled kernel).
+# kernel range until session 27; its tiled kernel now takes groups from 32 rows, TILED_MIN_ROWS).
 DECODE_ROWS_PER_EXPERT = 48
 
 # Top-k from which the per-token combine beats the scatter-add GEMV at decode (H200, T=1; RESULTS.md
@@ -260,8 +260,10 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
     # 392.3, gpt-oss-120b 332.7 / 711.5 / 812.5 -> 327.9 / 706.3 / 804.6.
     if fp8 and kind == "stream" and s.knob("FP8_STREAM_SWIGLU", True):
         return True
-    # The same for 16-bit weights (knob BF16_STREAM_SWIGLU, off until measured on the H200).
-    if not fp8 and kind == "stream" and s.knob("BF16_STREAM_SWIGLU", False):
+    # The same for 16-bit weights (knob BF16_STREAM_SWIGLU). H100, session 27 run 2, same call,
+    # unfused -> fused (µs): DeepSeek-V3 TP8 bf16 T=64 / 256 / 1024 777.0 / 961.1 / 1209.7 ->
+    # 765.6 / 943.1 / 1098.9 (T=1024 takes the tiled kernel now: TILED_MIN_ROWS).
+    if not fp8 and kind == "stream" and s.knob("BF16_STREAM_SWIGLU", True):
         return True
     if MACHINE_BALANCE * (4 * D + 10 * F) / (4 * D * F) < FUSED_SWIGLU_MIN_SAVING:
         return False

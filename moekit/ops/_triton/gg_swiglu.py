@@ -11,7 +11,7 @@ row ``x[gather_indices[i]]`` (a negative or out-of-range index leaves row ``i`` 
   ``BLOCK_N``-column slice, CUDA-core FMAs into elementwise float32 accumulators (as the grouped
   GEMM's GEMV kernel), one reduction over K at the end. Rows of one expert run side by side, so
   their shared weight tiles come from L2.
-- ``_swiglu_stream_kernel`` (a few to ~48 rows per expert): swap-AB tensor-core tiles
+- ``_swiglu_stream_kernel`` (a few to ~32 rows per expert): swap-AB tensor-core tiles
   ``[BLOCK_N, BLOCK_M] = w[f-slice] @ x_rows.T`` per (non-empty expert, column slice), as the
   grouped GEMM's streaming kernel, with the weight tiles through TMA when the strides allow.
 
@@ -413,7 +413,7 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     cfg = heuristic_config(M, F, K, G, fp8, elem, sms, persist=False)  # no persistent stream loop here
     if cfg.kind != "stream":  # many rows per expert: persistent tensor-core tiles
         return swiglu_tiled_config(M, F, K, hits, elem, sms)
-    if fp8 or settings.get().knob("BF16_STREAM_SWIGLU", False):
+    if fp8 or settings.get().knob("BF16_STREAM_SWIGLU", True):
         # FP8 rows (the sorted pipeline's, knob FP8_STREAM_SWIGLU; 16-bit ones with knob
         # BF16_STREAM_SWIGLU): the plain GEMM's streaming
         # tile over the 2F gate|up rows, split into its gate and up halves: the same weight bytes
