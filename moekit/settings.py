@@ -108,7 +108,8 @@ class Settings:
     #   SWIGLU_SMALL_TILES                gg_swiglu (64-row tiled tiles below 192 rows/expert)  False
     #   BF16_STREAM_SWIGLU                experts + gg_swiglu (16-bit sorted pipeline's gate/up
     #                                     GEMM fused at streaming sizes, as FP8_STREAM_SWIGLU)   True
-    #   TILED_MIN_ROWS                    grouped_gemm (tiled kernel from, rows per expert)      32
+    #   TILED_MIN_ROWS                    grouped_gemm (tiled kernel from, rows per expert; default
+    #                                     32 where K >= 4N, else 48)                            rule
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8

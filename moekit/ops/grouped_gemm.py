@@ -442,7 +442,7 @@ def grouped_gemm_swiglu(
     ``grouped_gemm_fp8_rowwise``. Returns ``z`` in x's dtype (bf16 for FP8 x); rows past
     ``sum(m_sizes)`` are left unwritten. No host synchronization; CUDA-graph capturable.
 
-    Kernels by rows per expert: per-row GEMV (decode), swap-AB streaming tiles (up to ~32 rows),
+    Kernels by rows per expert: per-row GEMV (decode), swap-AB streaming tiles (up to 32-48 rows),
     persistent tensor-core tiles beyond (prefill: the gather, the ``[M, 2F]`` intermediate and the
     SiLU pass of the unfused pipeline all skipped).
     """

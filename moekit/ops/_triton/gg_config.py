@@ -156,15 +156,16 @@ def heuristic_config(
         return gemv_config(M, N, K, elem, sms)
     rows_per_group = M / hits
     kpow = next_pow2(K)
-    # 32+ rows per group take the tiled kernel (64 x 256 tiles), unless it would leave SMs idle
+    # 48+ rows per group (32+ for deep, narrow weights) take the tiled kernel (64 x 256 tiles), unless it would leave SMs idle
     # (few groups: e.g. one group of 64 rows is 2 x cdiv(N, 256) tiles) where the streaming
     # kernel still spreads the weights over every SM.
     tiled_tiles = (M / 64 + hits) * cdiv(N, 256)
-    # From 32 rows per group (knob TILED_MIN_ROWS; 48 before session 27): H100, run 2, DeepSeek-V3
-    # TP8 at T=1024 (32 rows per expert), layer from logits, bf16 1209.7 -> 1061.8 µs, FP8 642.4
-    # -> 616.5 (the tiled kernel's TMA tiles stream the gate/up weights faster than the 64 x 128
-    # streaming tiles; the empty half of each 64-row tile hides under the weight loads).
-    tiled_min = settings.get().knob("TILED_MIN_ROWS", 32)
+    # Deep, narrow weights (K >= 4N: DeepSeek-V3 TP8's gate/up, N = F = 256, K = 7168) from 32 rows
+    # per group (knob TILED_MIN_ROWS pins one bound for every shape). H100, session 27 runs 2-3,
+    # layer from logits at T=1024 (32 rows per expert), same call: DeepSeek bf16 1203.2 -> 1058.8
+    # µs, FP8 637.7 -> 615.8 with every shape from 32; but Qwen3-30B FP8 T=512 252.8 -> 268.4 and
+    # gpt-oss-120b T=1024 FP8 1190.6 -> 1239.8, bf16 2223.6 -> 2279.7, whose K is at most 4N.
+    tiled_min = settings.get().knob("TILED_MIN_ROWS", 32 if K >= 4 * N else 48)
     if rows_per_group < tiled_min or (rows_per_group <= max(64, tiled_min) and tiled_tiles < sms):
         # Streaming: the weights of the hit experts are the traffic. Rows tile: room for about
         # twice the mean group size, so a group rarely needs a second pass over its weights.

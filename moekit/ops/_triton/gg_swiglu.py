@@ -11,7 +11,7 @@ row ``x[gather_indices[i]]`` (a negative or out-of-range index leaves row ``i`` 
   ``BLOCK_N``-column slice, CUDA-core FMAs into elementwise float32 accumulators (as the grouped
   GEMM's GEMV kernel), one reduction over K at the end. Rows of one expert run side by side, so
   their shared weight tiles come from L2.
-- ``_swiglu_stream_kernel`` (a few to ~32 rows per expert): swap-AB tensor-core tiles
+- ``_swiglu_stream_kernel`` (a few to 32-48 rows per expert): swap-AB tensor-core tiles
   ``[BLOCK_N, BLOCK_M] = w[f-slice] @ x_rows.T`` per (non-empty expert, column slice), as the
   grouped GEMM's streaming kernel, with the weight tiles through TMA when the strides allow.
 
