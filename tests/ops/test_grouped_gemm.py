@@ -627,6 +627,11 @@ def test_heuristic_tiled_from_32_rows_for_deep_narrow_weights():
         with settings.override(knobs={"TILED_MIN_ROWS": 48}):
             N, K, G = deep
             assert sel(32 * G, N, K, G, fp8, e, 132, persist=False).kind == "stream"
+        with settings.override(knobs={"TILED_SHORT_K": 256}):  # the down GEMM's K = 256 too
+            N, K, G = ds_w2
+            assert sel(32 * G, N, K, G, fp8, e, 132, persist=False).kind == "tiled"
+            N, K, G = qwen3
+            assert sel(32 * G, N, K, G, fp8, e, 132, persist=False).kind == "stream"
 
 
 @pytest.mark.reference

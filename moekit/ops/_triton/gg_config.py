@@ -165,7 +165,11 @@ def heuristic_config(
     # layer from logits at T=1024 (32 rows per expert), same call: DeepSeek bf16 1203.2 -> 1058.8
     # µs, FP8 637.7 -> 615.8 with every shape from 32; but Qwen3-30B FP8 T=512 252.8 -> 268.4 and
     # gpt-oss-120b T=1024 FP8 1190.6 -> 1239.8, bf16 2223.6 -> 2279.7, whose K is at most 4N.
-    tiled_min = settings.get().knob("TILED_MIN_ROWS", 32 if K >= 4 * N else 48)
+    # Knob TILED_SHORT_K (off: 0): from 32 rows also where K is at most this (short-K tiles, whose
+    # per-tile costs the wider tiled tiles halve: DeepSeek's down GEMM, K = 256, measured 10 µs
+    # faster at FP8 T=1024 with every shape from 32; not yet a rule: one shape).
+    short_k = settings.get().knob("TILED_SHORT_K", 0)
+    tiled_min = settings.get().knob("TILED_MIN_ROWS", 32 if K >= 4 * N or K <= short_k else 48)
     if rows_per_group < tiled_min or (rows_per_group <= max(64, tiled_min) and tiled_tiles < sms):
         # Streaming: the weights of the hit experts are the traffic. Rows tile: room for about
         # twice the mean group size, so a group rarely needs a second pass over its weights.
