@@ -50,7 +50,8 @@ __all__ = [
 ]  # fmt: skip
 
 # Mean rows per hit expert below which the decode pipeline runs (the grouped GEMM's streaming
-# kernel range until session 27; its tiled kernel now takes deep, narrow weights from 32 rows, TILED_MIN_ROWS).
+# kernel range until session 27; its tiled kernel now takes deep, narrow weights from 32 rows:
+# knob TILED_MIN_ROWS).
 DECODE_ROWS_PER_EXPERT = 48
 
 # Top-k from which the per-token combine beats the scatter-add GEMV at decode (H200, T=1; RESULTS.md

@@ -156,9 +156,9 @@ def heuristic_config(
         return gemv_config(M, N, K, elem, sms)
     rows_per_group = M / hits
     kpow = next_pow2(K)
-    # 48+ rows per group (32+ for deep, narrow weights) take the tiled kernel (64 x 256 tiles), unless it would leave SMs idle
-    # (few groups: e.g. one group of 64 rows is 2 x cdiv(N, 256) tiles) where the streaming
-    # kernel still spreads the weights over every SM.
+    # 48+ rows per group (32+ for deep, narrow weights) take the tiled kernel (64 x 256 tiles),
+    # unless it would leave SMs idle (few groups: e.g. one group of 64 rows is 2 x cdiv(N, 256)
+    # tiles) where the streaming kernel still spreads the weights over every SM.
     tiled_tiles = (M / 64 + hits) * cdiv(N, 256)
     # Deep, narrow weights (K >= 4N: DeepSeek-V3 TP8's gate/up, N = F = 256, K = 7168) from 32 rows
     # per group (knob TILED_MIN_ROWS pins one bound for every shape). H100, session 27 runs 2-3,

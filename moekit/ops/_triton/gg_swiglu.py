@@ -414,10 +414,10 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     if cfg.kind != "stream":  # many rows per expert: persistent tensor-core tiles
         return swiglu_tiled_config(M, F, K, hits, elem, sms)
     if fp8 or settings.get().knob("BF16_STREAM_SWIGLU", True):
-        # FP8 rows (the sorted pipeline's, knob FP8_STREAM_SWIGLU; 16-bit ones with knob
-        # BF16_STREAM_SWIGLU): the plain GEMM's streaming
-        # tile over the 2F gate|up rows, split into its gate and up halves: the same weight bytes
-        # per stage, stages and programs per SM as the unfused GEMM it replaces.
+        # FP8 rows (the sorted pipeline's, knob FP8_STREAM_SWIGLU) and 16-bit ones (knob
+        # BF16_STREAM_SWIGLU; before it, the tile below): the plain GEMM's streaming tile over the
+        # 2F gate|up rows, split into its gate and up halves: the same weight bytes per stage,
+        # stages and programs per SM as the unfused GEMM it replaces.
         plain = heuristic_config(M, 2 * F, K, G, fp8, elem, sms, persist=False)
         if plain.kind == "stream" and plain.block_n >= 32:
             return replace(plain, block_n=plain.block_n // 2)
