@@ -168,8 +168,8 @@ def heuristic_config(
     # Knob TILED_SHORT_K (off: 0): from 32 rows also where K is at most this (short-K tiles, whose
     # per-tile costs the wider tiled tiles halve: DeepSeek's down GEMM, K = 256, measured 10 µs
     # faster at FP8 T=1024 with every shape from 32; not yet a rule: one shape).
-    short_k = settings.get().knob("TILED_SHORT_K", 0)
-    tiled_min = settings.get().knob("TILED_MIN_ROWS", 32 if K >= 4 * N or K <= short_k else 48)
+    s = settings.get()
+    tiled_min = s.knob("TILED_MIN_ROWS", 32 if K >= 4 * N or K <= s.knob("TILED_SHORT_K", 0) else 48)
     if rows_per_group < tiled_min or (rows_per_group <= max(64, tiled_min) and tiled_tiles < sms):
         # Streaming: the weights of the hit experts are the traffic. Rows tile: room for about
         # twice the mean group size, so a group rarely needs a second pass over its weights.
@@ -215,7 +215,7 @@ def heuristic_config(
         # (K=256) M=128 FP8 49.5 us vs 56.2, bf16 91.8 vs 101.9, M=1024 bf16 228.5 vs 254.6;
         # Qwen3 w2 (K=768) M=128 FP8 35.2 vs 38.9. Layers: DeepSeek 4-12% faster at T=16-1024,
         # Qwen3 FP8 3-5% at T=16-256; long K (gpt-oss K=2880, Scout) 1-3% slower, so not there.
-        allowed = settings.get().gg_stream_persist if persist is None else persist
+        allowed = s.gg_stream_persist if persist is None else persist
         if allowed and cdiv(K, block_k) <= 4:
             return GemmConfig("stream", block_m, block_n, block_k, max(3, stages), warps, persist=True)
         return GemmConfig("stream", block_m, block_n, block_k, stages, warps)
