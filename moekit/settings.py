@@ -110,7 +110,9 @@ class Settings:
     #                                     GEMM fused at streaming sizes, as FP8_STREAM_SWIGLU)   True
     #   TILED_MIN_ROWS                    grouped_gemm (tiled kernel from, rows per expert; default
     #                                     32 where K >= 4N, else 48)                            rule
-    #   TILED_SHORT_K                     grouped_gemm (also from 32 rows where K <= this)       0
+    #   TILED_SHORT_K                     grouped_gemm (also from 32 rows where K <= this)     256
+    #   GG_N_SLAB                         grouped_gemm (scatter-add tiles by column slabs of this
+    #                                     width, every expert's tiles of a slab in turn)          0
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -135,7 +137,7 @@ KNOBS = (
     "COMBINE_MIN_TOP_K", "DECODE_FUSED_MIN_TOP_K", "DECODE_FUSED_MAX_TOKENS",
     "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU", "GG_PERSIST_REGS", "ROUTE_QUANT", "GG_EARLY_EPI",
     "GG_EARLY_DST", "EARLY_EPI_MAX_K", "SWIGLU_SMALL_TILES", "BF16_STREAM_SWIGLU", "TILED_MIN_ROWS",
-    "TILED_SHORT_K",
+    "TILED_SHORT_K", "GG_N_SLAB",
 )  # fmt: skip
 
 

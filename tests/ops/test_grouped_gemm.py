@@ -358,6 +358,31 @@ def test_interp_stream_x_through_tma(dtype, scatter):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("slab", [16, 32, 48], ids=["slab1", "slab2-partial", "slab3-whole"])
+def test_interp_scatter_add_column_slabs(pin_knobs, slab):
+    """Knob GG_N_SLAB: the tiled kernel's scatter-add tiles walk the output by column slabs (one
+    and two 16-column tiles of three, the second slab partial; three: the plain order). Every
+    tile still runs exactly once: float32 atomics against the reference."""
+    M, G, N, K, T = 45, 4, 40, 24, 13
+    x, w, _, _ = _inputs(M, G, N, K, torch.float32, seed=5)
+    ms = _sizes("routing", M, G, seed=3)
+    g = _gen(6)
+    idx = torch.randint(-1, T + 1, (M,), generator=g).to(torch.int32)
+    tw = torch.rand(M, generator=g)
+    out0 = torch.randn(T, N, generator=g)
+    tri = _tri()
+    cfg = _cfg("tiled", 16, 16, 16)
+    pin_knobs(GG_N_SLAB=slab)
+    assert tri.n_slab_tiles(cfg, N, True) == (0 if slab >= 48 else slab // 16)
+    assert tri.n_slab_tiles(cfg, N, False) == 0  # stored rows: the plain order
+    out = out0.clone()
+    tri.grouped_gemm(x, w, ms, token_weights=tw, out=out, scatter_indices=idx, config=cfg)
+    want = out0.clone()
+    ref.grouped_gemm(x, w, ms, None, tw, _output_tensor=want, _scatter_add_indices=idx)
+    assert_close(out, want, tol=TF32_TOL)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("kind", ["stream", "tiled"])
 def test_interp_scatter_add(kind, deterministic):
@@ -615,8 +640,10 @@ def test_heuristic_tiled_from_32_rows_for_deep_narrow_weights():
         for rows in (32, 40, 47):
             N, K, G = deep
             assert sel(rows * G, N, K, G, fp8, e, 132, persist=False).kind == "tiled", rows
-            for N, K, G in (qwen3, gpt_w13, ds_w2):
+            for N, K, G in (qwen3, gpt_w13):
                 assert sel(rows * G, N, K, G, fp8, e, 132, persist=False).kind == "stream", (N, K, rows)
+            N, K, G = ds_w2  # K = 256 <= TILED_SHORT_K: tiled as well
+            assert sel(rows * G, N, K, G, fp8, e, 132, persist=False).kind == "tiled", rows
         N, K, G = deep
         assert sel(24 * G, N, K, G, fp8, e, 132, persist=False).kind == "stream"  # below 32: streaming
         for N, K, G in (deep, qwen3, gpt_w13, ds_w2):
@@ -627,11 +654,12 @@ def test_heuristic_tiled_from_32_rows_for_deep_narrow_weights():
         with settings.override(knobs={"TILED_MIN_ROWS": 48}):
             N, K, G = deep
             assert sel(32 * G, N, K, G, fp8, e, 132, persist=False).kind == "stream"
-        with settings.override(knobs={"TILED_SHORT_K": 256}):  # the down GEMM's K = 256 too
+        with settings.override(knobs={"TILED_SHORT_K": 0}):  # off: the down GEMM's K = 256 streams
             N, K, G = ds_w2
-            assert sel(32 * G, N, K, G, fp8, e, 132, persist=False).kind == "tiled"
-            N, K, G = qwen3
             assert sel(32 * G, N, K, G, fp8, e, 132, persist=False).kind == "stream"
+        with settings.override(knobs={"TILED_SHORT_K": 2048}):  # Qwen3 gate/up (K = 2048) would take it too
+            N, K, G = qwen3
+            assert sel(32 * G, N, K, G, fp8, e, 132, persist=False).kind == "tiled"
 
 
 @pytest.mark.reference
@@ -1237,7 +1265,10 @@ def test_gpu_early_epilogue_same_bits(G, M, N, K, dtype, cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("G,M,N,K", [(16, 1, 5120, 1024), (128, 128, 2048, 768), (16, 4096, 2048, 1024)])
-def test_gpu_scatter_add(G, M, N, K, dtype, cuda):
+@pytest.mark.parametrize("slab", [0, 512], ids=["plain", "slabs"])
+def test_gpu_scatter_add(G, M, N, K, dtype, slab, pin_knobs, cuda):
+    if slab:  # knob GG_N_SLAB: the tiled kernel's tiles by column slabs (the other kernels ignore it)
+        pin_knobs(GG_N_SLAB=slab)
     x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=G, device=cuda)
     ms_cpu = _sizes("short", M, G, seed=M)
     ms = ms_cpu.to(cuda)

@@ -142,6 +142,10 @@ def gemv_config(M: int, N: int, K: int, elem: int, sms: int) -> GemmConfig:
     return GemmConfig("gemv", 1, block_n, block_k, stages, 4, use_tma=False)
 
 
+# K up to which the tiled kernel takes 32-47 rows per group too (``heuristic_config``).
+TILED_SHORT_K = 256
+
+
 def heuristic_config(
     M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int, persist: Optional[bool] = None
 ) -> GemmConfig:
@@ -165,11 +169,14 @@ def heuristic_config(
     # layer from logits at T=1024 (32 rows per expert), same call: DeepSeek bf16 1203.2 -> 1058.8
     # µs, FP8 637.7 -> 615.8 with every shape from 32; but Qwen3-30B FP8 T=512 252.8 -> 268.4 and
     # gpt-oss-120b T=1024 FP8 1190.6 -> 1239.8, bf16 2223.6 -> 2279.7, whose K is at most 4N.
-    # Knob TILED_SHORT_K (off: 0): from 32 rows also where K is at most this (short-K tiles, whose
-    # per-tile costs the wider tiled tiles halve: DeepSeek's down GEMM, K = 256, measured 10 µs
-    # faster at FP8 T=1024 with every shape from 32; not yet a rule: one shape).
+    # And where K is at most TILED_SHORT_K (knob, 0: off): short-K tiles, whose per-tile costs the
+    # wider tiled tiles halve (DeepSeek-V3 TP8's down GEMM, K = 256). H100, layer from logits, same
+    # call: session 27 run 4 FP8 T=1024 626.8 -> 616.4 µs (every shape from 32); session 28 run 1
+    # (this bound alone, µs): FP8 T = 768 / 1024 609.4 / 644.8 -> 606.9 / 635.7, bf16 1077.3 /
+    # 1112.2 -> 1077.1 / 1107.4.
     s = settings.get()
-    tiled_min = s.knob("TILED_MIN_ROWS", 32 if K >= 4 * N or K <= s.knob("TILED_SHORT_K", 0) else 48)
+    short_k = s.knob("TILED_SHORT_K", TILED_SHORT_K)
+    tiled_min = s.knob("TILED_MIN_ROWS", 32 if K >= 4 * N or K <= short_k else 48)
     if rows_per_group < tiled_min or (rows_per_group <= max(64, tiled_min) and tiled_tiles < sms):
         # Streaming: the weights of the hit experts are the traffic. Rows tile: room for about
         # twice the mean group size, so a group rarely needs a second pass over its weights.

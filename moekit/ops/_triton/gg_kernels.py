@@ -417,6 +417,7 @@ def _gg_tiled_kernel(
     SWAP_AB: tl.constexpr,
     X_TMA: tl.constexpr,
     EARLY_EPI: tl.constexpr,
+    N_SLAB: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     """``SWAP_AB``: the MMA takes the weight tile as its left operand (``[BLOCK_N, BLOCK_M] = w @
@@ -424,16 +425,29 @@ def _gg_tiled_kernel(
     kernel's tiles on this persistent tile loop). ``X_TMA``: x through its TMA descriptor, else
     masked pointers (``USE_TMA``: the weights through theirs). ``EARLY_EPI``: 1 the epilogue's
     operands load before each tile's K loop, 2 its destination rows too, 0 both after it
-    (``grouped_gemm.early_epilogue`` says for which tiles)."""
+    (``grouped_gemm.early_epilogue`` says for which tiles). ``N_SLAB`` (> 0): the tiles walk the
+    output in column slabs of ``N_SLAB`` N tiles, every group's tiles of one slab before the next
+    slab's (``grouped_gemm.n_slab_tiles``: a scatter-add whose ``[T, slab]`` destination stays in
+    L2 while every expert adds into it); 0: each group's tiles over all of N in turn."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
-    pack_gt, pack_sr, tiles_begin, tiles_end, total = _tile_table(gi, starts, rows, n_tiles_n, BLOCK_M)
+    if N_SLAB > 0:  # a slab's tile table; the slabs one after the other
+        pack_gt, pack_sr, tiles_begin, tiles_end, per_slab = _tile_table(gi, starts, rows, N_SLAB, BLOCK_M)
+        total = per_slab * tl.cdiv(n_tiles_n, N_SLAB)
+    else:
+        pack_gt, pack_sr, tiles_begin, tiles_end, total = _tile_table(gi, starts, rows, n_tiles_n, BLOCK_M)
+        per_slab = total
     for t in tl.range(pid, total, n_progs, flatten=FLATTEN):
-        g, m0, m_end, n0 = _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, n_tiles_n, GROUP_M, BLOCK_M,
-                                    BLOCK_N)  # fmt: skip
+        if N_SLAB > 0:
+            g, m0, m_end, n0 = _tile_at(t % per_slab, pack_gt, pack_sr, tiles_begin, tiles_end, N_SLAB, GROUP_M,
+                                        BLOCK_M, BLOCK_N)  # fmt: skip
+            n0 += (t // per_slab) * (N_SLAB * BLOCK_N)  # past N in a partial last slab: masked out
+        else:
+            g, m0, m_end, n0 = _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, n_tiles_n, GROUP_M, BLOCK_M,
+                                        BLOCK_N)  # fmt: skip
         w_row0 = g * N + n0
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)

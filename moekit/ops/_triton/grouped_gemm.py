@@ -266,9 +266,24 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             SWAP_AB=False,
             X_TMA=use_tma,  # every argument given: inductor's kernel analysis fills in no defaults
             EARLY_EPI=early_epilogue(cfg, fp8, False, K),
+            N_SLAB=n_slab_tiles(cfg, N, scatter),
             **common,
         )
     return None if scatter else y
+
+
+def n_slab_tiles(cfg: GemmConfig, N: int, scatter: bool) -> int:
+    """N tiles per column slab of the tiled kernel's tile order (its ``N_SLAB``; 0: none), knob
+    ``GG_N_SLAB`` (slab width in columns; off: 0): a scatter-add's tiles walk the output one slab
+    of columns at a time, every expert's tiles of a slab before the next slab's, so that the
+    ``[T, slab]`` destination its atomics add into can stay in L2 while the top-k rows of each
+    token arrive from their experts (in the expert-major order each token's k additions are far
+    apart and, past L2's size, each misses)."""
+    cols = settings.get().knob("GG_N_SLAB", 0)
+    if not scatter or cols <= 0:
+        return 0
+    slab = max(1, cols // cfg.block_n)
+    return 0 if slab >= cdiv(N, cfg.block_n) else slab
 
 
 # Largest tiled-kernel output tile (BLOCK_M x BLOCK_N) whose epilogue operands knob
