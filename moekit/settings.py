@@ -113,6 +113,12 @@ class Settings:
     #   TILED_SHORT_K                     grouped_gemm (also from 32 rows where K <= this)     256
     #   GG_N_SLAB                         grouped_gemm (scatter-add tiles by column slabs of this
     #                                     width, every expert's tiles of a slab in turn)          0
+    #   GATHERED_SWIGLU                   experts (gathered rows' gate/up through grouped_gemm_swiglu:
+    #                                     0 never, 1 at tiled sizes, 2 also for the fused kernel's,
+    #                                     -1 the rule: 16-bit weights, top-k >= 2)             -1
+    #   SWIGLU_PAIR                       gg_swiglu (tiled tiles: gate and up rows in one
+    #                                     [G, 2, F, K] descriptor load, one MMA; default from
+    #                                     128 rows per expert)                                  rule
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -137,7 +143,8 @@ KNOBS = (
     "COMBINE_MIN_TOP_K", "DECODE_FUSED_MIN_TOP_K", "DECODE_FUSED_MAX_TOKENS",
     "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU", "GG_PERSIST_REGS", "ROUTE_QUANT", "GG_EARLY_EPI",
     "GG_EARLY_DST", "EARLY_EPI_MAX_K", "SWIGLU_SMALL_TILES", "BF16_STREAM_SWIGLU", "TILED_MIN_ROWS",
-    "TILED_SHORT_K", "GG_N_SLAB",
+    "TILED_SHORT_K", "GG_N_SLAB", "GATHERED_SWIGLU",
+    "SWIGLU_PAIR",
 )  # fmt: skip
 
 

@@ -268,7 +268,46 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
         return True
     if MACHINE_BALANCE * (4 * D + 10 * F) / (4 * D * F) < FUSED_SWIGLU_MIN_SAVING:
         return False
+    if kind == "tiled" and s.knob("GATHERED_SWIGLU", GATHERED_SWIGLU) >= 2:
+        return False  # the gathered rows through TMA instead (_gathered_swiglu)
     return kind == "tiled"
+
+
+# Knob GATHERED_SWIGLU: where the sorted pipeline gathers its rows (the unfused gate/up), whether
+# the gate/up GEMM is ``grouped_gemm_swiglu`` on the gathered rows (row tiles through TMA, as the
+# plain GEMM reads them; SiLU * up in the epilogue: no ``[M, 2F]`` intermediate written and read,
+# no ``silu_mul`` launch) instead of the GEMM and ``silu_mul``: 0 never, 1 at the tiled kernel's
+# sizes, 2 also instead of the fused kernel's pointer-gathered rows there, -1 (default) the rule
+# of ``_gathered_swiglu``.
+GATHERED_SWIGLU = -1
+
+
+def _gathered_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int, device: torch.device,
+                     top_k: int = 2) -> bool:  # fmt: skip
+    """Whether the unfused gate/up GEMM of ``run_experts`` runs ``grouped_gemm_swiglu`` on the
+    gathered rows at the tiled kernel's sizes: knob ``GATHERED_SWIGLU``; by default (-1) for
+    16-bit weights with top-k >= 2. H100, layer from logits, same call, µs, GEMM + silu_mul ->
+    the gathered rows' gate/up tiles (run 4 with the paired tiles, ``gg_swiglu.swiglu_pair``;
+    run 3 without): gpt-oss-120b bf16 T = 2048 / 8192 2572.5 / 3831.6 -> 2325.7 / 3665.9 (run
+    3: 2546.5 / 3783.0 -> 2351.3 / 3808.4); Mixtral-8x7B bf16 T = 1024 / 2048 / 8192 (run 5,
+    two lanes of this path) 1589.5 / 2516.6 / 8778.1 -> 1512.0 / 2525.0 / 8506.8 and 1493.0 /
+    2430.0 / 8428.1. Not taken: FP8 (the bf16 output
+    quantized in a pass of its own; gpt-oss 1391.9 / 2220.7 -> 1340.5 / 2265.1, Mixtral 1377.5 /
+    4980.0 -> 1312.9 / 5090.6 at T = 2048 / 8192), top-1 (Llama 4 Scout bf16 1574.4 / 3474.3 ->
+    1583.3 / 3506.3, FP8 849.7 / 1983.0 -> 874.9 / 1951.2) and, mode 2, the fused kernel's rows
+    by index (Qwen3-30B bf16 T=8192 1269.5 -> 1425.5, DeepSeek-V3 TP8 2245.3 -> 2882.8: the
+    gathered copy costs more than the pointer loads)."""
+    s = settings.get()
+    mode = s.knob("GATHERED_SWIGLU", GATHERED_SWIGLU)
+    if mode < 0:
+        mode = 1 if not fp8 and top_k >= 2 else 0
+    if rows == 0 or not s.sorted_swiglu or mode < 1:
+        return False
+    from moekit.ops._common import num_sms
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    sms = num_sms(device) if device.type == "cuda" else 132
+    return heuristic_config(rows, F, D, max(experts, 1), fp8, elem, sms, persist=False).kind == "tiled"
 
 
 def quantizes_token_rows(x: torch.Tensor, w13_e2FD: torch.Tensor, rows: int, top_k: int,
@@ -394,8 +433,11 @@ def run_experts(
         else:
             # Rows copied (no scores: no ones tensor to fill, one launch fewer).
             xg = gather_scale_dense_tokens(x, token_ids, expert_ids, None) if token_ids is not None else x
-            h = grouped_gemm(xg, w13, m_sizes, token_weights=in_w)
-            z = silu_mul(h[:, :F], h[:, F:])
+            if _gathered_swiglu(N, e, F, D, False, x.element_size(), x.device, top_k):
+                z = grouped_gemm_swiglu(xg, w13, m_sizes, row_scales=in_w)
+            else:
+                h = grouped_gemm(xg, w13, m_sizes, token_weights=in_w)
+                z = silu_mul(h[:, :F], h[:, F:])
         if sum_rows:
             rows = grouped_gemm(z, w2, m_sizes, token_weights=out_w)
             return combine_rows(out, rows, selection_rows, accumulate=accumulate)
@@ -415,6 +457,10 @@ def run_experts(
     if fused:
         z = grouped_gemm_swiglu(xq, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=xs,
                                 w_scale=ws13, use_fast_accum=use_fast_accum)  # fmt: skip
+        zq, zs = quantize_fp8_row(z)
+    elif _gathered_swiglu(N, e, F, D, True, 1, x.device, top_k):
+        z = grouped_gemm_swiglu(xq, w13, m_sizes, row_scales=in_w, x_scale=xs, w_scale=ws13,
+                                use_fast_accum=use_fast_accum)  # fmt: skip
         zq, zs = quantize_fp8_row(z)
     else:
         h = grouped_gemm_fp8_rowwise(xq, w13, m_sizes, xs, ws13, use_fast_accum, token_weights=in_w)

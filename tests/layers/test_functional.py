@@ -243,6 +243,47 @@ def test_fp8_stream_swiglu_knob_cpu(name):
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_gathered_swiglu_knob_cpu(fp8):
+    """Knob ``GATHERED_SWIGLU`` (0 / 1 / 2): which gate/up the sorted pipeline runs at the tiled
+    kernel's sizes (128 rows per expert here), and the layer against the float32 layer each way.
+    Mode 1 changes only where the rows are gathered (the wide rows of gpt-oss-120b: D = F = 2880,
+    the balance rule of ``_fused_swiglu``); mode 2 also where the fused kernel read them by index;
+    the default (-1) takes 16-bit weights with top-k >= 2."""
+    from moekit import settings
+    from moekit.layers.experts import _fused_swiglu, _gathered_swiglu
+
+    s = _small("qwen3-30b-a3b", E=8, top_k=2)
+    T = 512  # 1024 rows over 8 experts
+    M, e = T * s.top_k, 1 if fp8 else 4
+    dev = torch.device("cpu")
+    # the default rule: 16-bit weights with top-k >= 2
+    assert _gathered_swiglu(2 * 2880, 4, 2880, 2880, fp8, e, dev, top_k=2) is not fp8
+    assert _gathered_swiglu(2 * 2880, 4, 2880, 2880, fp8, e, dev, top_k=1) is False
+    for knob, fused, gathered in ((0, True, False), (1, True, True), (2, False, True)):
+        with settings.override(knobs={"GATHERED_SWIGLU": knob}):
+            assert _fused_swiglu(M, s.E, s.F, s.D, fp8, e, dev) is fused
+            assert _gathered_swiglu(M, s.E, s.F, s.D, fp8, e, dev) is gathered  # (reached when not fused)
+            assert _fused_swiglu(2 * 2880, 4, 2880, 2880, fp8, e, dev) is False  # wide rows: gathered
+            assert _gathered_swiglu(2 * 2880, 4, 2880, 2880, fp8, e, dev) is (knob > 0)
+            assert _gathered_swiglu(8, 4, 2880, 2880, fp8, e, dev) is False  # streaming sizes: the GEMM
+    w = random_expert_weights(s, dtype=torch.float32, seed=3)
+    x = torch.randn(T, s.D, generator=torch.Generator().manual_seed(3))
+    w13, w2, kw = w["w13_e2FD"], w["w2_eDF"], {}
+    if fp8:
+        w13, w13s = quantize_expert_weights(w13)
+        w2, w2s = quantize_expert_weights(w2)
+        kw = dict(w13_scale_e2F=w13s, w2_scale_eD=w2s)
+        w = {**w, "w13_e2FD": w13.float() * w13s[..., None], "w2_eDF": w2.float() * w2s[..., None]}
+    routed = {k: v for k, v in w.items() if not k.startswith("shared")}
+    want = _reference(x, routed, s)
+    for knob in (0, 2):
+        with settings.override(moe_path="sorted", knobs={"GATHERED_SWIGLU": knob}):
+            got = moe_forward(x, w["router_DE"], w13, w2, _cfg(s), **kw)
+        assert_close(got.float(), want, tol=6e-2 if fp8 else 1e-4, msg=f"GATHERED_SWIGLU={knob}")
+
+
+@pytest.mark.reference
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
 def test_bf16_stream_swiglu_knob_cpu(name):
     """Knob ``BF16_STREAM_SWIGLU``: the 16-bit sorted pipeline at streaming sizes takes
@@ -535,6 +576,35 @@ def test_gpu_sorted_prefill_fused_swiglu_matches_reference(name, fp8):
             assert _fused_swiglu(T * s.top_k, s.E, s.F, s.D, fp8, 1 if fp8 else 2, x.device) is expect
             got = _forward(s, w, x, logits, fp8)
         assert_close(got.float(), want, tol=8e-2 if fp8 else 2e-2, msg=f"{name} fused={fused}")
+
+
+@FULL_SIZE
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,mode", [("gpt-oss-120b", 1), ("llama4-scout", 1), ("qwen3-30b-a3b", 2)])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_gathered_swiglu_matches_reference(name, mode, fp8):
+    """Knob ``GATHERED_SWIGLU``: the gathered rows' gate/up through ``grouped_gemm_swiglu`` (row
+    tiles through TMA, SiLU * up in the epilogue) where the sorted pipeline gathers (mode 1: the
+    wide rows of gpt-oss-120b and Scout) or instead of the fused kernel's rows by index (mode 2:
+    Qwen3-30B), against the float32 layer and the knob off on the same rows."""
+    from moekit import settings
+    from moekit.layers.experts import _fused_swiglu, _gathered_swiglu
+
+    s = MODEL_SHAPES[name]
+    T = max(1024, 64 * s.E // s.top_k)  # about 64 rows per expert: the tiled kernel's range
+    w = _gpu_weights(name, fp8)
+    x = torch.randn(T, s.D, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda").bfloat16()
+    logits = x.float() @ w["router_DE"].float()
+    want = _reference_hit(x, w, s, logits)
+    M, e = T * s.top_k, 1 if fp8 else 2
+    outs = {}
+    for knob in (0, mode):
+        with settings.override(moe_path="sorted", knobs={"GATHERED_SWIGLU": knob}):
+            assert _fused_swiglu(M, s.E, s.F, s.D, fp8, e, x.device) is (name == "qwen3-30b-a3b" and knob < 2)
+            assert _gathered_swiglu(M, s.E, s.F, s.D, fp8, e, x.device) is (knob > 0)
+            outs[knob] = _forward(s, w, x, logits, fp8)
+        assert_close(outs[knob].float(), want, tol=8e-2 if fp8 else 2e-2, msg=f"{name} GATHERED_SWIGLU={knob}")
+    assert_close(outs[mode].float(), outs[0].float(), tol=8e-2 if fp8 else 2e-2, msg=f"{name} knob on vs off")
 
 
 @FULL_SIZE

@@ -1521,11 +1521,12 @@ cases = {
     "stream_dst": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False,
                        EARLY_EPI=2, USE_PDL=0),
     "tiled": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                  GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=0, USE_PDL=0),
+                  GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=0, N_SLAB=0, USE_PDL=0),
     "tiled_dst": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                      GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=2, USE_PDL=0),
+                      GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=2, N_SLAB=2,
+                      USE_PDL=0),
     "persist": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
-                    GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, EARLY_EPI=1, USE_PDL=0),
+                    GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, EARLY_EPI=1, N_SLAB=0, USE_PDL=0),
 }
 out = {}
 for name, kw in cases.items():

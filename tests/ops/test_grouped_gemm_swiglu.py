@@ -98,6 +98,75 @@ def test_interp_swiglu_unwritten_rows_and_no_gather(kind):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("w_kind", ["same", "fp8x"])
+@pytest.mark.parametrize("pair", [False, True], ids=["two_mma", "pair"])
+def test_interp_swiglu_rows_through_tma(w_kind, pair, pin_knobs):
+    """Rows given in order (no gather_indices): the tiled kernel reads whole row tiles through a
+    TMA descriptor (``X_TMA``): row tiles that run into the next group's rows or past M (zeros)
+    write only their own group's rows, and rows past sum(m_sizes) stay unwritten."""
+    from moekit.ops._triton import gg_swiglu as SW
+    from moekit.ops._triton.gg_config import GemmConfig
+
+    T, G, F, K = 45, 4, 24, 48
+    x, w, _, _, rs, xs, ws = _case(T, 1, G, F, K, torch.float16, w_kind, seed=9, bad_rows=False)
+    ms = torch.tensor([13, 0, 21, 9], dtype=torch.int32)  # 43 of 45 rows; tiles of 16 straddle groups
+    cfg = GemmConfig("tiled", 16, 16, 16, 2, 4, group_m=2, use_tma=True)
+    pin_knobs(SWIGLU_PAIR=pair)
+    seen = {}
+    orig = SW.launch
+
+    def spy(kernel):
+        launcher = orig(kernel)
+
+        def run(grid):
+            def go(*args, **kw):
+                seen["x_tma"], seen["pair"] = kw.get("X_TMA"), kw.get("PAIR")
+                return launcher[grid](*args, **kw)
+
+            return go
+
+        return type("L", (), {"__getitem__": lambda self, grid: run(grid)})()
+
+    SW.launch = spy
+    try:
+        out = poison(torch.empty(T, F, dtype=torch.bfloat16 if w_kind == "fp8x" else torch.float16))
+        SW.grouped_gemm_swiglu(x, w, ms, None, rs, xs, ws, config=cfg, out=out)
+    finally:
+        SW.launch = orig
+    assert seen["x_tma"] is True and seen["pair"] is pair
+    want = ref.grouped_gemm_swiglu(x, w, ms, row_scales=rs, x_scale=xs, w_scale=ws)
+    assert_poisoned(out, torch.arange(T) < 43, msg="rows past sum(m_sizes)")
+    assert_close(out[:43].float(), want[:43].float(), tol=1e-2 if w_kind == "fp8x" else 2e-3)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("w_kind", ["same", "fp8", "fp8x"])
+@pytest.mark.parametrize("gather", [True, False], ids=["by_index", "in_order"])
+def test_interp_swiglu_pair(pin_knobs, w_kind, gather):
+    """Knob ``SWIGLU_PAIR``: the tiled kernel loads a column block's gate and up rows through one
+    descriptor of the weights viewed ``[G, 2, F, K]`` and runs one MMA of twice the width; F = 24
+    leaves the second block half past F (read as zeros, never stored)."""
+    from moekit.ops._triton import gg_swiglu as SW
+    from moekit.ops._triton.gg_config import GemmConfig
+
+    T, k, G, F, K = 20, 3, 3, 24, 48
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, K, torch.float16, w_kind, seed=13)
+    cfg = GemmConfig("tiled", 16, 16, 16, 2, 4, group_m=2, use_tma=True)
+    pin_knobs(SWIGLU_PAIR=True)
+    if gather:
+        got = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=cfg)
+        want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+        ok = _valid_rows(gi, T)
+    else:
+        rows = x[gi.clamp(0, T - 1).long()].contiguous()
+        rxs = None if xs is None else xs[gi.clamp(0, T - 1).long()].contiguous()
+        got = SW.grouped_gemm_swiglu(rows, w, ms, None, rs, rxs, ws, config=cfg)
+        want = ref.grouped_gemm_swiglu(rows, w, ms, row_scales=rs, x_scale=rxs, w_scale=ws)
+        ok = torch.ones(T * k, dtype=torch.bool)
+    assert_close(got[ok].float(), want[ok].float(), tol=1e-2 if w_kind == "fp8x" else 2e-3)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["gemv", "stream", "tiled"])
 def test_interp_swiglu_poisoned_output(kind):
     """Exactly the rows with a valid index are written."""
@@ -426,6 +495,57 @@ def test_small_tiles_knob_rule_and_sm90_compile():
     assert all(not r["stack"] for r in records), [(r["constants"], r["regs"], r["stack"]) for r in records]
 
 
+@pytest.mark.reference
+def test_swiglu_pair_rule(pin_knobs):
+    """The paired gate/up tiles from 128 rows per expert (Qwen3-30B: T=1024 has 64, T=2048 128);
+    knob ``SWIGLU_PAIR`` pins either way."""
+    from moekit.ops._triton.gg_swiglu import swiglu_pair
+
+    assert not swiglu_pair(1024 * 8, 128) and swiglu_pair(2048 * 8, 128) and swiglu_pair(8192 * 8, 128)
+    assert not swiglu_pair(100, 1) and swiglu_pair(128, 1)
+    pin_knobs(SWIGLU_PAIR=True)
+    assert swiglu_pair(1024 * 8, 128)
+    pin_knobs(SWIGLU_PAIR=False)
+    assert not swiglu_pair(8192 * 8, 128)
+
+
+@pytest.mark.reference
+def test_tiled_kernel_compiles_for_sm90():
+    """The tiled kernel as the layer runs it at prefill sizes (gpt-oss-120b's and Qwen3-30B's
+    gate/up, about 256 rows per expert), bf16 and FP8: rows by index (pointer tiles) and rows given
+    in order (``X_TMA``: row tiles through the descriptor), compiled for sm_90 with no stack frame
+    and within shared memory."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import gg_swiglu as SW
+        from moekit.ops._triton import grouped_gemm as GG
+        GG._tma_ok = lambda t, block: t.stride(-1) == 1  # descriptors for meta tensors too
+        m = "meta"
+        for fp8 in (False, True):
+            dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            for T, F, K, G, k in ((8192, 2880, 2880, 128, 4), (8192, 768, 2048, 128, 8)):
+                M = T * k
+                w = torch.empty(G * 2 * F, K, dtype=dt, device=m)
+                ms = torch.empty(G, dtype=torch.int32, device=m)
+                ws = torch.empty(G * 2 * F, device=m) if fp8 else None
+                x = torch.empty(T, K, dtype=dt, device=m)
+                xs = torch.empty(T, device=m) if fp8 else None
+                SW.grouped_gemm_swiglu(x, w, ms, torch.empty(M, dtype=torch.int32, device=m), None, xs, ws)
+                rows = torch.empty(M, K, dtype=dt, device=m)
+                rs = torch.empty(M, device=m) if fp8 else None
+                SW.grouped_gemm_swiglu(rows, w, ms, None, None, rs, ws)
+        """,
+        ["moekit.ops._triton.gg_swiglu"],
+    )
+    assert_all_compiled(records, 8)
+    got = [(r["kernel"], r["constants"]["X_TMA"], r["constants"]["GATHER"], r["stack"]) for r in records]
+    assert all(k == "_swiglu_tiled_kernel" for k, *_ in got), got
+    assert all((xt == "True") == (ga == "False") for _, xt, ga, _ in got), got  # in-order rows: TMA
+    assert all(not st for *_, st in got), got
+
+
 # ---------------------------------------------------------------------------- GPU tier
 
 # (T, k, G, F, D): Qwen3-30B, DeepSeek-V3 TP8 experts, gpt-oss-120b, Llama 4 Scout decode sizes (fewer
@@ -472,6 +592,41 @@ def test_gpu_swiglu_and_down(shape, w_kind, cuda):
     grouped_gemm(zz, w2, ms, token_weights=rs, _output_tensor=out, _scatter_add_indices=gi, w_scale=w2s)
     ref.grouped_gemm(zz, w2, ms, token_weights=rs, w_scale=w2s, _output_tensor=want_out, _scatter_add_indices=gi)
     assert_close(out.float(), want_out.float(), tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_kind", ["same", "fp8", "fp8x"])
+@pytest.mark.parametrize("gather", [True, False], ids=["by_index", "in_order"])
+@pytest.mark.parametrize("shape", GPU_SHAPES[-3:], ids=lambda s: "T{}k{}G{}F{}D{}".format(*s))
+def test_gpu_swiglu_pair_matches(shape, gather, w_kind, pin_knobs, cuda):
+    """Knob ``SWIGLU_PAIR`` (gate and up rows in one ``[G, 2, F, K]`` descriptor load, one MMA of
+    twice the width) against the reference and against the two-MMA tiles."""
+    T, k, G, F, D = shape
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, D, torch.bfloat16, w_kind, seed=T + 5, device=cuda, bad_rows=False)
+    if not gather:
+        x, xs, gi = x[gi.long()].contiguous(), None if xs is None else xs[gi.long()].contiguous(), None
+    args = dict(gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    two = grouped_gemm_swiglu(x, w, ms, **args)
+    pin_knobs(SWIGLU_PAIR=True)
+    one = grouped_gemm_swiglu(x, w, ms, **args)
+    want = ref.grouped_gemm_swiglu(x, w, ms, **args)
+    assert_close(one.float(), want.float(), tol=1e-2)
+    assert_close(one.float(), two.float(), tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_kind", ["same", "fp8x"])
+@pytest.mark.parametrize("shape", GPU_SHAPES[-3:], ids=lambda s: "T{}k{}G{}F{}D{}".format(*s))
+def test_gpu_swiglu_rows_in_order_same_bits(shape, w_kind, cuda):
+    """The tiled kernel on rows given in order (the gathered copy: row tiles through the TMA
+    descriptor, ``X_TMA``) writes the bits it writes reading the same rows by index."""
+    T, k, G, F, D = shape
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, D, torch.bfloat16, w_kind, seed=T + 3, device=cuda, bad_rows=False)
+    by_index = grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    rows = x[gi.long()].contiguous()
+    in_order = grouped_gemm_swiglu(rows, w, ms, row_scales=rs, x_scale=None if xs is None else xs[gi.long()],
+                                   w_scale=ws)  # fmt: skip
+    assert torch.equal(in_order, by_index)
 
 
 @pytest.mark.gpu

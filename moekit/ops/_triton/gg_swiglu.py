@@ -283,12 +283,20 @@ def _swiglu_tiled_kernel(
     GROUP_M: tl.constexpr,
     STAGES: tl.constexpr,
     FLATTEN: tl.constexpr = False,
+    X_TMA: tl.constexpr = False,
+    PAIR: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     """Persistent ``[BLOCK_M, BLOCK_N]`` output tiles (expert, row tile, column tile): the rows'
     x tiles (read by index with ``GATHER``) against the expert's gate and up weight tiles, two
     tensor-core accumulators, the SwiGLU in the epilogue. Tiles in bands of ``GROUP_M`` row tiles
-    per column sweep (as the grouped GEMM's tiled kernel), so neighbours share x rows in L2."""
+    per column sweep (as the grouped GEMM's tiled kernel), so neighbours share x rows in L2.
+    ``X_TMA`` (rows not gathered): ``x_ptr`` is a TMA descriptor and the row tile is read whole
+    from ``m0`` (rows of the next group come along and are never stored; rows past M read as
+    zeros), as the grouped GEMM's tiled kernel reads its x. ``PAIR``: ``w_ptr`` is a descriptor
+    of the weights viewed ``[G, 2, F, K]``: one load brings a tile's gate and up rows together
+    (``[2 * BLOCK_N, BLOCK_K]``), one MMA of twice the width computes both halves into one
+    accumulator, split in the epilogue (the plain GEMM's 128 x 256 tile for a 128-column pair)."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -306,32 +314,48 @@ def _swiglu_tiled_kernel(
         if GATHER:
             src = tl.load(gather_ptr + offs_m, mask=m_mask, other=-1)
         row_ok = m_mask & (src >= 0) & (src < T_IN)
-        x_rows = x_ptr + tl.where(row_ok, src, 0).to(tl.int64)[:, None] * stride_xm
+        if not X_TMA:
+            x_rows = x_ptr + tl.where(row_ok, src, 0).to(tl.int64)[:, None] * stride_xm
         gate_row0 = g * 2 * F + n0  # < G * 2F < 2**31 (checked by the launcher)
         up_row0 = gate_row0 + F
         gate = gate_row0.to(tl.int64) + tl.arange(0, BLOCK_N)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
-            a = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
-            if USE_TMA:
-                wg = w_ptr.load([gate_row0, k0])
-                wu = w_ptr.load([up_row0, k0])
+            if X_TMA:
+                a = x_ptr.load([m0, k0])
             else:
-                wmask = n_mask[:, None] & k_mask[None, :]
-                wg = tl.load(w_ptr + gate[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
-                wu = tl.load(w_ptr + (gate + F)[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
-            if W_CAST:  # weight-only FP8: the weights in x's dtype, in registers
-                wg = wg.to(a.dtype)
-                wu = wu.to(a.dtype)
-            if FAST_ACCUM:
-                acc_g = tl.dot(a, tl.trans(wg), acc_g)
-                acc_u = tl.dot(a, tl.trans(wu), acc_u)
+                a = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
+            if PAIR:  # gate and up rows in one tile, one MMA
+                wgu = tl.reshape(w_ptr.load([g, 0, n0, k0]), [2 * BLOCK_N, BLOCK_K])
+                if W_CAST:
+                    wgu = wgu.to(a.dtype)
+                if FAST_ACCUM:
+                    acc = tl.dot(a, tl.trans(wgu), acc)
+                else:
+                    acc = tl.dot(a, tl.trans(wgu), acc, max_num_imprecise_acc=BLOCK_K)
             else:
-                acc_g = tl.dot(a, tl.trans(wg), acc_g, max_num_imprecise_acc=BLOCK_K)
-                acc_u = tl.dot(a, tl.trans(wu), acc_u, max_num_imprecise_acc=BLOCK_K)
+                if USE_TMA:
+                    wg = w_ptr.load([gate_row0, k0])
+                    wu = w_ptr.load([up_row0, k0])
+                else:
+                    wmask = n_mask[:, None] & k_mask[None, :]
+                    wg = tl.load(w_ptr + gate[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+                    wu = tl.load(w_ptr + (gate + F)[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+                if W_CAST:  # weight-only FP8: the weights in x's dtype, in registers
+                    wg = wg.to(a.dtype)
+                    wu = wu.to(a.dtype)
+                if FAST_ACCUM:
+                    acc_g = tl.dot(a, tl.trans(wg), acc_g)
+                    acc_u = tl.dot(a, tl.trans(wu), acc_u)
+                else:
+                    acc_g = tl.dot(a, tl.trans(wg), acc_g, max_num_imprecise_acc=BLOCK_K)
+                    acc_u = tl.dot(a, tl.trans(wu), acc_u, max_num_imprecise_acc=BLOCK_K)
+        if PAIR:  # columns [gate | up] of the one accumulator
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
         xs = tl.full((BLOCK_M,), 1.0, tl.float32)
         if HAS_XS:
             xs = tl.load(xs_ptr + src, mask=row_ok, other=0.0)
@@ -341,6 +365,28 @@ def _swiglu_tiled_kernel(
             rs = tl.load(rs_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
         _swiglu_store(acc_g, acc_u, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
                       HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
+
+
+# Rows per expert from which the tiled kernel loads a column block's gate and up rows as one pair
+# (``swiglu_pair``).
+SWIGLU_PAIR_MIN_ROWS = 128
+
+
+def swiglu_pair(M: int, G: int) -> bool:
+    """Whether the tiled kernel takes its gate and up tiles through one descriptor of the weights
+    viewed ``[G, 2, F, K]`` and one m64n256 MMA instead of two m64n128 (``PAIR``; the sm_90
+    compile keeps the reshaped tile in shared memory): knob ``SWIGLU_PAIR`` (True / False), else
+    from ``SWIGLU_PAIR_MIN_ROWS`` rows per expert. H100, session 28 runs 4-5, layer from logits,
+    same call, two MMAs -> one (µs): Qwen3-30B bf16 T = 2048 / 8192 (128 / 512 rows per expert)
+    547.3 / 1262.2 -> 535.9 / 1231.6, FP8 369.5 / 931.7 -> 363.2 / 905.5; DeepSeek-V3 TP8
+    (T=2048: 64 rows) bf16 1159.7 / 2231.3 -> 1156.0 / 2192.0, FP8 737.8 / 1694.5 -> 732.7 /
+    1664.7; but Qwen3 at T=1024 (64 rows per expert, K = 2048) bf16 470.8 -> 532.1, FP8 286.0 ->
+    316.5 (run 5)."""
+    pinned = settings.get().knob("SWIGLU_PAIR", None)
+    if pinned is not None:
+        return bool(pinned)
+    hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
+    return M >= SWIGLU_PAIR_MIN_ROWS * hits
 
 
 def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int) -> GemmConfig:
@@ -476,11 +522,19 @@ def grouped_gemm_swiglu(
     w_arg = _descriptor(w13, w_block) if use_tma else w13
     if cfg.kind == "tiled":
         tiles = (cdiv(M, cfg.block_m) + min(G, M)) * cdiv(F, cfg.block_n)  # at most, over any m_sizes
+        # Rows given in order (not gathered): whole row tiles through a TMA descriptor, as the
+        # grouped GEMM's tiled kernel reads them (the weights' descriptor is there already).
+        x_block = [cfg.block_m, cfg.block_k]
+        x_tma = use_tma and gather_indices is None and _tma_ok(x, tuple(x_block))
+        x_arg = _descriptor(x, x_block) if x_tma else x
+        pair = use_tma and w13.is_contiguous() and swiglu_pair(M, G)
+        if pair:
+            w_arg = _descriptor(w13.view(G, 2, F, K), [1, 2, cfg.block_n, cfg.block_k])
         launch(_swiglu_tiled_kernel)[(max(1, min(tiles, sms)),)](
-            x, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
+            x_arg, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
             W_CAST=w13.dtype != x.dtype, USE_TMA=use_tma, FAST_ACCUM=fast_accum, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
-            FLATTEN=cfg.flatten, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
+            FLATTEN=cfg.flatten, X_TMA=x_tma, PAIR=pair, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
         )  # fmt: skip
         return z
     grid = (max(1, min(min(G, M) * cdiv(F, cfg.block_n), 4 * sms)),)

@@ -245,7 +245,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         grid = (max(1, min(upper, pps * sms)),)
         compiled = launch(_gg_tiled_kernel)[grid](
             *args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
-            X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), **common,
+            X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), N_SLAB=0, **common,
         )  # fmt: skip
         regs = getattr(compiled, "n_regs", None) if by_regs else None  # None in the interpreter or a trace
         if isinstance(regs, int) and regs > 0:
