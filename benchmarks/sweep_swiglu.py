@@ -9,8 +9,13 @@ Per (model, T, dtype), µs per call (CUDA graphs, medians, inputs rotated past L
 - ``unfused``: gather (+ FP8 row quantization) -> grouped GEMM gate|up -> ``silu_mul`` (+ quant);
 - ``auto``: ``grouped_gemm_swiglu`` reading the token rows by index with its chosen tile (FP8: the
   token rows quantized first, the SwiGLU output after, as ``run_experts`` does);
+- ``gathered``: gather (+ FP8 quantization) -> ``grouped_gemm_swiglu`` on the gathered rows (row
+  tiles through TMA; FP8: the SwiGLU output quantized after), ``run_experts``' path where
+  ``experts._gathered_swiglu`` takes it;
 - one column per alternative tile ``BMxBN sS`` of the fused kernel (``fused``: its tile loop fused
-  into the K loop), and where ``auto`` streams, per streaming alternative ``stream BMxBNxBK sS``;
+  into the K loop; ``pair`` / ``two``: knob ``SWIGLU_PAIR`` pinned on / off, the gate and up rows in
+  one load and MMA or two), and where ``auto`` streams, per streaming alternative
+  ``stream BMxBNxBK sS``;
 - ``worst_rel``: the alternatives' largest deviation from ``auto``'s output (max abs over max abs,
   the routed rows of the first input set): a tile that computes something else shows here.
 Routing: uniform random top-k (the benchmark's models' shapes).
@@ -77,6 +82,18 @@ def _unfused(c: dict, st: dict):
     return silu_mul(h[:, :F], h[:, F:])
 
 
+def _gathered(c: dict, st: dict):
+    from moekit.ops import gather_scale_dense_tokens, gather_scale_quant_dense_tokens, quantize_fp8_row
+    from moekit.ops._triton.gg_swiglu import grouped_gemm_swiglu
+
+    ones = torch.ones((1, 1), dtype=torch.float32, device="cuda").expand(st["x"].shape[0], c["s"].E)
+    if c["fp8"]:
+        xq, xs = gather_scale_quant_dense_tokens(st["x"], st["tidx"], st["eidx"], ones)
+        return quantize_fp8_row(grouped_gemm_swiglu(xq, c["w13"], st["ms"], None, None, xs, c["ws"]))
+    xg = gather_scale_dense_tokens(st["x"], st["tidx"], st["eidx"], ones)
+    return grouped_gemm_swiglu(xg, c["w13"], st["ms"], None, None, None, None)
+
+
 def _fused(c: dict, st: dict, config=None):
     from moekit.ops import quantize_fp8_row
     from moekit.ops._triton.gg_swiglu import grouped_gemm_swiglu
@@ -111,6 +128,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("sweep_swiglu needs CUDA; nothing to do on this machine")
         return 0
+    from moekit import settings
     from moekit.benchmarking import bench_us, markdown_table, save_rows
     from moekit.ops._common import num_sms
     from moekit.ops._triton.gg_config import GemmConfig
@@ -135,28 +153,31 @@ def main() -> int:
                 }
                 row["unfused_us"] = bench_us([lambda st=st: _unfused(c, st) for st in c["sets"]], replays=10)
                 row["fused_us"] = bench_us([lambda st=st: _fused(c, st) for st in c["sets"]], replays=10)
+                row["gathered_us"] = bench_us([lambda st=st: _gathered(c, st) for st in c["sets"]], replays=10)
                 bk = 128 if fp8 else 64
                 alts = [
-                    (f"{bm}x{bn} s{stages}{' fused' if flatten else ''}",
-                     GemmConfig("tiled", bm, bn, bk, stages, 8 if bm * bn >= 128 * 64 else 4, flatten=flatten))
-                    for bm, bn, stages, flatten in TILES
+                    (f"{bm}x{bn} s{stages}{' fused' if flatten else ''} {'pair' if pair else 'two'}",
+                     GemmConfig("tiled", bm, bn, bk, stages, 8 if bm * bn >= 128 * 64 else 4, flatten=flatten),
+                     {"SWIGLU_PAIR": pair})
+                    for bm, bn, stages, flatten in TILES for pair in (False, True)
                 ]  # fmt: skip
                 if cfg.kind == "stream":
                     for bn, sk, stages in STREAM:
                         k = sk * (2 if fp8 else 1)
                         warps = 8 if bn * cfg.block_m >= 128 * 128 else 4
                         alts.append((f"stream {cfg.block_m}x{bn}x{k} s{stages}",
-                                     GemmConfig("stream", cfg.block_m, bn, k, stages, warps)))  # fmt: skip
+                                     GemmConfig("stream", cfg.block_m, bn, k, stages, warps), {}))  # fmt: skip
                 st0 = c["sets"][0]
                 want = _z(_fused(c, st0))
                 ok = _valid(st0)
                 row["worst_rel"] = 0.0  # the alternatives' largest deviation from auto's z (valid rows)
-                for name, alt in alts:
+                for name, alt, knobs in alts:
                     try:
-                        got = _z(_fused(c, st0, alt))
-                        err = ((got[ok] - want[ok]).abs().max() / want[ok].abs().max().clamp_min(1e-30)).item()
-                        row["worst_rel"] = max(row["worst_rel"], err)
-                        row[name] = bench_us([lambda st=st: _fused(c, st, alt) for st in c["sets"]], replays=10)
+                        with settings.override(knobs=knobs):
+                            got = _z(_fused(c, st0, alt))
+                            err = ((got[ok] - want[ok]).abs().max() / want[ok].abs().max().clamp_min(1e-30)).item()
+                            row["worst_rel"] = max(row["worst_rel"], err)
+                            row[name] = bench_us([lambda st=st: _fused(c, st, alt) for st in c["sets"]], replays=10)
                     except Exception as exc:  # a tile that does not fit: keep the others
                         row[name] = f"{type(exc).__name__}"
                 print(row, flush=True)
