@@ -238,6 +238,17 @@ FUSED_SWIGLU_MIN_SAVING = 0.3
 MACHINE_BALANCE = 160.0
 
 
+def _gate_up_kind(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int, device: torch.device) -> str:
+    """The kernel kind ``swiglu_config`` picks for the gate/up GEMM (its tiled kernel where the
+    grouped GEMM's rules pick tiles), without its lru_cache: torch.compile traces the callers and
+    warns on cached calls."""
+    from moekit.ops._common import num_sms
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    sms = num_sms(device) if device.type == "cuda" else 132
+    return heuristic_config(rows, F, D, max(experts, 1), fp8, elem, sms, persist=False).kind
+
+
 def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int, device: torch.device) -> bool:
     """Whether the sorted pipeline runs ``grouped_gemm_swiglu`` (rows read by index, SwiGLU in
     the epilogue) for its gate/up GEMM: ``settings.sorted_swiglu``, and either FP8 weights at
@@ -247,13 +258,7 @@ def _fused_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: int,
     s = settings.get()
     if not s.sorted_swiglu or rows == 0:
         return False
-    from moekit.ops._common import num_sms
-    from moekit.ops._triton.gg_config import heuristic_config
-
-    # swiglu_config's choice (its tiled kernel where the grouped GEMM's rules pick tiles), without
-    # its lru_cache: torch.compile traces this function and warns on cached calls.
-    sms = num_sms(device) if device.type == "cuda" else 132
-    kind = heuristic_config(rows, F, D, max(experts, 1), fp8, elem, sms, persist=False).kind
+    kind = _gate_up_kind(rows, experts, F, D, fp8, elem, device)
     # FP8 at streaming sizes (knob FP8_STREAM_SWIGLU): the weights are the traffic, and the fused
     # kernel drops the gathered copy and the [N, 2F] intermediate. H200, session 22 run 3, layer
     # from logits, same call, unfused -> fused (µs): Qwen3-30B T=16 / 64 / 256 109.1 / 164.3 /
@@ -303,11 +308,7 @@ def _gathered_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: i
         mode = 1 if not fp8 and top_k >= 2 else 0
     if rows == 0 or not s.sorted_swiglu or mode < 1:
         return False
-    from moekit.ops._common import num_sms
-    from moekit.ops._triton.gg_config import heuristic_config
-
-    sms = num_sms(device) if device.type == "cuda" else 132
-    return heuristic_config(rows, F, D, max(experts, 1), fp8, elem, sms, persist=False).kind == "tiled"
+    return _gate_up_kind(rows, experts, F, D, fp8, elem, device) == "tiled"
 
 
 def quantizes_token_rows(x: torch.Tensor, w13_e2FD: torch.Tensor, rows: int, top_k: int,

@@ -319,9 +319,11 @@ def _swiglu_tiled_kernel(
         gate_row0 = g * 2 * F + n0  # < G * 2F < 2**31 (checked by the launcher)
         up_row0 = gate_row0 + F
         gate = gate_row0.to(tl.int64) + tl.arange(0, BLOCK_N)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        if PAIR:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
