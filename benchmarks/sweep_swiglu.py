@@ -16,6 +16,11 @@ Per (model, T, dtype), µs per call (CUDA graphs, medians, inputs rotated past L
   into the K loop; ``pair`` / ``two``: knob ``SWIGLU_PAIR`` pinned on / off, the gate and up rows in
   one load and MMA or two), and where ``auto`` streams, per streaming alternative
   ``stream BMxBNxBK sS``;
+- ``kernel_us`` / ``tma_kernel_us`` / ``gemm_us``: the kernels alone (FP8 rows quantized
+  beforehand, no output quantization): ``grouped_gemm_swiglu`` reading the token rows by index,
+  the same on the rows gathered beforehand (row tiles through TMA), and the plain grouped GEMM
+  ``[M, 2F]`` on the gathered rows (no SiLU); ``*_tflops`` their rate. What the rows by pointer
+  cost against TMA rows, and the fused epilogue against the plain GEMM, on the same shape;
 - ``worst_rel``: the alternatives' largest deviation from ``auto``'s output (max abs over max abs,
   the routed rows of the first input set): a tile that computes something else shows here.
 Routing: uniform random top-k (the benchmark's models' shapes).
@@ -105,6 +110,45 @@ def _fused(c: dict, st: dict, config=None):
     return grouped_gemm_swiglu(st["x"], c["w13"], st["ms"], st["tidx"], None, None, None, config=config)
 
 
+def _kernels(c: dict) -> dict:
+    """The three kernels alone on each input set's rows (inputs prepared outside the timing)."""
+    from moekit.ops import gather_scale_dense_tokens, grouped_gemm, grouped_gemm_fp8_rowwise, quantize_fp8_row
+    from moekit.ops._triton.gg_swiglu import grouped_gemm_swiglu
+
+    s, out = c["s"], {}
+    preps = []
+    for st in c["sets"]:
+        ones = torch.ones((1, 1), dtype=torch.float32, device="cuda").expand(st["x"].shape[0], s.E)
+        xg = gather_scale_dense_tokens(st["x"], st["tidx"], st["eidx"], ones)
+        if c["fp8"]:
+            xq, xs = quantize_fp8_row(st["x"])
+            xgq, xgs = quantize_fp8_row(xg)
+            preps.append(dict(st=st, x=xq, xs=xs, xg=xgq, xgs=xgs))
+        else:
+            preps.append(dict(st=st, x=st["x"], xs=None, xg=xg, xgs=None))
+    ws = c["ws"]
+
+    def by_index(p):
+        return grouped_gemm_swiglu(p["x"], c["w13"], p["st"]["ms"], p["st"]["tidx"], None, p["xs"], ws)
+
+    def tma_rows(p):
+        return grouped_gemm_swiglu(p["xg"], c["w13"], p["st"]["ms"], None, None, p["xgs"], ws)
+
+    def gemm(p):
+        if c["fp8"]:
+            return grouped_gemm_fp8_rowwise(p["xg"], c["w13"], p["st"]["ms"], p["xgs"], ws)
+        return grouped_gemm(p["xg"], c["w13"], p["st"]["ms"])
+
+    from moekit.benchmarking import bench_us
+
+    flops = 2.0 * int(c["sets"][0]["tidx"].shape[0]) * 2 * s.F * s.D
+    for name, fn in (("kernel", by_index), ("tma_kernel", tma_rows), ("gemm", gemm)):
+        us = bench_us([lambda p=p: fn(p) for p in preps], replays=10)
+        out[f"{name}_us"] = us
+        out[f"{name}_tflops"] = round(flops / us / 1e6, 1) if isinstance(us, float) and us > 0 else None
+    return out
+
+
 def _z(out) -> torch.Tensor:
     """The SwiGLU output as float32 (FP8: dequantized)."""
     if isinstance(out, tuple):
@@ -124,6 +168,9 @@ def main() -> int:
     ap.add_argument("--tokens", default="2048,8192")
     ap.add_argument("--dtype", default="bf16,fp8")
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
+    ap.add_argument(
+        "--no-alts", action="store_true", help="skip the tile alternatives (the stage and kernel columns only)"
+    )
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("sweep_swiglu needs CUDA; nothing to do on this machine")
@@ -154,14 +201,15 @@ def main() -> int:
                 row["unfused_us"] = bench_us([lambda st=st: _unfused(c, st) for st in c["sets"]], replays=10)
                 row["fused_us"] = bench_us([lambda st=st: _fused(c, st) for st in c["sets"]], replays=10)
                 row["gathered_us"] = bench_us([lambda st=st: _gathered(c, st) for st in c["sets"]], replays=10)
+                row.update(_kernels(c))
                 bk = 128 if fp8 else 64
                 alts = [
                     (f"{bm}x{bn} s{stages}{' fused' if flatten else ''} {'pair' if pair else 'two'}",
                      GemmConfig("tiled", bm, bn, bk, stages, 8 if bm * bn >= 128 * 64 else 4, flatten=flatten),
                      {"SWIGLU_PAIR": pair})
-                    for bm, bn, stages, flatten in TILES for pair in (False, True)
+                    for bm, bn, stages, flatten in ([] if a.no_alts else TILES) for pair in (False, True)
                 ]  # fmt: skip
-                if cfg.kind == "stream":
+                if cfg.kind == "stream" and not a.no_alts:
                     for bn, sk, stages in STREAM:
                         k = sk * (2 if fp8 else 1)
                         warps = 8 if bn * cfg.block_m >= 128 * 128 else 4
