@@ -713,3 +713,200 @@ def test_none_x_is_a_type_error(fn):
     args = (None, w, ms) if fn != "grouped_gemm_fp8_rowwise" else (None, w, ms, None, None)
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got NoneType"):
         getattr(ops, fn)(*args)
+
+
+# ------------------------------------------------- the SwiGLU rows' FP8 quantization on the down GEMM's loads
+
+
+def _amax_rows(z, ok):
+    """Each row's max |z| over the computed rows (0 elsewhere), as the kernels leave it."""
+    return torch.where(ok, z.float().abs().amax(dim=1), 0.0)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["gemv", "stream", "tiled"])
+def test_interp_swiglu_row_amax(kind):
+    """``row_amax``: every kernel maxes each computed row's ``|z|`` (over its column tiles, by
+    atomics) into the zeroed vector: exactly the row max of the z it stored; rows with a bad index
+    stay 0."""
+    from moekit.ops._triton import gg_swiglu as SW
+
+    T, k, G, F, K = 20, 3, 3, 40, 48
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, K, torch.float16, "fp8x", seed=4)
+    amax = torch.zeros(T * k)
+    z = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=_config(kind), row_amax=amax)
+    ok = _valid_rows(gi, T)
+    assert torch.equal(amax, _amax_rows(z, ok))
+    assert (amax[ok] > 0).all()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["tiled", "stream"])
+@pytest.mark.parametrize("scatter", [False, True], ids=["rows", "scatter"])
+def test_interp_down_quantizes_rows_on_load(kind, scatter):
+    """The FP8 grouped GEMM on 16-bit rows with their ``x_amax`` (``A_QUANT`` in the tiled kernel,
+    the rows quantized by torch ops before the others) writes the bits of ``quantize_fp8_row``
+    followed by the FP8 GEMM, stored and (deterministic: the interpreter has no bf16 atomics)
+    scatter-added; the tiled launch ran ``A_QUANT``."""
+    from moekit.ops._triton import grouped_gemm as GG
+    from moekit.ops._triton.gg_config import GemmConfig
+
+    M, G, N, K = 53, 4, 48, 64
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
+    x[7] = 0  # an all-zero row: the eps floor
+    w, ws = quantize_fp8_row(torch.randn(G * N, K, generator=g) / K**0.5)
+    ms = torch.tensor([0, 40, 3, 10], dtype=torch.int32)
+    tw = torch.rand(M, generator=g) + 0.5
+    idx = torch.randperm(M, generator=g).to(torch.int32) % 31 - 1
+    amax = x.float().abs().amax(dim=1)
+    xq, xs = quantize_fp8_row(x)
+    cfg = (GemmConfig("tiled", 16, 16, 32, 2, 4, group_m=2) if kind == "tiled"
+           else GemmConfig("stream", 16, 16, 32, 2, 4))  # fmt: skip
+    seen, launch = [], GG.launch
+
+    def spy(kernel):
+        inner = launch(kernel)
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def go(*a, **kw):
+                    seen.append(kw.get("A_QUANT"))
+                    return inner[grid](*a, **kw)
+
+                return go
+
+        return _Grid()
+
+    GG.launch = spy
+    try:
+        if scatter:
+            out_a, out_b = (torch.randn(30, N, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+                            for _ in range(2))  # fmt: skip
+            GG.grouped_gemm(x, w, ms, x_amax=amax, w_scale=ws, token_weights=tw, out=out_a, scatter_indices=idx,
+                            deterministic=True, config=cfg)  # fmt: skip
+            GG.grouped_gemm(xq, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, out=out_b, scatter_indices=idx,
+                            deterministic=True, config=cfg)  # fmt: skip
+            assert torch.equal(out_a, out_b)
+        else:
+            y_a = GG.grouped_gemm(x, w, ms, x_amax=amax, w_scale=ws, token_weights=tw, config=cfg)
+            y_b = GG.grouped_gemm(xq, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, config=cfg)
+            n = int(ms.sum())
+            assert y_a.dtype == torch.bfloat16 and torch.equal(y_a[:n], y_b[:n])
+    finally:
+        GG.launch = launch
+    assert bool(seen[0]) is (kind == "tiled")
+
+
+@pytest.mark.reference
+def test_row_amax_public_ops_on_cpu():
+    """The public ops: ``grouped_gemm_swiglu(..., return_row_amax=True)`` and
+    ``grouped_gemm_fp8_rowwise(z, ..., x_scale=None, x_amax=...)`` against the reference's
+    quantize + FP8 GEMM (plain and scatter-add), opcheck, torch.compile, and the argument errors."""
+    from moekit.ops import grouped_gemm_fp8_rowwise
+    from moekit.reference.quantize import quantize_rows_from_amax
+
+    T, k, G, F, K = 6, 2, 3, 16, 32
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, K, torch.bfloat16, "fp8x", seed=8, bad_rows=False)
+    z, amax = grouped_gemm_swiglu(x, w, ms, gather_indices=gi, x_scale=xs, w_scale=ws, return_row_amax=True)
+    assert torch.equal(z, grouped_gemm_swiglu(x, w, ms, gather_indices=gi, x_scale=xs, w_scale=ws))
+    assert torch.equal(amax, z.float().abs().amax(dim=1))
+    q, s = quantize_rows_from_amax(z, amax)
+    q2, s2 = quantize_fp8_row(z)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    w2, w2s = quantize_fp8_row(torch.randn(G * K, F, generator=torch.Generator().manual_seed(3)) / F**0.5)
+    y = grouped_gemm_fp8_rowwise(z, w2, ms, None, w2s, x_amax=amax, token_weights=rs)
+    assert torch.equal(y, grouped_gemm_fp8_rowwise(q2, w2, ms, s2, w2s, token_weights=rs))
+    out_a, out_b = torch.zeros(T, K, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.bfloat16)
+    grouped_gemm_fp8_rowwise(z, w2, ms, None, w2s, x_amax=amax, _output_tensor=out_a, _scatter_add_indices=gi)
+    grouped_gemm_fp8_rowwise(q2, w2, ms, s2, w2s, _output_tensor=out_b, _scatter_add_indices=gi)
+    assert torch.equal(out_a, out_b)
+    xf, wf, *_ = _case(T, k, G, F, K, torch.float32, "same", seed=8, bad_rows=False)
+    torch.library.opcheck(torch.ops.moekit.grouped_gemm_swiglu_amax.default, (xf, wf, ms, gi, rs))
+    torch._dynamo.reset()
+
+    def both(x, w, ms, gi, xs, ws, w2, w2s):
+        z, amax = grouped_gemm_swiglu(x, w, ms, gather_indices=gi, x_scale=xs, w_scale=ws, return_row_amax=True)
+        return grouped_gemm_fp8_rowwise(z, w2, ms, None, w2s, x_amax=amax)
+
+    # Inductor compiles the CPU reference with its own float32 roundings: a value may land one FP8
+    # step (up to 1/16) away, hence a loose bound; the kernels' bits are checked above and on the GPU.
+    fn = torch.compile(both, fullgraph=True)
+    assert_close(fn(x, w, ms, gi, xs, ws, w2, w2s).float(), both(x, w, ms, gi, xs, ws, w2, w2s).float(), tol=8e-2)
+    with pytest.raises(ValueError, match="x_amax .* and x_scale exclude each other"):
+        grouped_gemm_fp8_rowwise(z, w2, ms, s2, w2s, x_amax=amax)
+    with pytest.raises(TypeError, match="x_scale must be a torch.Tensor, got NoneType"):
+        grouped_gemm_fp8_rowwise(q2, w2, ms, None, w2s)
+    with pytest.raises(ValueError, match="x_amax"):
+        grouped_gemm_fp8_rowwise(z, w2, ms, None, w2s, x_amax=amax[:-1])
+    with pytest.raises(TypeError, match="x must have dtype"):
+        grouped_gemm_fp8_rowwise(z.float(), w2, ms, None, w2s, x_amax=amax)
+    with pytest.raises(TypeError, match="return_row_amax"):
+        grouped_gemm_swiglu(x, w, ms, gather_indices=gi, x_scale=xs, w_scale=ws, return_row_amax=1)
+
+
+@pytest.mark.reference
+def test_down_quant_tiles_compile_for_sm90_without_spills():
+    """The tiled down GEMM quantizing its 16-bit x tiles on their load (``A_QUANT``: TMA bf16 tile,
+    scale, FP8 conversion in registers, the FP8 MMA with its left operand from registers) and the
+    gate/up tiles with the row max atomics compile for sm_90 without spills, at the layer's
+    prefill tiles (Qwen3-30B's down GEMM 128 x 256, the scatter-add's 64 x 256)."""
+    from tests.ops._sm90 import compile_launches
+
+    snippet = """
+import torch
+from moekit.ops._triton import grouped_gemm as GG, gg_swiglu as SW
+GG._tma_ok = lambda t, block: t.stride(-1) == 1
+FP8 = torch.float8_e4m3fn
+m = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device="meta")
+G, M, N, K = 128, 65536, 2048, 768
+ms = m(G, dt=torch.int32)
+for cfg in (GG.GemmConfig("tiled", 128, 256, 128, 3, 8, flatten=True), GG.GemmConfig("tiled", 64, 256, 128, 4, 8)):
+    GG.grouped_gemm(m(M, K), m(G * N, K, dt=FP8), ms, x_amax=m(M, dt=torch.float32), w_scale=m(G * N, dt=torch.float32),
+                    token_weights=m(M, dt=torch.float32), config=cfg)
+SW.grouped_gemm_swiglu(m(8192, 2048, dt=FP8), m(G * 2 * K, 2048, dt=FP8), ms, m(M, dt=torch.int32), None,
+                       m(8192, dt=torch.float32), m(G * 2 * K, dt=torch.float32), row_amax=m(M, dt=torch.float32))
+"""
+    recs = compile_launches(snippet, ["moekit.ops._triton.grouped_gemm", "moekit.ops._triton.gg_swiglu"])
+    assert len(recs) == 3, recs
+    for r in recs:
+        assert r["error"] is None, r["error"]
+        if r["stack"] is not None:
+            assert r["stack"] == 0, r
+    assert [r["constants"].get("A_QUANT") for r in recs[:2]] == ["True", "True"]
+    assert [r["constants"].get("EARLY_EPI") for r in recs[:2]] == ["0", "0"]
+    assert recs[2]["constants"].get("AMAX") == "True"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[-3:], ids=lambda s: "T{}k{}G{}F{}D{}".format(*s))
+@pytest.mark.parametrize("scatter", [False, True], ids=["rows", "scatter"])
+def test_gpu_down_quantizes_rows_on_load(shape, scatter, cuda):
+    """On the GPU: the gate/up's row max is each stored row's exact max |z|, and the FP8 down GEMM
+    on z with it (``A_QUANT`` where tiled) writes the bits of ``quantize_fp8_row(z)`` + the FP8
+    GEMM on the same tiles (rows stored), or the same sums within bf16 atomics' order (scatter)."""
+    from moekit.ops import grouped_gemm_fp8_rowwise
+    from moekit.ops import quantize_fp8_row as q_op
+
+    T, k, G, F, D = shape
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, D, torch.bfloat16, "fp8x", seed=T + 11, device=cuda, bad_rows=False)
+    z, amax = grouped_gemm_swiglu(x, w, ms, gather_indices=gi, x_scale=xs, w_scale=ws, return_row_amax=True)
+    n = int(ms.sum())
+    assert torch.equal(amax[:n], z[:n].float().abs().amax(dim=1))
+    zz = z.clone()
+    zz[n:] = 0
+    amax[n:] = 0
+    zq, zs = q_op(zz)
+    g = torch.Generator().manual_seed(2)
+    w2, w2s = quantize_fp8_row((torch.randn(G * D, F, generator=g) / F**0.5).to(cuda))
+    if not scatter:
+        y_a = grouped_gemm_fp8_rowwise(zz, w2, ms, None, w2s, x_amax=amax, token_weights=rs)
+        y_b = grouped_gemm_fp8_rowwise(zq, w2, ms, zs, w2s, token_weights=rs)
+        assert torch.equal(y_a[:n], y_b[:n])
+        return
+    out_a = torch.zeros(T, D, dtype=torch.bfloat16, device=cuda)
+    out_b = torch.zeros_like(out_a)
+    grouped_gemm_fp8_rowwise(zz, w2, ms, None, w2s, x_amax=amax, token_weights=rs, _output_tensor=out_a,
+                             _scatter_add_indices=gi)  # fmt: skip
+    grouped_gemm_fp8_rowwise(zq, w2, ms, zs, w2s, token_weights=rs, _output_tensor=out_b, _scatter_add_indices=gi)
+    assert_close(out_a.float(), out_b.float(), tol=1e-2)
