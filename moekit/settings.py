@@ -119,8 +119,6 @@ class Settings:
     #   SWIGLU_PAIR                       gg_swiglu (tiled tiles: gate and up rows in one
     #                                     [G, 2, F, K] descriptor load, one MMA; default from
     #                                     128 rows per expert)                                  rule
-    #   DOWN_QUANT_ON_LOAD                experts (FP8: the down GEMM quantizes the SwiGLU rows on
-    #                                     load, from the gate/up's row max, where it is tiled) True
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -146,7 +144,7 @@ KNOBS = (
     "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU", "GG_PERSIST_REGS", "ROUTE_QUANT", "GG_EARLY_EPI",
     "GG_EARLY_DST", "EARLY_EPI_MAX_K", "SWIGLU_SMALL_TILES", "BF16_STREAM_SWIGLU", "TILED_MIN_ROWS",
     "TILED_SHORT_K", "GG_N_SLAB", "GATHERED_SWIGLU",
-    "SWIGLU_PAIR", "DOWN_QUANT_ON_LOAD",
+    "SWIGLU_PAIR",
 )  # fmt: skip
 
 

@@ -311,23 +311,6 @@ def _gathered_swiglu(rows: int, experts: int, F: int, D: int, fp8: bool, elem: i
     return _gate_up_kind(rows, experts, F, D, fp8, elem, device) == "tiled"
 
 
-def _quant_on_load(rows: int, experts: int, F: int, D: int, device: torch.device) -> bool:
-    """Whether the FP8 sorted pipeline's down GEMM quantizes the SwiGLU rows as it loads them
-    (``grouped_gemm_fp8_rowwise(z, ..., x_amax=...)``, the row max from the gate/up GEMM's
-    epilogue) instead of a ``quantize_fp8_row`` pass over z: knob ``DOWN_QUANT_ON_LOAD``, where
-    the down GEMM takes its tiled kernel (the one that quantizes on load). Saves the pass's
-    ``[rows, F]`` bf16 read and FP8 write and a launch; the GEMM reads bf16 rows instead of FP8
-    ones."""
-    from moekit.ops._common import num_sms
-    from moekit.ops._triton.gg_config import heuristic_config
-
-    if rows == 0 or not settings.get().knob("DOWN_QUANT_ON_LOAD", True):
-        return False
-    sms = num_sms(device) if device.type == "cuda" else 132
-    cfg = heuristic_config(rows, D, F, max(experts, 1), True, 1, sms)
-    return cfg.kind == "tiled" and not cfg.persist
-
-
 def quantizes_token_rows(x: torch.Tensor, w13_e2FD: torch.Tensor, rows: int, top_k: int,
                          path: Optional[str] = None) -> bool:  # fmt: skip
     """Whether ``run_experts`` on 16-bit token rows ``x [T, D]`` (by ``token_ids``, ``rows`` of
@@ -472,20 +455,18 @@ def run_experts(
         xq, xs = x_fp8
     else:  # the token rows quantized once (the fused GEMM reads them by index), or the rows given
         xq, xs = quantize_fp8_row(x)
-    amax = None  # the SwiGLU rows' max |z| where the down GEMM quantizes them on load
-    if fused or _gathered_swiglu(N, e, F, D, True, 1, x.device, top_k):
-        on_load = _quant_on_load(N, e, F, D, x.device)
-        z = grouped_gemm_swiglu(xq, w13, m_sizes, gather_indices=token_ids if fused else None, row_scales=in_w,
-                                x_scale=xs, w_scale=ws13, use_fast_accum=use_fast_accum,
-                                return_row_amax=on_load)  # fmt: skip
-        if on_load:
-            (zq, amax), zs = z, None
-        else:
-            zq, zs = quantize_fp8_row(z)
+    if fused:
+        z = grouped_gemm_swiglu(xq, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=xs,
+                                w_scale=ws13, use_fast_accum=use_fast_accum)  # fmt: skip
+        zq, zs = quantize_fp8_row(z)
+    elif _gathered_swiglu(N, e, F, D, True, 1, x.device, top_k):
+        z = grouped_gemm_swiglu(xq, w13, m_sizes, row_scales=in_w, x_scale=xs, w_scale=ws13,
+                                use_fast_accum=use_fast_accum)  # fmt: skip
+        zq, zs = quantize_fp8_row(z)
     else:
         h = grouped_gemm_fp8_rowwise(xq, w13, m_sizes, xs, ws13, use_fast_accum, token_weights=in_w)
         zq, zs = silu_mul_quant(h[:, :F], h[:, F:])
     if sum_rows:
-        rows = grouped_gemm_fp8_rowwise(zq, w2, m_sizes, zs, ws2, use_fast_accum, token_weights=out_w, x_amax=amax)
+        rows = grouped_gemm_fp8_rowwise(zq, w2, m_sizes, zs, ws2, use_fast_accum, token_weights=out_w)
         return combine_rows(out, rows, selection_rows, accumulate=accumulate)
-    return grouped_gemm_fp8_rowwise(zq, w2, m_sizes, zs, ws2, use_fast_accum, x_amax=amax, **down)
+    return grouped_gemm_fp8_rowwise(zq, w2, m_sizes, zs, ws2, use_fast_accum, **down)

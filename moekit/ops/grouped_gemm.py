@@ -185,35 +185,24 @@ def _grouped_gemm_scatter_add_op(
     )
 
 
-def _ref_rows(x: torch.Tensor, x_scale: Optional[torch.Tensor], x_amax: Optional[torch.Tensor]):
-    """The reference's FP8 rows: ``x`` as given, or 16-bit rows quantized from their ``x_amax``."""
-    if x_amax is None:
-        return x, x_scale
-    from moekit.reference.quantize import quantize_rows_from_amax
-
-    return quantize_rows_from_amax(x, x_amax)
-
-
 @triton_op("moekit::grouped_gemm_fp8_rowwise", mutates_args=())
 def _grouped_gemm_fp8_rowwise_op(
     x: torch.Tensor,
     w: torch.Tensor,
     m_sizes: torch.Tensor,
-    x_scale: Optional[torch.Tensor],
+    x_scale: torch.Tensor,
     w_scale: torch.Tensor,
     token_weights: Optional[torch.Tensor] = None,
     use_fast_accum: bool = True,
-    x_amax: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     if use_triton(x):
         from moekit.ops._triton import grouped_gemm as _tri
 
         return _tri.grouped_gemm(
             x, w, m_sizes, x_scale=_flat(x_scale), w_scale=_flat(w_scale), token_weights=token_weights,
-            fast_accum=use_fast_accum, x_amax=_flat(x_amax),
+            fast_accum=use_fast_accum,
         )  # fmt: skip
-    xq, xs = _ref_rows(x, x_scale, x_amax)
-    return _ref.grouped_gemm_fp8_rowwise(xq, w, m_sizes, xs, w_scale, token_weights=token_weights)
+    return _ref.grouped_gemm_fp8_rowwise(x, w, m_sizes, x_scale, w_scale, token_weights=token_weights)
 
 
 @triton_op("moekit::grouped_gemm_fp8_rowwise_scatter_add", mutates_args=("output",))
@@ -221,14 +210,13 @@ def _grouped_gemm_fp8_rowwise_scatter_add_op(
     x: torch.Tensor,
     w: torch.Tensor,
     m_sizes: torch.Tensor,
-    x_scale: Optional[torch.Tensor],
+    x_scale: torch.Tensor,
     w_scale: torch.Tensor,
     output: torch.Tensor,
     scatter_add_indices: torch.Tensor,
     token_weights: Optional[torch.Tensor] = None,
     use_fast_accum: bool = True,
     deterministic: bool = False,
-    x_amax: Optional[torch.Tensor] = None,
 ) -> None:
     if use_triton(x):
         from moekit.ops._triton import grouped_gemm as _tri
@@ -236,12 +224,10 @@ def _grouped_gemm_fp8_rowwise_scatter_add_op(
         _tri.grouped_gemm(
             x, w, m_sizes, x_scale=_flat(x_scale), w_scale=_flat(w_scale), token_weights=token_weights,
             out=output, scatter_indices=scatter_add_indices, deterministic=deterministic, fast_accum=use_fast_accum,
-            x_amax=_flat(x_amax),
         )  # fmt: skip
         return
-    xq, xs = _ref_rows(x, x_scale, x_amax)
     _ref.grouped_gemm_fp8_rowwise(
-        xq, w, m_sizes, xs, w_scale, token_weights=token_weights, _output_tensor=output,
+        x, w, m_sizes, x_scale, w_scale, token_weights=token_weights, _output_tensor=output,
         _scatter_add_indices=scatter_add_indices,
     )  # fmt: skip
 
@@ -264,37 +250,6 @@ def _grouped_gemm_swiglu_op(
                                        fast_accum=use_fast_accum)  # fmt: skip
     return _ref.grouped_gemm_swiglu(
         x, w13, m_sizes, gather_indices=gather_indices, row_scales=row_scales, x_scale=x_scale, w_scale=w_scale
-    )
-
-
-@triton_op("moekit::grouped_gemm_swiglu_amax", mutates_args=())
-def _grouped_gemm_swiglu_amax_op(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    m_sizes: torch.Tensor,
-    gather_indices: Optional[torch.Tensor] = None,
-    row_scales: Optional[torch.Tensor] = None,
-    x_scale: Optional[torch.Tensor] = None,
-    w_scale: Optional[torch.Tensor] = None,
-    use_fast_accum: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    M = gather_indices.shape[0] if gather_indices is not None else x.shape[0]
-    if use_triton(x):
-        from moekit.ops._triton import gg_swiglu as _sw
-
-        amax = torch.zeros((M,), dtype=torch.float32, device=x.device)
-        z = _sw.grouped_gemm_swiglu(x, w13, m_sizes, gather_indices, row_scales, _flat(x_scale), _flat(w_scale),
-                                    fast_accum=use_fast_accum, row_amax=amax)  # fmt: skip
-        return z, amax
-    return _ref.grouped_gemm_swiglu(
-        x,
-        w13,
-        m_sizes,
-        gather_indices=gather_indices,
-        row_scales=row_scales,
-        x_scale=x_scale,
-        w_scale=w_scale,
-        return_row_amax=True,
     )
 
 
@@ -433,7 +388,7 @@ def grouped_gemm_fp8_rowwise(
     x: torch.Tensor,
     w: torch.Tensor,
     m_sizes: torch.Tensor,
-    x_scale: Optional[torch.Tensor],
+    x_scale: torch.Tensor,
     w_scale: torch.Tensor,
     use_fast_accum: bool = True,
     *,
@@ -442,42 +397,21 @@ def grouped_gemm_fp8_rowwise(
     _output_tensor: Optional[torch.Tensor] = None,
     _scatter_add_indices: Optional[torch.Tensor] = None,
     deterministic: bool = False,
-    x_amax: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """FP8 e4m3fn: ``y[i] = (x[i] @ w_g.T) * x_scale[i] * w_scale[g*N + n] (* token_weights[i])``,
     bf16 ``[M, N]``; ``x_scale [M]`` and ``w_scale [G * N]`` float32 dequant scales. Scatter-add
-    and ``deterministic`` as in ``grouped_gemm``.
-
-    ``x_amax [M]`` float32 instead of ``x_scale`` (None): x holds 16-bit (bf16 / fp16) rows and
-    ``x_amax`` each row's largest ``|x|`` (what ``grouped_gemm_swiglu(..., return_row_amax=True)``
-    returns); the rows are quantized as ``quantize_fp8_row(x)`` would (the same FP8 bits and
-    scales, from this amax) and multiplied as above. Prefill-sized problems quantize each x tile
-    as the GEMM loads it, with no pass of its own over x."""
+    and ``deterministic`` as in ``grouped_gemm``."""
     check_bool("use_fast_accum", use_fast_accum)
     check_bool("deterministic", deterministic)
-    x_dtypes = (FP8_DTYPE,) if x_amax is None else (torch.bfloat16, torch.float16)
     M, K, G, N = _validate(
-        x, w, m_sizes, x_dtypes, None, token_weights, _output_tensor, _scatter_add_indices, torch.bfloat16,
-        w_dtype=FP8_DTYPE,
-    )  # fmt: skip
-    if x_amax is None:
-        if x_scale is None:  # (the non-tensor check's message; x_amax is the 16-bit rows' alternative)
-            raise TypeError("x_scale must be a torch.Tensor, got NoneType")
-        _validate_scales(x_scale, w_scale, M, G * N, x.device)
-    else:
-        if x_scale is not None:
-            raise ValueError("x_amax (16-bit x quantized on the fly) and x_scale exclude each other, got both")
-        check_tensor("x_amax", x_amax, dtype=torch.float32, shape=(M,), device=x.device)
-        check_tensor("w_scale", w_scale, dtype=torch.float32, device=x.device)
-        if w_scale.numel() != G * N:
-            raise ValueError(f"w_scale must have {G * N} elements (one per row of w), got shape {tuple(w_scale.shape)}")
+        x, w, m_sizes, (FP8_DTYPE,), None, token_weights, _output_tensor, _scatter_add_indices, torch.bfloat16
+    )
+    _validate_scales(x_scale, w_scale, M, G * N, x.device)
     if _output_tensor is None:
-        return call_op(
-            _grouped_gemm_fp8_rowwise_op, x, w, m_sizes, x_scale, w_scale, token_weights, use_fast_accum, x_amax
-        )
+        return call_op(_grouped_gemm_fp8_rowwise_op, x, w, m_sizes, x_scale, w_scale, token_weights, use_fast_accum)
     call_op(
         _grouped_gemm_fp8_rowwise_scatter_add_op, x, w, m_sizes, x_scale, w_scale, _output_tensor,
-        _scatter_add_indices, token_weights, use_fast_accum, deterministic, x_amax,
+        _scatter_add_indices, token_weights, use_fast_accum, deterministic,
     )  # fmt: skip
     return _output_tensor
 
@@ -492,8 +426,7 @@ def grouped_gemm_swiglu(
     x_scale: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
     use_fast_accum: bool = True,
-    return_row_amax: bool = False,
-):
+) -> torch.Tensor:
     """The gate|up GEMM of SwiGLU experts with ``silu(gate) * up`` fused into its epilogue:
     ``z [M, F]`` with ``z[i] = silu(h[i, :F]) * h[i, F:]``, ``h[i] = x[src_i] @ w13_g.T`` for row
     ``i`` of group ``g`` (``m_sizes [G]`` on the device, as in ``grouped_gemm``).
@@ -508,10 +441,6 @@ def grouped_gemm_swiglu(
     ``use_fast_accum`` (FP8 x): False promotes the tensor-core sums to float32 every K slice, as
     ``grouped_gemm_fp8_rowwise``. Returns ``z`` in x's dtype (bf16 for FP8 x); rows past
     ``sum(m_sizes)`` are left unwritten. No host synchronization; CUDA-graph capturable.
-
-    ``return_row_amax``: returns ``(z, row_amax)``, ``row_amax [M]`` float32 each row's largest
-    ``|z|`` (of the values stored, 0 for rows left unwritten): ``grouped_gemm_fp8_rowwise(z, ...,
-    x_amax=row_amax)`` then quantizes z's rows to FP8 on its loads, with no pass of its own.
 
     Kernels by rows per expert: per-row GEMV (decode), swap-AB streaming tiles (up to 32-48 rows),
     persistent tensor-core tiles beyond (prefill: the gather, the ``[M, 2F]`` intermediate and the
@@ -558,9 +487,8 @@ def grouped_gemm_swiglu(
             raise ValueError(f"w_scale must have G * 2F = {G * 2 * F} elements, got shape {tuple(w_scale.shape)}")
     if not isinstance(use_fast_accum, bool):
         raise TypeError(f"use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
-    check_bool("return_row_amax", return_row_amax)
-    op = _grouped_gemm_swiglu_amax_op if return_row_amax else _grouped_gemm_swiglu_op
-    return call_op(op, x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale, use_fast_accum)
+    return call_op(_grouped_gemm_swiglu_op, x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale,
+                   use_fast_accum)  # fmt: skip
 
 
 def grouped_gemm_combine(

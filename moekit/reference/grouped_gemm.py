@@ -177,8 +177,7 @@ def grouped_gemm_swiglu(
     row_scales: Optional[torch.Tensor] = None,
     x_scale: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
-    return_row_amax: bool = False,
-):
+) -> torch.Tensor:
     """Gate|up grouped GEMM with the SwiGLU fused: ``z[i] = silu(h[i, :F]) * h[i, F:]`` with
     ``h[i] = (x[src_i] @ w13_g.T) * x_scale[src_i] * w_scale[g rows] * row_scales[i]`` for row ``i``
     of group ``g`` (``m_sizes`` as in ``grouped_gemm``).
@@ -190,8 +189,7 @@ def grouped_gemm_swiglu(
     ``[x rows]``; ``w13`` of x's dtype, or FP8 with ``w_scale`` ``[G * 2F]`` (with 16-bit x: weight-only
     FP8). ``row_scales`` ``[M]`` (the router weight applied to the expert's input) scales ``h``
     before the SiLU. Returns ``[M, F]`` in x's dtype (bf16 for FP8 x); rows not computed are 0 here
-    (left unwritten by the kernels). ``return_row_amax``: ``(z, row_amax)``, each row's largest
-    ``|z|`` of the returned (rounded) values as float32 ``[M]`` (0 for rows not computed).
+    (left unwritten by the kernels).
     """
     fp8_x = x.dtype == FP8_DTYPE
     check_tensor("x", x, ndim=2, dtype=_FLOATS + (FP8_DTYPE,))
@@ -233,11 +231,7 @@ def grouped_gemm_swiglu(
         h = h * row_scales.float().unsqueeze(1)
     z = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
     z = torch.where((ok & (group < G)).unsqueeze(1), z, 0.0)
-    z = z.to(torch.bfloat16 if fp8_x else x.dtype)
-    if return_row_amax:
-        amax = z.float().abs().amax(dim=1) if F else torch.zeros(M, device=x.device)
-        return z, amax
-    return z
+    return z.to(torch.bfloat16 if fp8_x else x.dtype)
 
 
 def grouped_gemm_combine(

@@ -16,14 +16,7 @@ from moekit._validate import FP8_DTYPE, FP8_MAX, check_optional_scale_ub, check_
 DEFAULT_EPS = 1.0 / 512.0
 FUSED_EPS = 1e-12
 
-__all__ = [
-    "DEFAULT_EPS",
-    "FUSED_EPS",
-    "quantize_rows",
-    "quantize_rows_from_amax",
-    "quantize_fp8_row",
-    "dequantize_fp8_row",
-]
+__all__ = ["DEFAULT_EPS", "FUSED_EPS", "quantize_rows", "quantize_fp8_row", "dequantize_fp8_row"]
 
 
 def quantize_rows(
@@ -47,18 +40,6 @@ def quantize_rows(
         amax = torch.clamp(amax, min=eps)
     # A true float32 division (``scalar / tensor`` would compute ``reciprocal(amax) * 448``,
     # rounding twice).
-    inv = torch.full_like(amax, FP8_MAX) / amax
-    q = torch.clamp(r * inv.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, 1.0 / inv
-
-
-def quantize_rows_from_amax(rows: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows(rows)`` with each row's max ``|row|`` given (``amax [...]``, float32, e.g.
-    what ``grouped_gemm_swiglu(..., return_row_amax=True)`` returns): the same formula, the
-    default ``eps``. With the rows' true amax the result is ``quantize_fp8_row(rows)``'s, bit for
-    bit."""
-    r = rows.float()
-    amax = torch.clamp(amax.float().reshape(r.shape[:-1]), min=DEFAULT_EPS)
     inv = torch.full_like(amax, FP8_MAX) / amax
     q = torch.clamp(r * inv.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, 1.0 / inv

@@ -1487,8 +1487,8 @@ def test_module_exports():
     assert set(gg_ops.__all__) == {"grouped_gemm", "grouped_gemm_fp8_rowwise", "grouped_gemm_swiglu",
                                    "grouped_gemm_combine", "combine_rows", "f8f8bf16_rowwise"}  # fmt: skip
     for name in ("grouped_gemm", "grouped_gemm_scatter_add", "grouped_gemm_fp8_rowwise",
-                 "grouped_gemm_fp8_rowwise_scatter_add", "grouped_gemm_swiglu", "grouped_gemm_swiglu_amax",
-                 "grouped_gemm_combine", "combine_rows", "f8f8bf16_rowwise"):  # fmt: skip
+                 "grouped_gemm_fp8_rowwise_scatter_add", "grouped_gemm_swiglu", "grouped_gemm_combine",
+                 "combine_rows", "f8f8bf16_rowwise"):  # fmt: skip
         assert hasattr(torch.ops.moekit, name)
     assert os.path.basename(gg_ops.__file__) == "grouped_gemm.py"
 
@@ -1521,18 +1521,12 @@ cases = {
     "stream_dst": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False,
                        EARLY_EPI=2, USE_PDL=0),
     "tiled": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                  GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=0, N_SLAB=0, A_QUANT=False,
-                  Q_EPS=0.001953125, EMULATE=False, USE_PDL=0),
+                  GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=0, N_SLAB=0, USE_PDL=0),
     "tiled_dst": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                      GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=2, N_SLAB=2, A_QUANT=False,
-                      Q_EPS=0.001953125, EMULATE=False, USE_PDL=0),
-    # 16-bit rows quantized on their load from their row max (xs_ptr)
-    "tiled_aq": dict(base, x_ptr=t(M, K, dt=torch.bfloat16), USE_TMA=False, FAST_ACCUM=True, FLATTEN=True,
-                     BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False,
-                     EARLY_EPI=0, N_SLAB=0, A_QUANT=True, Q_EPS=0.001953125, EMULATE=False, USE_PDL=0),
+                      GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=2, N_SLAB=2,
+                      USE_PDL=0),
     "persist": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
-                    GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, EARLY_EPI=1, N_SLAB=0, A_QUANT=False,
-                    Q_EPS=0.001953125, EMULATE=False, USE_PDL=0),
+                    GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, EARLY_EPI=1, N_SLAB=0, USE_PDL=0),
 }
 out = {}
 for name, kw in cases.items():
@@ -1568,7 +1562,6 @@ def test_inductor_sees_only_the_output_written():
     # the destination rows loaded before the K loop (knob GG_EARLY_DST) in the kernel's own body
     assert writes["tiled_dst"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes
     assert writes["persist"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes  # the swap-AB tiles on it
-    assert writes["tiled_aq"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes  # rows quantized on load
 
 
 # ---------------------------------------------------------------------------- non-tensor arguments

@@ -6,9 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.ops._triton._fp8 import to_fp8
 from moekit.ops._triton._pdl import pdl_prologue
-from moekit.ops._triton.quantize import fp8_saturate, row_scales
 
 # ----------------------------------------------------------------------------------------------
 # Device helpers
@@ -420,9 +418,6 @@ def _gg_tiled_kernel(
     X_TMA: tl.constexpr,
     EARLY_EPI: tl.constexpr,
     N_SLAB: tl.constexpr = 0,
-    A_QUANT: tl.constexpr = False,
-    Q_EPS: tl.constexpr = 0.001953125,
-    EMULATE: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     """``SWAP_AB``: the MMA takes the weight tile as its left operand (``[BLOCK_N, BLOCK_M] = w @
@@ -433,11 +428,7 @@ def _gg_tiled_kernel(
     (``grouped_gemm.early_epilogue`` says for which tiles). ``N_SLAB`` (> 0): the tiles walk the
     output in column slabs of ``N_SLAB`` N tiles, every group's tiles of one slab before the next
     slab's (``grouped_gemm.n_slab_tiles``: a scatter-add whose ``[T, slab]`` destination stays in
-    L2 while every expert adds into it); 0: each group's tiles over all of N in turn. ``A_QUANT``
-    (``FP8`` weights, not ``SWAP_AB``): x holds 16-bit rows and ``xs_ptr`` each row's max ``|x|``;
-    every x tile is quantized to FP8 e4m3 as it is loaded, with ``quantize_fp8_row``'s scale
-    (``amax`` floored at ``Q_EPS``, ``448 / amax``, the same bits), and the epilogue scales by its
-    dequant scale: the row quantization pass before the GEMM is skipped."""
+    L2 while every expert adds into it); 0: each group's tiles over all of N in turn."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -474,8 +465,6 @@ def _gg_tiled_kernel(
         e_dst = None
         if SCATTER and EARLY_EPI == 2:  # here, not in a helper: see _epilogue
             e_dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
-        if A_QUANT:  # the rows' quantization scales from their max |x|
-            q_inv, q_scale = row_scales(tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0), 0.0, Q_EPS, False, 448.0)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
@@ -487,8 +476,6 @@ def _gg_tiled_kernel(
                     mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0,
                 )
-            if A_QUANT:
-                a = to_fp8(fp8_saturate(a.to(tl.float32) * q_inv[:, None], 448.0, EMULATE), tl.float8e4nv, EMULATE)
             if USE_TMA:
                 b = w_ptr.load([w_row0, k0])
             else:
@@ -517,8 +504,6 @@ def _gg_tiled_kernel(
                 offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
                 W_ONLY,
             )  # fmt: skip
-        if A_QUANT:
-            e_xs = q_scale
         _epilogue(
             acc_mn, offs_m, m_mask, offs_n, n_mask, e_xs, e_ws, e_b, e_tw, y_ptr, stride_ym, idx_ptr, T_OUT, FP8,
             HAS_BIAS, HAS_TW, SCATTER, W_ONLY, e_dst,

@@ -46,18 +46,12 @@ from moekit.ops._triton.gg_config import (
     widest_slice,
 )
 from moekit.ops._triton.gg_kernels import _group_table, _pick, _tile_at, _tile_table
-from moekit.ops._triton.quantize import row_amax as _tile_row_amax
 
 
 @triton.jit
-def _swiglu_store(g_acc, u_acc, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs, amax_ptr,
-                  HAS_XS: tl.constexpr, HAS_WS: tl.constexpr, HAS_RS: tl.constexpr, AMAX: tl.constexpr):  # fmt: skip
-    """Scale the [BM, BN] float32 gate / up accumulators, z = silu(gate) * up, store. ``AMAX``:
-    each row's largest ``|z|`` among the stored (rounded) values of the tile, atomically maxed
-    into ``amax_ptr [M]`` (float32, zeroed by the caller): the row max of a later FP8 row
-    quantization of z, which the down GEMM then does on its loads (``grouped_gemm``'s
-    ``A_QUANT``) instead of a pass of its own. A NaN stays the row's max (its bits order above
-    every finite float's), as ``quantize_fp8_row``'s amax keeps it."""
+def _swiglu_store(g_acc, u_acc, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
+                  HAS_XS: tl.constexpr, HAS_WS: tl.constexpr, HAS_RS: tl.constexpr):  # fmt: skip
+    """Scale the [BM, BN] float32 gate / up accumulators, z = silu(gate) * up, store."""
     if HAS_XS:
         g_acc = g_acc * xs[:, None]
         u_acc = u_acc * xs[:, None]
@@ -69,12 +63,7 @@ def _swiglu_store(g_acc, u_acc, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm
         u_acc = u_acc * rs[:, None]
     z = g_acc / (1.0 + tl.exp(-g_acc)) * u_acc
     ptrs = z_ptr + offs_m.to(tl.int64)[:, None] * stride_zm + offs_n[None, :]
-    val = z.to(z_ptr.dtype.element_ty)
-    mask = row_ok[:, None] & n_mask[None, :]
-    tl.store(ptrs, val, mask=mask)
-    if AMAX:
-        part = _tile_row_amax(tl.where(mask, val.to(tl.float32), 0.0))
-        tl.atomic_max(amax_ptr + offs_m, part, mask=row_ok, sem="relaxed")
+    tl.store(ptrs, z.to(z_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -123,7 +112,6 @@ def _swiglu_gemv_kernel(
     xs_ptr,
     ws_ptr,
     rs_ptr,
-    amax_ptr,
     M,
     F,
     K,
@@ -136,7 +124,6 @@ def _swiglu_gemv_kernel(
     HAS_XS: tl.constexpr,
     HAS_WS: tl.constexpr,
     HAS_RS: tl.constexpr,
-    AMAX: tl.constexpr,
     G_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -172,7 +159,7 @@ def _swiglu_gemv_kernel(
         hg, hu = _gemv_pair(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N, BLOCK_K, EVEN_K, STAGES)
         offs_m = m + tl.zeros((1,), tl.int32)
         _swiglu_store(hg, hu, offs_m, offs_m >= 0, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
-                      amax_ptr, HAS_XS, HAS_WS, HAS_RS, AMAX)  # fmt: skip
+                      HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
 
 
 @triton.jit
@@ -185,7 +172,6 @@ def _swiglu_stream_kernel(
     xs_ptr,
     ws_ptr,
     rs_ptr,
-    amax_ptr,
     M,
     F,
     K,
@@ -198,7 +184,6 @@ def _swiglu_stream_kernel(
     HAS_XS: tl.constexpr,
     HAS_WS: tl.constexpr,
     HAS_RS: tl.constexpr,
-    AMAX: tl.constexpr,
     W_CAST: tl.constexpr,
     USE_TMA: tl.constexpr,
     G_BLOCK: tl.constexpr,
@@ -263,7 +248,7 @@ def _swiglu_stream_kernel(
                 acc_g = tl.dot(wg, tl.trans(x_t), acc_g)
                 acc_u = tl.dot(wu, tl.trans(x_t), acc_u)
             _swiglu_store(tl.trans(acc_g), tl.trans(acc_u), offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm,
-                          xs, ws_g, ws_u, rs, amax_ptr, HAS_XS, HAS_WS, HAS_RS, AMAX)  # fmt: skip
+                          xs, ws_g, ws_u, rs, HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
 
 
 @triton.jit
@@ -276,7 +261,6 @@ def _swiglu_tiled_kernel(
     xs_ptr,
     ws_ptr,
     rs_ptr,
-    amax_ptr,
     M,
     F,
     K,
@@ -289,7 +273,6 @@ def _swiglu_tiled_kernel(
     HAS_XS: tl.constexpr,
     HAS_WS: tl.constexpr,
     HAS_RS: tl.constexpr,
-    AMAX: tl.constexpr,
     W_CAST: tl.constexpr,
     USE_TMA: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
@@ -383,7 +366,7 @@ def _swiglu_tiled_kernel(
         if HAS_RS:
             rs = tl.load(rs_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
         _swiglu_store(acc_g, acc_u, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
-                      amax_ptr, HAS_XS, HAS_WS, HAS_RS, AMAX)  # fmt: skip
+                      HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
 
 
 # Rows per expert from which the tiled kernel loads a column block's gate and up rows as one pair
@@ -502,12 +485,10 @@ def grouped_gemm_swiglu(
     config: Optional[GemmConfig] = None,
     out: Optional[torch.Tensor] = None,
     fast_accum: bool = True,
-    row_amax: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Launcher (validated arguments): ``z [M, F]`` (``out`` when given: contiguous, the output
     dtype), rows not computed left unwritten. ``fast_accum`` False: the FP8 tensor-core tiles
-    promote their sums to float32 every K step (the other kernels accumulate in float32 anyway).
-    ``row_amax`` (float32 ``[M]``, zeros): each computed row's ``max |z|`` maxed into it."""
+    promote their sums to float32 every K step (the other kernels accumulate in float32 anyway)."""
     from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok, _unit_last
 
     T_IN, K = (int(d) for d in x.shape)
@@ -525,10 +506,10 @@ def grouped_gemm_swiglu(
     sms = num_sms(x.device)
     cfg = config or swiglu_config(M, F, K, G, fp8_x, x.element_size(), sms, w_elem=w13.element_size())
     ph = torch.empty((1,), dtype=torch.int32, device=x.device)
-    optional = [t if t is not None else ph for t in (gather_indices, x_scale, w_scale, row_scales, row_amax)]
+    optional = [t if t is not None else ph for t in (gather_indices, x_scale, w_scale, row_scales)]
     flags = dict(
         GATHER=gather_indices is not None, HAS_XS=x_scale is not None, HAS_WS=w_scale is not None,
-        HAS_RS=row_scales is not None, AMAX=row_amax is not None, G_BLOCK=max(16, next_pow2(G)),
+        HAS_RS=row_scales is not None, G_BLOCK=max(16, next_pow2(G)),
     )  # fmt: skip
     if cfg.kind == "gemv":
         bk = cfg.block_k

@@ -67,9 +67,7 @@ from moekit.ops._triton.gg_config import (  # noqa: F401  (re-exported: the laun
     select_config,
     use_table,
 )
-from moekit.ops._triton._fp8 import EMULATE_FP8
 from moekit.ops._triton.gg_kernels import _gg_gemv_kernel, _gg_stream_kernel, _gg_tiled_kernel
-from moekit.reference.quantize import DEFAULT_EPS, quantize_rows_from_amax
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -123,7 +121,6 @@ def grouped_gemm(
     deterministic: bool = False,
     fast_accum: bool = True,
     config: Optional[GemmConfig] = None,
-    x_amax: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     """Launch the grouped GEMM on validated inputs.
 
@@ -132,41 +129,24 @@ def grouped_gemm(
     Without ``out``: returns ``y [M, N]`` (bf16 for FP8, else ``x.dtype``), rows past
     ``sum(m_sizes)`` left unwritten. With ``out`` [T, N] and ``scatter_indices`` [M]: adds the
     rows into ``out`` (atomics, or stored rows and the deterministic scatter-add) and returns None.
-    ``x_amax`` [M] float32 (16-bit x, FP8 w): x's rows quantized to FP8 from their max ``|x|`` as
-    ``quantize_fp8_row`` would (the same bits), on the tiled kernel's loads (``A_QUANT``) or, where
-    another kernel runs, by torch ops first.
     """
     M, K = x.shape
     G = 1 if m_sizes is None else m_sizes.shape[0]
     N = w.shape[0] // G
-    fp8 = x.dtype == FP8_DTYPE or x_amax is not None  # (a 16-bit x with FP8 w and w_scale: weight-only FP8)
+    fp8 = x.dtype == FP8_DTYPE  # (a 16-bit x with FP8 w and w_scale: weight-only FP8)
     y_dtype = torch.bfloat16 if fp8 else x.dtype
     if out is not None and deterministic:
         rows = torch.empty((M, N), dtype=out.dtype, device=x.device)
         _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, None, None, fast_accum,
-                config, M, N, K, G, fp8, out.dtype, rows_out=rows, x_amax=x_amax)  # fmt: skip
+                config, M, N, K, G, fp8, out.dtype, rows_out=rows)  # fmt: skip
         _deterministic_scatter(out, rows, m_sizes, scatter_indices, M)
         return None
     return _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_indices, fast_accum,
-                   config, M, N, K, G, fp8, y_dtype, x_amax=x_amax)  # fmt: skip
-
-
-def a_quant_config(cfg: GemmConfig) -> Optional[GemmConfig]:
-    """The tiled configuration ``cfg`` (chosen for FP8 rows) with room for 16-bit x tiles, which
-    the kernel quantizes on their load (``A_QUANT``): the same tile and K slice (so the sums are
-    those of the quantized rows' GEMM), stages that fit 227 KB; None where ``cfg`` is not the
-    plain tiled kernel's (the other kernels take rows quantized beforehand)."""
-    if cfg.kind != "tiled" or cfg.persist:
-        return None
-    stage = (2 * cfg.block_m + cfg.block_n) * cfg.block_k
-    stages = max(2, min(cfg.stages, (200 * 1024) // stage))
-    # sm_90 compile: the fused loop's 128 x 256 tiles hold 3 such stages (196 KB) in 253-255
-    # registers, no spills (its plain loop spilled 16 bytes without token weights).
-    return replace(cfg, stages=stages, flatten=cfg.flatten and stages * stage <= 200 * 1024)
+                   config, M, N, K, G, fp8, y_dtype)  # fmt: skip
 
 
 def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_indices, fast_accum,
-            config, M, N, K, G, fp8, y_dtype, rows_out=None, x_amax=None):  # fmt: skip
+            config, M, N, K, G, fp8, y_dtype, rows_out=None):  # fmt: skip
     # Configs are chosen per concrete shape: symbolic sizes (torch.compile dynamic shapes) are
     # specialized here.
     M, N, K, G = int(M), int(N), int(K), int(G)
@@ -187,16 +167,9 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     w_only = not fp8 and w.dtype == FP8_DTYPE
     # Weight-only FP8 (bf16 rows) stays off the persistent stream loop: its swap-AB tiles there
     # ran slower than one program per tile (session 21, DeepSeek TP8 decode path T=16: 292 us vs 261).
-    cfg = config or select_config(M, N, K, G, fp8, 1 if x_amax is not None else x.element_size(), sms, w_only)
+    cfg = config or select_config(M, N, K, G, fp8, x.element_size(), sms, w_only)
     if w_only and cfg.kind == "gemv" and config is None:
         cfg = gemv_config(M, N, K, 1, sms)  # K tiles sized by the 1-byte weights it streams
-    a_quant = False
-    if x_amax is not None:
-        aq = a_quant_config(cfg) if config is None else (config if config.kind == "tiled" else None)
-        if aq is None:  # quantized beforehand, for the other kernels
-            x, x_scale = quantize_rows_from_amax(x, x_amax)
-        else:
-            cfg, x_scale, a_quant = aq, x_amax, True
     if fp8 and not fast_accum and cfg.kind == "tiled" and cfg.block_n > 128:
         cfg = replace(cfg, block_n=128)  # the promoted accumulator needs registers: 128x256 spills
     if fp8 and scatter and cfg.kind == "tiled" and cfg.flatten and cfg.block_m * cfg.block_n >= 128 * 256:
@@ -220,7 +193,6 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         return None if scatter else y
     x_block, w_block = [bm, bk], [bn, bk]
     stream = cfg.kind == "stream"
-    quant = dict(A_QUANT=a_quant, Q_EPS=DEFAULT_EPS, EMULATE=EMULATE_FP8)
     # The streaming kernel reads x through masked pointers (only the group's rows move).
     use_tma = cfg.use_tma and _tma_ok(w, tuple(w_block)) and (stream or _tma_ok(x, tuple(x_block)))
     x_tma = stream and use_tma and cfg.x_tma and _tma_ok(x, tuple(x_block))
@@ -273,7 +245,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         grid = (max(1, min(upper, pps * sms)),)
         compiled = launch(_gg_tiled_kernel)[grid](
             *args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
-            X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), N_SLAB=0, **quant, **common,
+            X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), N_SLAB=0, **common,
         )  # fmt: skip
         regs = getattr(compiled, "n_regs", None) if by_regs else None  # None in the interpreter or a trace
         if isinstance(regs, int) and regs > 0:
@@ -293,10 +265,8 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             GROUP_M=cfg.group_m,
             SWAP_AB=False,
             X_TMA=use_tma,  # every argument given: inductor's kernel analysis fills in no defaults
-            # A_QUANT: after the loop (64 x 256 FP8 tiles spilled 56-88 bytes holding them across it)
-            EARLY_EPI=0 if a_quant else early_epilogue(cfg, fp8, False, K),
+            EARLY_EPI=early_epilogue(cfg, fp8, False, K),
             N_SLAB=n_slab_tiles(cfg, N, scatter),
-            **quant,
             **common,
         )
     return None if scatter else y
