@@ -404,12 +404,16 @@ def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int
     # (Qwen3-30B T=1024, DeepSeek-V3 TP8 T=2048) 128-row tiles hold 50% routed rows, 64-row ones
     # 68-69% (scripts/tile_use.py); session 22's sweep had 64 x 128 x 4 stages 2.5-5% faster on
     # this stage in 4 of 5 cells.
+    # Knob SWIGLU_FLATTEN (off): the tile loop fused into the K loop (one software pipeline across
+    # tiles). sm_90 compile (session 29): 16-bit tiles and FP8 64 x 128 x 4 stages without spills,
+    # FP8 128 x 128 x 3 paired tiles spill 168 bytes (so FP8 128-row tiles never take it). H100,
+    # session 29, sweep_swiglu.py (the kernel alone, bf16, µs): Qwen3-30B T=1024 312.3 -> 302.6
+    # (128 x 128 paired) / 304.9 (64 x 128 paired), T=2048 348.9 -> 345.5 / 341.9; DeepSeek-V3 TP8
+    # T=1024 693.7 -> 685.0 / 685.6, T=2048 711.0 -> 703.5 / 713.3.
+    flatten = bool(settings.get().knob("SWIGLU_FLATTEN", False))
     if settings.get().knob("SWIGLU_SMALL_TILES", False) and M < 192 * hits:
-        return GemmConfig("tiled", 64, block_n, block_k, 4, 8, flatten=False)
-    # The fused (flattened) tile + K loop won 18-26% for the plain GEMM at short K (session 15);
-    # here it is a candidate of sweep_swiglu.py, not yet measured (bf16 compiles without spills,
-    # FP8 128x128x128 spills 8 bytes with 3 stages).
-    return GemmConfig("tiled", 128, block_n, block_k, 3, 8, flatten=False)
+        return GemmConfig("tiled", 64, block_n, block_k, 4, 8, flatten=flatten)
+    return GemmConfig("tiled", 128, block_n, block_k, 3, 8, flatten=flatten and elem != 1)
 
 
 # Float32 accumulator elements of one FP8 gate/up GEMV program (gate and up tiles each
