@@ -105,7 +105,8 @@ class Settings:
     #   GG_EARLY_DST                      grouped_gemm (the scatter-add's destination rows loaded
     #                                     before the K loop too, where the operands are)        False
     #   EARLY_EPI_MAX_K                   grouped_gemm (longest K of a tiled tile loading early)  1024
-    #   SWIGLU_SMALL_TILES                gg_swiglu (64-row tiled tiles below 192 rows/expert)  False
+    #   SWIGLU_SMALL_TILES                gg_swiglu (64-row paired tiled tiles below 192
+    #                                     rows/expert; default where K < 4F)                    rule
     #   BF16_STREAM_SWIGLU                experts + gg_swiglu (16-bit sorted pipeline's gate/up
     #                                     GEMM fused at streaming sizes, as FP8_STREAM_SWIGLU)   True
     #   TILED_MIN_ROWS                    grouped_gemm (tiled kernel from, rows per expert; default
@@ -120,7 +121,7 @@ class Settings:
     #                                     [G, 2, F, K] descriptor load, one MMA; default from
     #                                     128 rows per expert)                                  rule
     #   SWIGLU_FLATTEN                    gg_swiglu (tiled tiles: the tile loop fused into the K
-    #                                     loop; FP8 128-row tiles never)                       False
+    #                                     loop; default the 64-row tiles only; FP8 128-row never) rule
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8

@@ -448,16 +448,20 @@ def test_tiled_kernel_compiles_for_sm90_without_spills():
     )
     assert_all_compiled(records, 6)
     assert {r["kernel"] for r in records} == {"_swiglu_tiled_kernel"}, records
-    assert {r["constants"]["BLOCK_M"] for r in records} == {"128"}, records
+    # 128-row tiles; the 64-row ones of the small-tile rule at 64-128 rows per expert where K < 4F
+    # (Qwen3-30B and gpt-oss-120b at T=2048)
+    assert [r["constants"]["BLOCK_M"] for r in records] == ["64", "64", "128", "128", "64", "64"], records
     assert all(not r.get("stack") for r in records), [(r["constants"], r["stack"]) for r in records]
 
 
 @pytest.mark.reference
 def test_small_tiles_knob_rule_and_sm90_compile():
-    """Knob ``SWIGLU_SMALL_TILES``: the tiled kernel takes 64-row tiles (4 stages) below 192 rows
-    per expert (Qwen3-30B T = 1024 and 2048, DeepSeek-V3 TP8 T=2048) and 128-row tiles above
-    (T=8192); off, 128 rows everywhere. Its 64 x 128 tiles, bf16 and FP8, compile for sm_90 with no
-    stack frame, weights through TMA descriptors as on the GPU."""
+    """Knob ``SWIGLU_SMALL_TILES``: the tiled kernel takes 64-row tiles (4 stages, the fused tile
+    loop) below 192 rows per expert (Qwen3-30B T = 1024 and 2048, DeepSeek-V3 TP8 T=2048) and
+    128-row tiles above (T=8192); off, 128 rows everywhere; by default (the rule) where K < 4F:
+    Qwen3's, not DeepSeek's deep, narrow gate/up. Its 64 x 128 paired tiles on the fused loop,
+    bf16 and FP8, compile for sm_90 with no stack frame, weights through TMA descriptors as on the
+    GPU."""
     from moekit import settings
     from moekit.ops._triton.gg_swiglu import swiglu_config
     from tests.ops._sm90 import assert_all_compiled, compile_launches
@@ -467,13 +471,17 @@ def test_small_tiles_knob_rule_and_sm90_compile():
     for fp8, elem in ((True, 1), (False, 2)):
         with settings.override(knobs={"SWIGLU_SMALL_TILES": True}):
             got = [swiglu_config(M, F, K, G, fp8, elem, 132) for M, F, K, G in cases]
-        assert [(c.kind, c.block_m, c.stages) for c in got] == [("tiled", 64, 4)] * 3 + [("tiled", 128, 3)], got
-        assert all(swiglu_config(M, F, K, G, fp8, elem, 132).block_m == 128 for M, F, K, G in cases)
+        assert [(c.kind, c.block_m, c.stages, c.flatten) for c in got] == [("tiled", 64, 4, True)] * 3 + [
+            ("tiled", 128, 3, False)
+        ], got
+        with settings.override(knobs={"SWIGLU_SMALL_TILES": False}):
+            assert all(swiglu_config(M, F, K, G, fp8, elem, 132).block_m == 128 for M, F, K, G in cases)
+        assert [swiglu_config(M, F, K, G, fp8, elem, 132).block_m for M, F, K, G in cases] == [64, 64, 128, 128]
     records = compile_launches(
         """
         from moekit import settings
-        from moekit.ops._triton import gg_swiglu as SW
-        SW._tma_ok = lambda t, block: t.stride(-1) == 1  # descriptors for meta tensors too
+        from moekit.ops._triton import gg_swiglu as SW, grouped_gemm as GG
+        GG._tma_ok = lambda t, block: t.stride(-1) == 1  # descriptors for meta tensors too
         m = "meta"
         f8 = torch.float8_e4m3fn
         with settings.override(knobs={"SWIGLU_SMALL_TILES": True}):
@@ -492,16 +500,18 @@ def test_small_tiles_knob_rule_and_sm90_compile():
     )
     assert_all_compiled(records, 4)
     assert all(r["kernel"] == "_swiglu_tiled_kernel" and r["constants"]["BLOCK_M"] == "64" for r in records), records
+    assert all(r["constants"]["PAIR"] == "True" and r["constants"]["FLATTEN"] == "True" for r in records), records
     assert all(not r["stack"] for r in records), [(r["constants"], r["regs"], r["stack"]) for r in records]
 
 
 @pytest.mark.reference
 def test_swiglu_pair_rule(pin_knobs):
-    """The paired gate/up tiles from 128 rows per expert (Qwen3-30B: T=1024 has 64, T=2048 128);
-    knob ``SWIGLU_PAIR`` pins either way."""
+    """The paired gate/up tiles from 128 rows per expert (Qwen3-30B: T=1024 has 64, T=2048 128),
+    and on the 64-row tiles (``small``) at any size; knob ``SWIGLU_PAIR`` pins either way."""
     from moekit.ops._triton.gg_swiglu import swiglu_pair
 
     assert not swiglu_pair(1024 * 8, 128) and swiglu_pair(2048 * 8, 128) and swiglu_pair(8192 * 8, 128)
+    assert swiglu_pair(1024 * 8, 128, small=True)
     assert not swiglu_pair(100, 1) and swiglu_pair(128, 1)
     pin_knobs(SWIGLU_PAIR=True)
     assert swiglu_pair(1024 * 8, 128)
@@ -655,20 +665,24 @@ def test_gpu_swiglu_tiled_fused_loop_same_bits(shape, w_kind, cuda):
 @pytest.mark.parametrize("w_kind", ["same", "fp8x"])
 @pytest.mark.parametrize("shape", [(1024, 8, 128, 768, 2048), (2048, 8, 256, 256, 7168)], ids=["qwen3", "deepseek"])
 def test_gpu_swiglu_small_tiles_same_bits(shape, w_kind, cuda):
-    """Knob ``SWIGLU_SMALL_TILES`` (64-row tiles at 64 rows per expert): the same bits as the
-    128-row tiles (same K order per output), and the reference's values."""
+    """Knob ``SWIGLU_SMALL_TILES`` (64-row tiles at 64 rows per expert), pair and fused loop pinned
+    off: the same bits as the 128-row tiles (same K order per output); with them on (the rule's
+    tiles), the reference's values."""
     from moekit import settings
 
     T, k, G, F, D = shape
     x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, D, torch.bfloat16, w_kind, seed=7, device=cuda)
     got = []
-    for small in (False, True):
-        with settings.override(knobs={"SWIGLU_SMALL_TILES": small}):
+    for knobs in ({"SWIGLU_SMALL_TILES": False, "SWIGLU_PAIR": False},
+                  {"SWIGLU_SMALL_TILES": True, "SWIGLU_PAIR": False, "SWIGLU_FLATTEN": False},
+                  {"SWIGLU_SMALL_TILES": True}):  # fmt: skip
+        with settings.override(knobs=knobs):
             got.append(grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws))
     ok = _valid_rows(gi, T)
     assert torch.equal(got[0][ok], got[1][ok])
     want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
     assert_close(got[1][ok].float(), want[ok].float(), tol=1e-2)
+    assert_close(got[2][ok].float(), want[ok].float(), tol=1e-2)
 
 
 @pytest.mark.gpu

@@ -374,7 +374,7 @@ def _swiglu_tiled_kernel(
 SWIGLU_PAIR_MIN_ROWS = 128
 
 
-def swiglu_pair(M: int, G: int) -> bool:
+def swiglu_pair(M: int, G: int, small: bool = False) -> bool:
     """Whether the tiled kernel takes its gate and up tiles through one descriptor of the weights
     viewed ``[G, 2, F, K]`` and one m64n256 MMA instead of two m64n128 (``PAIR``; the sm_90
     compile keeps the reshaped tile in shared memory): knob ``SWIGLU_PAIR`` (True / False), else
@@ -383,12 +383,13 @@ def swiglu_pair(M: int, G: int) -> bool:
     547.3 / 1262.2 -> 535.9 / 1231.6, FP8 369.5 / 931.7 -> 363.2 / 905.5; DeepSeek-V3 TP8
     (T=2048: 64 rows) bf16 1159.7 / 2231.3 -> 1156.0 / 2192.0, FP8 737.8 / 1694.5 -> 732.7 /
     1664.7; but Qwen3 at T=1024 (64 rows per expert, K = 2048) bf16 470.8 -> 532.1, FP8 286.0 ->
-    316.5 (run 5)."""
+    316.5 (run 5). ``small``: the tile is ``swiglu_tiled_config``'s 64-row one, paired at any size
+    (session 29: the 64-row paired tiles on the fused loop, Qwen3 T=1024 bf16 473.5 -> 461.9 µs)."""
     pinned = settings.get().knob("SWIGLU_PAIR", None)
     if pinned is not None:
         return bool(pinned)
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
-    return M >= SWIGLU_PAIR_MIN_ROWS * hits
+    return M >= SWIGLU_PAIR_MIN_ROWS * hits or small
 
 
 def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int) -> GemmConfig:
@@ -399,21 +400,29 @@ def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int
     ``sweep_swiglu.py``: e.g. Qwen3-30B bf16 T=8192 788 µs vs 1038-1300)."""
     block_n = min(128, max(16, next_pow2(F)))
     block_k = 128 if elem == 1 else (64 if elem == 2 else 32)
-    # Knob SWIGLU_SMALL_TILES (off until measured): below 192 rows per expert 64-row tiles, the
-    # grouped GEMM's rule. Each expert's last row tile is partly empty: at 64 rows per expert
+    # Knob SWIGLU_SMALL_TILES (default: the rule below): below 192 rows per expert 64-row tiles,
+    # the grouped GEMM's rule. Each expert's last row tile is partly empty: at 64 rows per expert
     # (Qwen3-30B T=1024, DeepSeek-V3 TP8 T=2048) 128-row tiles hold 50% routed rows, 64-row ones
     # 68-69% (scripts/tile_use.py); session 22's sweep had 64 x 128 x 4 stages 2.5-5% faster on
     # this stage in 4 of 5 cells.
-    # Knob SWIGLU_FLATTEN (off): the tile loop fused into the K loop (one software pipeline across
-    # tiles). sm_90 compile (session 29): 16-bit tiles and FP8 64 x 128 x 4 stages without spills,
+    # Knob SWIGLU_FLATTEN (default: the 64-row tiles only): the tile loop fused into the K loop (one
+    # software pipeline across tiles). sm_90 compile (session 29): 16-bit tiles and FP8 64 x 128 x 4 stages without spills,
     # FP8 128 x 128 x 3 paired tiles spill 168 bytes (so FP8 128-row tiles never take it). H100,
     # session 29, sweep_swiglu.py (the kernel alone, bf16, µs): Qwen3-30B T=1024 312.3 -> 302.6
     # (128 x 128 paired) / 304.9 (64 x 128 paired), T=2048 348.9 -> 345.5 / 341.9; DeepSeek-V3 TP8
     # T=1024 693.7 -> 685.0 / 685.6, T=2048 711.0 -> 703.5 / 713.3.
-    flatten = bool(settings.get().knob("SWIGLU_FLATTEN", False))
-    if settings.get().knob("SWIGLU_SMALL_TILES", False) and M < 192 * hits:
-        return GemmConfig("tiled", 64, block_n, block_k, 4, 8, flatten=flatten)
-    return GemmConfig("tiled", 128, block_n, block_k, 3, 8, flatten=flatten and elem != 1)
+    # The rule (session 29, H100, layer from logits, same call, µs: 128 x 128 x 3 tiles -> 64 x 128
+    # x 4 paired tiles on the fused loop): below 192 rows per expert, where K < 4F (not DeepSeek-V3
+    # TP8's deep, narrow gate/up: T=1024 1063.4 -> 1089.0 bf16, 614.3 -> 623.3 FP8), the small
+    # tiles, paired (``swiglu_pair``), on the fused loop: Qwen3-30B bf16 T = 1024 / 2048 473.5 /
+    # 535.1 -> 461.9 / 526.7, FP8 284.8 / 365.2 -> 272.1 / 360.8.
+    s = settings.get()
+    small = s.knob("SWIGLU_SMALL_TILES", None)
+    if small is None:
+        small = K < 4 * F
+    if small and M < 192 * hits:
+        return GemmConfig("tiled", 64, block_n, block_k, 4, 8, flatten=bool(s.knob("SWIGLU_FLATTEN", True)))
+    return GemmConfig("tiled", 128, block_n, block_k, 3, 8, flatten=bool(s.knob("SWIGLU_FLATTEN", False)) and elem != 1)
 
 
 # Float32 accumulator elements of one FP8 gate/up GEMV program (gate and up tiles each
@@ -533,7 +542,7 @@ def grouped_gemm_swiglu(
         x_block = [cfg.block_m, cfg.block_k]
         x_tma = use_tma and gather_indices is None and _tma_ok(x, tuple(x_block))
         x_arg = _descriptor(x, x_block) if x_tma else x
-        pair = use_tma and w13.is_contiguous() and swiglu_pair(M, G)
+        pair = use_tma and w13.is_contiguous() and swiglu_pair(M, G, cfg.block_m == 64)
         if pair:
             w_arg = _descriptor(w13.view(G, 2, F, K), [1, 2, cfg.block_n, cfg.block_k])
         launch(_swiglu_tiled_kernel)[(max(1, min(tiles, sms)),)](
