@@ -459,7 +459,8 @@ def test_small_tiles_knob_rule_and_sm90_compile():
     """Knob ``SWIGLU_SMALL_TILES``: the tiled kernel takes 64-row tiles (4 stages, the fused tile
     loop) below 192 rows per expert (Qwen3-30B T = 1024 and 2048, DeepSeek-V3 TP8 T=2048) and
     128-row tiles above (T=8192); off, 128 rows everywhere; by default (the rule) where K < 4F:
-    Qwen3's, not DeepSeek's deep, narrow gate/up. Its 64 x 128 paired tiles on the fused loop,
+    Qwen3's, not DeepSeek's deep, narrow gate/up, and rows read by index only. Its 64 x 128 paired
+    tiles on the fused loop,
     bf16 and FP8, compile for sm_90 with no stack frame, weights through TMA descriptors as on the
     GPU."""
     from moekit import settings
@@ -477,6 +478,8 @@ def test_small_tiles_knob_rule_and_sm90_compile():
         with settings.override(knobs={"SWIGLU_SMALL_TILES": False}):
             assert all(swiglu_config(M, F, K, G, fp8, elem, 132).block_m == 128 for M, F, K, G in cases)
         assert [swiglu_config(M, F, K, G, fp8, elem, 132).block_m for M, F, K, G in cases] == [64, 64, 128, 128]
+        # rows given in order (the gathered copy through TMA): 128-row tiles by default
+        assert all(swiglu_config(M, F, K, G, fp8, elem, 132, by_index=False).block_m == 128 for M, F, K, G in cases)
     records = compile_launches(
         """
         from moekit import settings

@@ -392,7 +392,7 @@ def swiglu_pair(M: int, G: int, small: bool = False) -> bool:
     return M >= SWIGLU_PAIR_MIN_ROWS * hits or small
 
 
-def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int) -> GemmConfig:
+def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int, by_index: bool = True) -> GemmConfig:
     """Tensor-core tiles for many rows per expert: 128 rows x 128 columns of each half (gate and
     up: two accumulators, the registers of a 128 x 256 tile), three stages (~147 KB). Measured
     best or within 3% of the best of 64x128 s4, 128x64 s4, 64x64 s4 and 128x128 s2 on every model
@@ -412,14 +412,17 @@ def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int
     # (128 x 128 paired) / 304.9 (64 x 128 paired), T=2048 348.9 -> 345.5 / 341.9; DeepSeek-V3 TP8
     # T=1024 693.7 -> 685.0 / 685.6, T=2048 711.0 -> 703.5 / 713.3.
     # The rule (session 29, H100, layer from logits, same call, µs: 128 x 128 x 3 tiles -> 64 x 128
-    # x 4 paired tiles on the fused loop): below 192 rows per expert, where K < 4F (not DeepSeek-V3
-    # TP8's deep, narrow gate/up: T=1024 1063.4 -> 1089.0 bf16, 614.3 -> 623.3 FP8), the small
-    # tiles, paired (``swiglu_pair``), on the fused loop: Qwen3-30B bf16 T = 1024 / 2048 473.5 /
-    # 535.1 -> 461.9 / 526.7, FP8 284.8 / 365.2 -> 272.1 / 360.8.
+    # x 4 paired tiles on the fused loop): below 192 rows per expert, rows read by index
+    # (``by_index``), where K < 4F, the small tiles, paired (``swiglu_pair``), on the fused loop:
+    # Qwen3-30B bf16 T = 1024 / 2048 471.2 / 534.5 -> 460.8 / 526.7, FP8 285.8 / 364.5 -> 272.7 /
+    # 358.0 (run 5; run 4: 473.5 / 535.1 -> 461.9 / 526.7, 284.8 / 365.2 -> 272.1 / 360.8). Not
+    # DeepSeek-V3 TP8's deep, narrow gate/up (run 4, T=1024: bf16 1063.4 -> 1089.0, FP8 614.3 ->
+    # 623.3), nor the gathered rows through TMA (run 5: gpt-oss-120b bf16 T=2048 2353.9 -> 2501.6;
+    # Mixtral-8x7B bf16 T=512 1244.7 -> 1200.7).
     s = settings.get()
     small = s.knob("SWIGLU_SMALL_TILES", None)
     if small is None:
-        small = K < 4 * F
+        small = by_index and K < 4 * F
     if small and M < 192 * hits:
         return GemmConfig("tiled", 64, block_n, block_k, 4, 8, flatten=bool(s.knob("SWIGLU_FLATTEN", True)))
     return GemmConfig("tiled", 128, block_n, block_k, 3, 8, flatten=bool(s.knob("SWIGLU_FLATTEN", False)) and elem != 1)
@@ -463,17 +466,19 @@ def swiglu_gemv_config(M: int, F: int, K: int, w_elem: int, sms: int) -> GemmCon
 
 
 @functools.lru_cache(maxsize=4096)
-def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_elem: int = 0) -> GemmConfig:
+def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_elem: int = 0,
+                  by_index: bool = True) -> GemmConfig:  # fmt: skip
     """The grouped GEMM's rules for an ``[M, F]`` output (GEMV when rows rarely share an expert,
     else streaming), with pipelines resized for two weight tiles per stage. ``elem``: bytes of the
     MMA operands (x's), ``w_elem``: of the weights the GEMV streams (default ``elem``). Cached per
-    shape (cleared when the settings change: ``settings.on_change``)."""
+    shape (cleared when the settings change: ``settings.on_change``). ``by_index``: the rows are
+    read from the token matrix by index (else given in order)."""
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     if use_gemv(M, hits):
         return swiglu_gemv_config(M, F, K, w_elem or elem, sms)
     cfg = heuristic_config(M, F, K, G, fp8, elem, sms, persist=False)  # no persistent stream loop here
     if cfg.kind != "stream":  # many rows per expert: persistent tensor-core tiles
-        return swiglu_tiled_config(M, F, K, hits, elem, sms)
+        return swiglu_tiled_config(M, F, K, hits, elem, sms, by_index)
     if fp8 or settings.get().knob("BF16_STREAM_SWIGLU", True):
         # FP8 rows (the sorted pipeline's, knob FP8_STREAM_SWIGLU) and 16-bit ones (knob
         # BF16_STREAM_SWIGLU; before it, the tile below): the plain GEMM's streaming tile over the
@@ -517,7 +522,8 @@ def grouped_gemm_swiglu(
     x = _unit_last(x)
     w13 = _unit_last(w13)
     sms = num_sms(x.device)
-    cfg = config or swiglu_config(M, F, K, G, fp8_x, x.element_size(), sms, w_elem=w13.element_size())
+    cfg = config or swiglu_config(M, F, K, G, fp8_x, x.element_size(), sms, w_elem=w13.element_size(),
+                                  by_index=gather_indices is not None)  # fmt: skip
     ph = torch.empty((1,), dtype=torch.int32, device=x.device)
     optional = [t if t is not None else ph for t in (gather_indices, x_scale, w_scale, row_scales)]
     flags = dict(
