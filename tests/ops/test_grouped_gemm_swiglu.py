@@ -460,9 +460,8 @@ def test_small_tiles_knob_rule_and_sm90_compile():
     loop) below 192 rows per expert (Qwen3-30B T = 1024 and 2048, DeepSeek-V3 TP8 T=2048) and
     128-row tiles above (T=8192); off, 128 rows everywhere; by default (the rule) where K < 4F:
     Qwen3's, not DeepSeek's deep, narrow gate/up, and rows read by index only. Its 64 x 128 paired
-    tiles on the fused loop,
-    bf16 and FP8, compile for sm_90 with no stack frame, weights through TMA descriptors as on the
-    GPU."""
+    tiles on the fused loop, bf16 and FP8, compile for sm_90 with no stack frame, weights through
+    TMA descriptors as on the GPU."""
     from moekit import settings
     from moekit.ops._triton.gg_swiglu import swiglu_config
     from tests.ops._sm90 import assert_all_compiled, compile_launches
