@@ -106,7 +106,7 @@ class Settings:
     #                                     before the K loop too, where the operands are)        False
     #   EARLY_EPI_MAX_K                   grouped_gemm (longest K of a tiled tile loading early)  1024
     #   SWIGLU_SMALL_TILES                gg_swiglu (64-row paired tiled tiles below 192
-    #                                     rows/expert; default where K < 4F)                    rule
+    #                                     rows/expert; default: rows by index, K < 4F)          rule
     #   BF16_STREAM_SWIGLU                experts + gg_swiglu (16-bit sorted pipeline's gate/up
     #                                     GEMM fused at streaming sizes, as FP8_STREAM_SWIGLU)   True
     #   TILED_MIN_ROWS                    grouped_gemm (tiled kernel from, rows per expert; default

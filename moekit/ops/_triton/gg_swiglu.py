@@ -405,12 +405,12 @@ def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int
     # (Qwen3-30B T=1024, DeepSeek-V3 TP8 T=2048) 128-row tiles hold 50% routed rows, 64-row ones
     # 68-69% (scripts/tile_use.py); session 22's sweep had 64 x 128 x 4 stages 2.5-5% faster on
     # this stage in 4 of 5 cells.
-    # Knob SWIGLU_FLATTEN (default: the 64-row tiles only): the tile loop fused into the K loop (one
-    # software pipeline across tiles). sm_90 compile (session 29): 16-bit tiles and FP8 64 x 128 x 4 stages without spills,
-    # FP8 128 x 128 x 3 paired tiles spill 168 bytes (so FP8 128-row tiles never take it). H100,
-    # session 29, sweep_swiglu.py (the kernel alone, bf16, µs): Qwen3-30B T=1024 312.3 -> 302.6
-    # (128 x 128 paired) / 304.9 (64 x 128 paired), T=2048 348.9 -> 345.5 / 341.9; DeepSeek-V3 TP8
-    # T=1024 693.7 -> 685.0 / 685.6, T=2048 711.0 -> 703.5 / 713.3.
+    # Knob SWIGLU_FLATTEN (default: the 64-row tiles only): the tile loop fused into the K loop
+    # (one software pipeline across tiles). sm_90 compile (session 29): 16-bit tiles and FP8 64 x
+    # 128 x 4 stages without spills, FP8 128 x 128 x 3 paired tiles spill 168 bytes (so FP8 128-row
+    # tiles never take it). H100, session 29, sweep_swiglu.py (the kernel alone, bf16, µs):
+    # Qwen3-30B T=1024 312.3 -> 302.6 (128 x 128 paired) / 304.9 (64 x 128 paired), T=2048 348.9
+    # -> 345.5 / 341.9; DeepSeek-V3 TP8 T=1024 693.7 -> 685.0 / 685.6, T=2048 711.0 -> 703.5 / 713.3.
     # The rule (session 29, H100, layer from logits, same call, µs: 128 x 128 x 3 tiles -> 64 x 128
     # x 4 paired tiles on the fused loop): below 192 rows per expert, rows read by index
     # (``by_index``), where K < 4F, the small tiles, paired (``swiglu_pair``), on the fused loop:
