@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moekit import reference as ref
+from moekit import settings
 from moekit.ops import shuffle_top_k
 
 # (name, E, top_k)
@@ -130,6 +131,9 @@ def test_plan_and_support():
     assert _topk_rows_plan(64, 128, 8) == (16, False, 64, 1)  # four sub-tiles of 16 in one program
     assert _topk_rows_plan(65, 128, 8)[1:] == (True, 16, 5)
     assert _topk_rows_plan(16384, 128, 8)[1:] == (True, 256, 64)
+    with settings.override(knobs={"TOPK_ROWS_BLOCKS": 1024}):  # one sub-tile per block
+        assert _topk_rows_plan(16384, 128, 8)[1:] == (True, 16, 1024)
+    assert _topk_rows_plan(16384, 128, 8)[1:] == (True, 256, 64)  # the cached plan follows the knob
     assert topk_rows_supported(16384, 512, 16) and not topk_rows_supported(1, 513, 1)
     assert not topk_rows_supported(1, 16, 17) and not topk_rows_supported(0, 16, 2)
     assert not topk_rows_supported(2**20, 128, 8)  # 16384 tokens x 8 per block: past the packed rank
@@ -180,6 +184,23 @@ def test_interp_split_path(s):
     start, end = E // 8, E - 1
     want = ref.shuffle_top_k(ids, w, E, expert_index_start=start, expert_index_end=end)
     check(_kernel(ids, w, E, start, end), want, f"{s[0]} T={T}")
+
+
+@pytest.mark.interpreter
+def test_interp_split_path_many_blocks():
+    """Knob ``TOPK_ROWS_BLOCKS``: blocks of one sub-tile each, their counts scanned by the
+    column-scan launch (``FUSED_SCAN_MAX`` pinned low) rather than by the placing programs: the
+    reference's layout, bit for bit."""
+    from moekit.ops._triton.route import _topk_rows_plan
+
+    E, k = 128, 8
+    bt = _topk_rows_plan(1 << 20, E, k)[0]
+    T = 5 * bt + 3
+    ids, w = choice(T, E, k, seed=4, dup=0.2, bad=0.05)
+    with settings.override(knobs={"TOPK_ROWS_BLOCKS": 1024, "FUSED_SCAN_MAX": 16}):
+        assert _topk_rows_plan(T, E, k)[1:] == (True, bt, 6)
+        got = _kernel(ids, w, E)
+    check(got, ref.shuffle_top_k(ids, w, E), f"T={T}")
 
 
 @pytest.mark.interpreter

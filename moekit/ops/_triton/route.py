@@ -538,14 +538,21 @@ TOPK_ROWS_FUSED_TILES = 4
 def _topk_rows_plan(T: int, E: int, top_k: int) -> tuple[int, bool, int, int]:
     """(sub-tile tokens, split, tokens per block, blocks) of ``shuffle_top_k`` for ``[T, top_k]``
     ids over ``E`` experts. Sub-tiles hold about ``ROUTE_TILE`` (token, expert) counts and at most
-    4096 (token, slot, slot) comparisons."""
+    4096 (token, slot, slot) comparisons; blocks of a power of two sub-tiles, about
+    ``SPLIT_TARGET`` of them (knob ``TOPK_ROWS_BLOCKS``: another target; the router's split path
+    went faster with up to 1024 blocks, session 14, and at 16384 tokens 64 blocks of 16 serial
+    sub-tiles leave half the SMs idle: 160-243 µs against torch's 130-168, H200 session 11)."""
     block_e = max(16, next_pow2(E))
     k_pad = next_pow2(top_k)
     bt = max(1, min(next_pow2(max(T, 1)), ROUTE_TILE // block_e, 4096 // (k_pad * k_pad)))
     if T <= TOPK_ROWS_FUSED_TILES * bt:
         return bt, False, max(T, 1), 1
-    tpb = max(bt, next_pow2(cdiv(T, SPLIT_TARGET)))
+    tpb = max(bt, next_pow2(cdiv(T, settings.get().knob("TOPK_ROWS_BLOCKS", SPLIT_TARGET))))
     return bt, True, tpb, cdiv(T, tpb)
+
+
+# Knobs feed the plan: a change drops its cached choices.
+settings.on_change(_topk_rows_plan.cache_clear)
 
 
 def topk_rows_supported(T: int, E: int, top_k: int) -> bool:
