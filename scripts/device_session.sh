@@ -61,8 +61,10 @@ run_lanes() {
         script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py
         env_var="BENCH_ENV_$b${tag:+_$tag}"  # environment for this entry, e.g. BENCH_ENV_layer_nopdl="MOEKIT_PDL=0"
         lim=$((t-10)); [ -n "${LANE_MAX_S:-}" ] && [ "$LANE_MAX_S" -lt "$lim" ] && lim=$LANE_MAX_S
-        CUDA_VISIBLE_DEVICES=$gpu timeout $lim env ${!env_var:-} python3 "$script" ${QUICK:+--quick} ${!extra_var:-} \
-          > "$RES/bench_$b${tag:+_$tag}.log" 2>&1
+        # JSON rows per entry (json_<name>[_<tag>]/): tagged lanes of one benchmark write the same
+        # file name, and the last one used to overwrite the others' rows.
+        CUDA_VISIBLE_DEVICES=$gpu MOEKIT_BENCH_DIR="$RES/json_$b${tag:+_$tag}" timeout $lim env ${!env_var:-} \
+          python3 "$script" ${QUICK:+--quick} ${!extra_var:-} > "$RES/bench_$b${tag:+_$tag}.log" 2>&1
         echo "== bench_$entry on GPU $gpu rc=$? at $((SECONDS - start))s" >> "$RES/lane$gpu.txt"
       done
     ) &
