@@ -50,7 +50,7 @@ def registers(cubin):
 
 
 def compile_one(kernel, args, kwargs):
-    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in kwargs}
     names = kernel.arg_names
     # Parameters left out take their default (e.g. an optional constexpr flag).
     values = list(args) + [kwargs[n] if n in kwargs else kernel.params[len(args) + j].default
