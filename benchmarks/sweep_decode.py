@@ -25,10 +25,6 @@ the expected number hit by uniform random routing, ``E * (1 - (1 - k/E)^T)``):
   lists;
 - ``worst_rel`` / ``worst``: the alternatives' largest deviation from the sorted pipeline's output
   (max abs over max abs, the first routing): an alternative that computes something else shows;
-- ``--early 0,2:128``: one column per variant of launch 2 that routes its token before the PDL
-  wait (``decode._decode_combine_kernel``): ``E pre[:maxnreg]``, the default combine tiles with
-  ``pre`` weight tiles preloaded (0-2) and an optional register cap; ``E -1`` is the default
-  kernel (knob ``DECODE_EARLY_TILES``); also timed twice;
 - ``--sets N``: rotate N routings instead of 8 (1: the same experts every call);
 - for FP8, ``sorted_old_gemv``: the sorted pipeline with the gate/up GEMV's 16-bit tile rule (knob
   ``SWIGLU_GEMV_FP8_WAVE`` off).
@@ -161,7 +157,6 @@ def main() -> int:
     ap.add_argument("--alts", action="store_true", help="time the combine's alternatives (two passes)")
     ap.add_argument("--alts-gemv", action="store_true", help="time the routing GEMV's alternatives")
     ap.add_argument("--tiles", default="", help="only these alternatives, e.g. B8x256x3,A4x512x4x4")
-    ap.add_argument("--early", default="", help="launch 2 routed before its PDL wait: pre[:maxnreg],...")
     ap.add_argument("--sets", type=int, default=SETS, help="routings rotated per timing (default 8)")
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
@@ -206,16 +201,10 @@ def main() -> int:
                 if a.alts_gemv:
                     alts += [("A", decode_swiglu_config(M, s.F, s.D, elem, sms) + (False,))] + _gemv_alternatives(fp8)
                 alts += tiles
-                cc = combine_config(T, s.D, s.F, kp, elem, sms)
-                for item in (i for i in a.early.split(",") if i.strip()):
-                    pre, _, regs = item.partition(":")
-                    alts.append(("E", tuple(cc) + (4, int(pre), 1, int(regs or 0))))
                 alts += [(f"{w}#2", cfg) for w, cfg in reversed(alts)]  # the second pass, reversed
                 if alts:
                     for which, cfg in alts:
                         name = f"{which[0]} " + "x".join(map(str, cfg)) + which[1:]
-                        if which[0] == "E":
-                            name = f"E {cfg[4]}" + (f":{cfg[6]}" if cfg[6] else "") + which[1:]
                         A, B = (cfg, None) if which[0] == "A" else (None, cfg)  # "A#2": the second pass
                         try:
                             row[name] = bench_us([lambda st=st: _fused(c, st, out, A, B) for st in c["sets"]],

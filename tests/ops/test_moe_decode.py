@@ -124,55 +124,6 @@ def test_interp_lazy_routing_gives_the_same_bits(routing):
         assert torch.equal(a, b)
 
 
-def _early_vs_default(x, logits, w13, w2, kw, k, configs, other=None, on_input=False):
-    """Launch 2 after launch 1 on ``logits``: the default combine's output, then each early
-    configuration's (routed again before the PDL wait from ``other`` if given: launch 1's experts
-    then differ from its own, and it must stream launch 1's). Returns (want, [got...])."""
-    from moekit.ops._triton import decode as dec
-    from moekit.ops._triton.gg_combine import grouped_gemm_combine
-
-    E, twoF, D = w13.shape
-    F = twoF // 2
-    T = x.shape[0]
-    s13, s2 = kw["w13_scale_e2F"], kw["w2_scale_eD"]
-    r = (k, kw["score_func"], kw["renormalize"], kw["n_group"], kw["topk_group"])
-    bias = kw["e_score_correction_bias"]
-    z, ids, rw = dec.decode_swiglu(x, logits, bias, w13.reshape(-1, D), None if s13 is None else s13.reshape(-1), F,
-                                   *r, kw["routed_scaling_factor"], on_input)  # fmt: skip
-    ws = None if s2 is None else s2.reshape(-1)
-    prev = torch.randn(T, D, generator=torch.Generator().manual_seed(7)).bfloat16().to(x.device)
-    want = prev.clone()
-    grouped_gemm_combine(z, w2.reshape(-1, F), ids, None, want, None if on_input else rw, ws, top_k=k)
-    got = []
-    for cfg in configs:
-        out = prev.clone()
-        dec.decode_combine(z, ids, rw, w2.reshape(-1, F), ws, out, logits if other is None else other, bias, *r,
-                           on_input, True, cfg)  # fmt: skip
-        got.append(out)
-    return want, got
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("routing", list(ROUTINGS))
-@pytest.mark.parametrize("w_kind", ["bf16", "fp8"])
-def test_interp_early_combine_gives_the_default_bits(routing, w_kind):
-    """Launch 2 routed before its PDL wait (``_decode_combine_kernel``, 0-2 weight tiles
-    preloaded; whole and masked F tiles) adds the default combine's bits; where launch 1's experts
-    are not the ones it routed (other logits than launch 1's) it streams launch 1's, to the same
-    bits."""
-    T, E, D, F = 2, 16, 32, 24
-    k = 1 if routing == "sigmoid" else 4
-    x, logits, w13, w2, kw = _case(T, E, D, F, k, routing, w_kind, seed=13)
-    configs = [(8, bf, 2, 4, pre) for bf in (8, 16) for pre in (0, 1, 2)]
-    other = torch.randn(T, E, generator=torch.Generator().manual_seed(99))
-    for lg in (None, other):
-        want, got = _early_vs_default(x, logits, w13, w2, kw, k, configs, lg, on_input=routing == "sigmoid")
-        for cfg, g in zip(configs, got):
-            assert torch.equal(g, want), (cfg, lg is None)
-    with pytest.raises(ValueError, match="0 to 2 weight tiles"):
-        _early_vs_default(x, logits, w13, w2, kw, k, [(8, 8, 2, 4, 3)])
-
-
 @pytest.mark.interpreter
 def test_interp_accumulates_into_out_and_stores_without_reading():
     T, E, D, F, k = 2, 8, 32, 16, 2
@@ -346,34 +297,11 @@ def test_gpu_matches_reference_and_sorted_pipeline(name, w_kind, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_SHAPES))
 @pytest.mark.parametrize("w_kind", ["bf16", "fp8"])
-@pytest.mark.parametrize("T", [1, 4])
-def test_gpu_early_combine_gives_the_default_bits(name, w_kind, T):
-    """On the GPU too (the default tiles of each model, 0-2 preloaded tiles, with and without a
-    128-register cap): the default combine's bits, also where launch 1 routed otherwise."""
-    from moekit.ops._common import num_sms
-    from moekit.ops._triton.gg_combine import combine_config
-
-    x, logits, w13, w2, kw, k = _gpu_case(name, T, w_kind, seed=T + 20)
-    E, D, F = w13.shape[0], w13.shape[2], w2.shape[2]
-    cc = tuple(combine_config(T, D, F, k, w2.element_size(), num_sms(x.device)))
-    configs = [cc + (4, pre, 1, regs) for pre in (0, 1, 2) for regs in (0, 128)]
-    other = torch.randn(T, E, device="cuda")
-    for lg in (None, other):
-        want, got = _early_vs_default(x, logits, w13, w2, kw, k, configs, lg)
-        for cfg, g in zip(configs, got):
-            assert torch.equal(g, want), (name, w_kind, T, cfg, lg is None)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("w_kind", ["bf16", "fp8"])
-@pytest.mark.parametrize("early", [-1, 0, 2])
-def test_gpu_moe_forward_graph_replays_new_routing_bitwise(w_kind, early):
+def test_gpu_moe_forward_graph_replays_new_routing_bitwise(w_kind):
     """moe_forward at T=1 of Qwen3-30B's shapes takes moe_decode (auto) where ``decode_fused``
-    says so; captured in a CUDA graph (PDL between the launches) it follows new logits: each
-    replay gives the bits of an eager call on the same inputs, and the reference within bf16
-    rounding; with launch 2 routed before its PDL wait (``early`` >= 0) too."""
+    says so; captured in a CUDA graph it follows new logits: each replay gives the bits of an
+    eager call on the same inputs, and the reference within bf16 rounding."""
     from moekit.layers.experts import decode_fused
     from moekit.layers.functional import RoutingConfig, moe_forward
 
@@ -381,7 +309,7 @@ def test_gpu_moe_forward_graph_replays_new_routing_bitwise(w_kind, early):
     E = logits.shape[1]
     cfg = RoutingConfig(top_k=k, score_func="softmax", renormalize=True, apply_router_weight_on_input=False)
     scales = dict(w13_scale_e2F=kw["w13_scale_e2F"], w2_scale_eD=kw["w2_scale_eD"])
-    with settings.override(decode_fused="on", knobs={"DECODE_EARLY_TILES": early}):
+    with settings.override(decode_fused="on"):
         assert decode_fused(k, E, k, w_kind == "fp8")
         fwd = lambda: moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **scales)  # noqa: E731
         fwd()
@@ -454,7 +382,6 @@ def test_kernels_compile_without_spills_for_sm90():
     records = compile_launches(
         """
         from moekit.ops._triton import decode as DEC
-        from moekit.ops._triton.gg_combine import combine_config
         m = "meta"
         for E, D, F, k, ng in ((128, 2048, 768, 8, None), (256, 7168, 256, 8, 8), (128, 2880, 2880, 4, None),
                                (16, 5120, 1024, 1, None)):
@@ -472,18 +399,11 @@ def test_kernels_compile_without_spills_for_sm90():
                     DEC.moe_decode(x, lg, b, w13, w2, s13, s2, out, k, "sigmoid" if ng else "softmax", True, ng,
                                    4 if ng else None, 2.5, False, False,
                                    DEC.decode_swiglu_config(k, F, D, 1 if fp8 else 2, 132) + (lazy,))
-                z = torch.empty(k, F, dtype=torch.bfloat16, device=m)
-                ids = torch.empty(k, dtype=torch.int32, device=m)
-                rw = torch.empty(k, device=m)
-                cc = tuple(combine_config(1, D, F, k, 1 if fp8 else 2, 132))
-                for pre in (0, 2):  # launch 2 routed before its PDL wait
-                    DEC.decode_combine(z, ids, rw, w2, s2, out, lg, b, k, "sigmoid" if ng else "softmax", True, ng,
-                                       4 if ng else None, False, False, cc + (4, pre))
         """,
         ["moekit.ops._triton.decode", "moekit.ops._triton.gg_combine"],
     )
-    assert_all_compiled(records, 48)
-    assert {r["kernel"] for r in records} == {"_decode_swiglu_kernel", "_combine_kernel", "_decode_combine_kernel"}
+    assert_all_compiled(records, 32)
+    assert {r["kernel"] for r in records} == {"_decode_swiglu_kernel", "_combine_kernel"}
     assert all(not r["stack"] for r in records), [(r["kernel"], r["stack"]) for r in records]
     # The FP8 GEMV's tile rule (gg_swiglu._fp8_gemv_config) counts on 4096-weight tiles fitting 4
     # programs per SM (<= 128 registers at 4 warps): the grid then runs in one wave.

@@ -30,23 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
-from moekit.ops._triton.gg_combine import (
-    _combine_stream,
-    _combine_w_tile,
-    _combine_z_tile,
-    combine_config,
-    grouped_gemm_combine,
-)
+from moekit.ops._triton.gg_combine import grouped_gemm_combine
 from moekit.ops._triton.gg_swiglu import _gate_up_scales, _gemv_pair, _swiglu_store, swiglu_gemv_config
 from moekit.ops._triton.route_select import SCORE_CODES, _select_topk
-
-# Launch 2 (knob ``DECODE_EARLY_TILES``): -1 ``gg_combine._combine_kernel``, which loads launch 1's
-# experts after its PDL wait and only then its weights; 0-2 ``_decode_combine_kernel``, which routes
-# the token itself before the wait and preloads that many weight tiles.
-DECODE_EARLY_TILES = -1
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -133,110 +121,6 @@ def _decode_swiglu_kernel(
                   False, HAS_WS, WEIGHT_IN)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["T"])
-def _decode_combine_kernel(
-    z_ptr,
-    w_ptr,
-    out_ptr,
-    ids_ptr,
-    rw_ptr,
-    ws_ptr,
-    logits_ptr,
-    bias_ptr,
-    T,
-    N,
-    F,
-    E,
-    stride_zm,
-    stride_wn,
-    stride_om,
-    stride_lt,
-    stride_le,
-    TOPK: tl.constexpr,
-    K_PAD: tl.constexpr,
-    SCORE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr,
-    NG: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    HAS_RW: tl.constexpr,
-    HAS_WS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-    EVEN_F: tl.constexpr,
-    STAGES: tl.constexpr,
-    PRE: tl.constexpr,
-    REDO_STAGES: tl.constexpr,
-    ACCUM: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,
-):
-    """Launch 2 of ``moe_decode`` with its prologue ahead of launch 1's end: ``_combine_kernel``'s
-    token-major program (token ``t``, a ``BLOCK_N`` slice of ``out[t]``) that, before its PDL
-    wait, routes token t itself (the experts launch 1 chose, but for a rounding tie), loads the
-    chosen experts' weight scales and the first ``PRE`` (0-2) weight tiles. It reads nothing
-    launch 1 writes before the wait: the logits and bias were complete before launch 1 let this
-    grid be scheduled (launch 1 waits for them first), the weights are constant. After the wait
-    only z, launch 1's experts and weights are loaded; where launch 1's experts differ from the
-    ones routed here (scores within a rounding of each other), the whole stream runs again with
-    launch 1's, so the output is always ``_combine_kernel``'s, bit for bit."""
-    pid = tl.program_id(0)
-    t = pid % T
-    nb = pid // T
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    slots = tl.arange(0, K_PAD)
-    slot_ok = slots < TOPK
-    bias = tl.zeros([BLOCK_E], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    l = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + cols[None, :] * stride_le, mask=col_ok[None, :], other=0.0)
-    _, _, ids, _, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, tl.full((1,), 1, tl.int1),
-                                   1.0, TOPK, SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, 1, BLOCK_E, TOPK - 1, False)  # fmt: skip
-    e = tl.sum(ids, axis=0)  # [K_PAD]: the one row's experts in slot order
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    col = e.to(tl.int64)[:, None] * N + offs_n[None, :]
-    cmask = slot_ok[:, None] & n_mask[None, :]
-    post = tl.where(cmask, 1.0, 0.0)
-    if HAS_WS:
-        post = post * tl.load(ws_ptr + col, mask=cmask, other=0.0)
-    w_rows = w_ptr + (col * stride_wn)[:, :, None]
-    if PRE >= 1:
-        w0 = _combine_w_tile(w_rows, cmask, 0, F, BLOCK_F, EVEN_F)
-    if PRE >= 2:
-        w1 = _combine_w_tile(w_rows, cmask, BLOCK_F, F, BLOCK_F, EVEN_F)
-    pdl_prologue(USE_PDL)
-    rows = t.to(tl.int32) * TOPK + slots
-    first = tl.load(ids_ptr + rows, mask=slot_ok, other=0)
-    z_rows = z_ptr + (rows.to(tl.int64) * stride_zm)[:, None]
-    rw = tl.full((K_PAD,), 1.0, tl.float32)
-    if HAS_RW:
-        rw = tl.load(rw_ptr + rows, mask=slot_ok, other=0.0).to(tl.float32)
-    o_ptrs = out_ptr + t.to(tl.int64) * stride_om + offs_n
-    prev = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if ACCUM:
-        prev = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_F), dtype=tl.float32)
-    if PRE >= 1:
-        z0 = _combine_z_tile(z_rows, slot_ok, 0, F, BLOCK_F, EVEN_F)
-        acc += w0.to(tl.float32) * z0.to(tl.float32)[:, None, :]
-    if PRE >= 2:
-        z1 = _combine_z_tile(z_rows, slot_ok, BLOCK_F, F, BLOCK_F, EVEN_F)
-        acc += w1.to(tl.float32) * z1.to(tl.float32)[:, None, :]
-    acc = _combine_stream(acc, w_rows, z_rows, cmask, slot_ok, PRE * BLOCK_F, F, BLOCK_F, EVEN_F, STAGES)
-    if tl.max(tl.where(slot_ok & (first != e), 1, 0), axis=0) > 0:  # launch 1 chose otherwise: its experts
-        col = first.to(tl.int64)[:, None] * N + offs_n[None, :]
-        post = tl.where(cmask, 1.0, 0.0)
-        if HAS_WS:
-            post = post * tl.load(ws_ptr + col, mask=cmask, other=0.0)
-        acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_F), dtype=tl.float32)
-        acc = _combine_stream(acc, w_ptr + (col * stride_wn)[:, :, None], z_rows, cmask, slot_ok, 0, F, BLOCK_F,
-                              EVEN_F, REDO_STAGES)  # fmt: skip
-    y = tl.sum(tl.sum(acc, axis=2) * (post * rw[:, None]), axis=0)
-    tl.store(o_ptrs, (prev + y).to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
 def decode_swiglu_config(M: int, F: int, D: int, w_elem: int, sms: int) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, STAGES, warps)`` of the routing GEMV for ``M`` rows: the gate/up
     GEMV's (``gg_swiglu.swiglu_gemv_config``)."""
@@ -318,58 +202,8 @@ def moe_decode(
         return
     z, ids, rw = decode_swiglu(x, logits, bias, w13, w13_scale, int(w2.shape[1]), top_k, score_func, renormalize,
                                n_group, topk_group, scale, weight_on_input, swiglu_cfg)  # fmt: skip
-    decode_combine(z, ids, rw, w2, w2_scale, out, logits, bias, top_k, score_func, renormalize, n_group,
-                   topk_group, weight_on_input, accumulate, combine_cfg)  # fmt: skip
+    grouped_gemm_combine(z, w2, ids, None, out, None if weight_on_input else rw, w2_scale, config=combine_cfg,
+                         top_k=top_k, accumulate=accumulate)  # fmt: skip
 
 
-def decode_combine(
-    z: torch.Tensor,
-    ids: torch.Tensor,
-    rw: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: Optional[torch.Tensor],
-    out: torch.Tensor,
-    logits: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    top_k: int,
-    score_func: str,
-    renormalize: bool,
-    n_group: Optional[int],
-    topk_group: Optional[int],
-    weight_on_input: bool,
-    accumulate: bool,
-    config: Optional[tuple] = None,
-) -> None:
-    """Launch 2: ``out[t] (+)= sum_j rw[t*K+j] * (z[t*K+j] @ w2_{ids[t*K+j]}.T)`` (launch 1's
-    token-major rows). ``config``: ``(BLOCK_N, BLOCK_F, STAGES[, warps[, early]])`` (default
-    ``gg_combine.combine_config``'s, 4 warps, ``early`` from the knob ``DECODE_EARLY_TILES``):
-    ``early`` -1 ``grouped_gemm_combine``; 0-2 ``_decode_combine_kernel`` (the token routed again
-    from ``logits`` before the PDL wait, that many weight tiles preloaded)."""
-    T, N = (int(d) for d in out.shape)
-    F = int(w2.shape[1])
-    k_pad = next_pow2(top_k)
-    cfg = tuple(config or combine_config(T, N, F, k_pad, w2.element_size(), num_sms(z.device)))
-    pre = int(cfg[4]) if len(cfg) > 4 else int(settings.get().knob("DECODE_EARLY_TILES", DECODE_EARLY_TILES))
-    if pre < 0:
-        grouped_gemm_combine(z, w2, ids, None, out, None if weight_on_input else rw, w2_scale, config=cfg[:4],
-                             top_k=top_k, accumulate=accumulate)  # fmt: skip
-        return
-    if pre > 2:
-        raise ValueError(f"moe_decode: the early combine preloads 0 to 2 weight tiles, got {pre}")
-    bn, bf, stages = cfg[:3]
-    warps = int(cfg[3]) if len(cfg) > 3 else 4
-    redo = int(cfg[5]) if len(cfg) > 5 else 1
-    regs = {"maxnreg": int(cfg[6])} if len(cfg) > 6 and int(cfg[6]) > 0 else {}
-    ph = torch.empty((1,), dtype=torch.float32, device=z.device)
-    E = int(logits.shape[1])
-    launch(_decode_combine_kernel)[(T * cdiv(N, bn),)](
-        z, w2, out, ids, rw, w2_scale if w2_scale is not None else ph, logits, bias if bias is not None else ph,
-        T, N, F, E, z.stride(0), w2.stride(0), out.stride(0), logits.stride(0), logits.stride(1),
-        TOPK=top_k, K_PAD=k_pad, SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-        NG=1 if n_group is None else int(n_group), TOPK_GROUP=int(topk_group or 1), BLOCK_E=max(16, next_pow2(E)),
-        HAS_RW=not weight_on_input, HAS_WS=w2_scale is not None, BLOCK_N=bn, BLOCK_F=bf, EVEN_F=F % bf == 0,
-        STAGES=stages, PRE=pre, REDO_STAGES=redo, ACCUM=bool(accumulate), num_warps=warps, num_stages=stages, **regs,
-    )  # fmt: skip
-
-
-__all__ = ["moe_decode", "decode_swiglu", "decode_combine", "decode_swiglu_config"]
+__all__ = ["moe_decode", "decode_swiglu", "decode_swiglu_config"]

@@ -30,38 +30,6 @@ from moekit.ops._triton.gg_config import widest_slice
 
 
 @triton.jit
-def _combine_w_tile(w_rows, cmask, f0, F, BLOCK_F: tl.constexpr, EVEN_F: tl.constexpr):
-    """The ``[K_PAD, BLOCK_N, BLOCK_F]`` weight tile at F offset ``f0`` (zeros where masked)."""
-    offs_f = f0 + tl.arange(0, BLOCK_F)
-    m = cmask[:, :, None]
-    if not EVEN_F:
-        m = m & (offs_f < F)[None, None, :]
-    return tl.load(w_rows + offs_f[None, None, :], mask=m, other=0.0)
-
-
-@triton.jit
-def _combine_z_tile(z_rows, r_ok, f0, F, BLOCK_F: tl.constexpr, EVEN_F: tl.constexpr):
-    """The ``[K_PAD, BLOCK_F]`` rows of z at F offset ``f0`` (zeros where masked)."""
-    offs_f = f0 + tl.arange(0, BLOCK_F)
-    m = r_ok[:, None]
-    if not EVEN_F:
-        m = m & (offs_f < F)[None, :]
-    return tl.load(z_rows + offs_f[None, :], mask=m, other=0.0)
-
-
-@triton.jit
-def _combine_stream(acc, w_rows, z_rows, cmask, r_ok, f_start, F, BLOCK_F: tl.constexpr, EVEN_F: tl.constexpr,
-                    STAGES: tl.constexpr):  # fmt: skip
-    """``acc [K_PAD, BLOCK_N, BLOCK_F]`` plus the elementwise products of the F tiles from
-    ``f_start`` on (float32, tile by tile in F order: the same bits whoever streams them)."""
-    for f0 in tl.range(f_start, F, BLOCK_F, num_stages=STAGES):
-        wt = _combine_w_tile(w_rows, cmask, f0, F, BLOCK_F, EVEN_F)
-        zt = _combine_z_tile(z_rows, r_ok, f0, F, BLOCK_F, EVEN_F)
-        acc += wt.to(tl.float32) * zt.to(tl.float32)[:, None, :]
-    return acc
-
-
-@triton.jit
 def _combine_kernel(
     z_ptr,
     w_ptr,
@@ -121,7 +89,16 @@ def _combine_kernel(
     w_rows = w_ptr + (col * stride_wn)[:, :, None]
     z_rows = z_ptr + (rows.to(tl.int64) * stride_zm)[:, None]
     acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_F), dtype=tl.float32)
-    acc = _combine_stream(acc, w_rows, z_rows, cmask, r_ok, 0, F, BLOCK_F, EVEN_F, STAGES)
+    for f0 in tl.range(0, F, BLOCK_F, num_stages=STAGES):
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        if EVEN_F:
+            wt = tl.load(w_rows + offs_f[None, None, :], mask=cmask[:, :, None], other=0.0)
+            zt = tl.load(z_rows + offs_f[None, :], mask=r_ok[:, None], other=0.0)
+        else:
+            f_ok = offs_f < F
+            wt = tl.load(w_rows + offs_f[None, None, :], mask=cmask[:, :, None] & f_ok[None, None, :], other=0.0)
+            zt = tl.load(z_rows + offs_f[None, :], mask=r_ok[:, None] & f_ok[None, :], other=0.0)
+        acc += wt.to(tl.float32) * zt.to(tl.float32)[:, None, :]
     y = tl.sum(tl.sum(acc, axis=2) * post, axis=0)
     tl.store(o_ptrs, (prev + y).to(out_ptr.dtype.element_ty), mask=n_mask)
 
