@@ -123,7 +123,7 @@ class Settings:
     #   SWIGLU_FLATTEN                    gg_swiglu (tiled tiles: the tile loop fused into the K
     #                                     loop; default the 64-row tiles only; FP8 128-row never) rule
     #   TOPK_ROWS_BLOCKS                  route (shuffle_top_k's split path: blocks aimed at,
-    #                                     a power of two sub-tiles each)                        64
+    #                                     a power of two sub-tiles each)                       256
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8

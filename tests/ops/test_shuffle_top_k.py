@@ -130,10 +130,13 @@ def test_plan_and_support():
     assert _topk_rows_plan(1, 128, 8) == (1, False, 1, 1)
     assert _topk_rows_plan(64, 128, 8) == (16, False, 64, 1)  # four sub-tiles of 16 in one program
     assert _topk_rows_plan(65, 128, 8)[1:] == (True, 16, 5)
-    assert _topk_rows_plan(16384, 128, 8)[1:] == (True, 256, 64)
+    assert _topk_rows_plan(16384, 128, 8)[1:] == (True, 64, 256)  # about TOPK_ROWS_TARGET blocks
+    assert _topk_rows_plan(16384, 8, 2)[1:] == (True, 128, 128)  # blocks of one 128-token sub-tile at least
     with settings.override(knobs={"TOPK_ROWS_BLOCKS": 1024}):  # one sub-tile per block
         assert _topk_rows_plan(16384, 128, 8)[1:] == (True, 16, 1024)
-    assert _topk_rows_plan(16384, 128, 8)[1:] == (True, 256, 64)  # the cached plan follows the knob
+    with settings.override(knobs={"TOPK_ROWS_BLOCKS": 64}):  # sessions 11-29
+        assert _topk_rows_plan(16384, 128, 8)[1:] == (True, 256, 64)
+    assert _topk_rows_plan(16384, 128, 8)[1:] == (True, 64, 256)  # the cached plan follows the knob
     assert topk_rows_supported(16384, 512, 16) and not topk_rows_supported(1, 513, 1)
     assert not topk_rows_supported(1, 16, 17) and not topk_rows_supported(0, 16, 2)
     assert not topk_rows_supported(2**20, 128, 8)  # 16384 tokens x 8 per block: past the packed rank

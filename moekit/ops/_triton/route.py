@@ -532,6 +532,13 @@ def route_and_shuffle(
 # shuffle_top_k: sub-tiles that one program takes in one launch (beyond: blocks of tokens side by
 # side, then the placing launch); ranks within a block must fit the packed 15 bits.
 TOPK_ROWS_FUSED_TILES = 4
+# shuffle_top_k's split path: token blocks aimed at (knob TOPK_ROWS_BLOCKS). H100, session 30 run 3,
+# `bench_routing.py --op shuffle_top_k` with 64 / 128 / 256 / 512 / 1024 / 2048, µs at T=16384:
+# E=128 k=8 108.2 / 71.7 / 74.1 / 73.7 / 75.7 / 75.6, E=256 k=8 204.8 / 119.4 / 123.7 / 124.1 /
+# 126.1 / 132.5, E=128 k=4 93.1 / 62.0 / 53.5 / 53.3 / 53.9 / 54.1, E=8 k=2 31.0 / 34.2 / 33.7 /
+# 33.6 / 33.5 / 33.4 (its blocks are 2 sub-tiles at 64, one from 128); at T=2048 E=256 k=8 33.6
+# -> 21.4-23.9, E=128 k=8 19.5 -> 15.3-15.6, E=128 k=4 17.3 -> 13.7, E=8 k=2 level.
+TOPK_ROWS_TARGET = 256
 
 
 @functools.lru_cache(maxsize=1024)
@@ -539,15 +546,15 @@ def _topk_rows_plan(T: int, E: int, top_k: int) -> tuple[int, bool, int, int]:
     """(sub-tile tokens, split, tokens per block, blocks) of ``shuffle_top_k`` for ``[T, top_k]``
     ids over ``E`` experts. Sub-tiles hold about ``ROUTE_TILE`` (token, expert) counts and at most
     4096 (token, slot, slot) comparisons; blocks of a power of two sub-tiles, about
-    ``SPLIT_TARGET`` of them (knob ``TOPK_ROWS_BLOCKS``: another target; the router's split path
-    went faster with up to 1024 blocks, session 14, and at 16384 tokens 64 blocks of 16 serial
-    sub-tiles leave half the SMs idle: 160-243 µs against torch's 130-168, H200 session 11)."""
+    ``TOPK_ROWS_TARGET`` of them (knob ``TOPK_ROWS_BLOCKS``). At 64 blocks (sessions 11-29) 16384
+    tokens left SMs idle behind 16 serial sub-tiles a block and ran slower than torch (H200,
+    session 11: 160-243 µs against 130-168)."""
     block_e = max(16, next_pow2(E))
     k_pad = next_pow2(top_k)
     bt = max(1, min(next_pow2(max(T, 1)), ROUTE_TILE // block_e, 4096 // (k_pad * k_pad)))
     if T <= TOPK_ROWS_FUSED_TILES * bt:
         return bt, False, max(T, 1), 1
-    tpb = max(bt, next_pow2(cdiv(T, settings.get().knob("TOPK_ROWS_BLOCKS", SPLIT_TARGET))))
+    tpb = max(bt, next_pow2(cdiv(T, settings.get().knob("TOPK_ROWS_BLOCKS", TOPK_ROWS_TARGET))))
     return bt, True, tpb, cdiv(T, tpb)
 
 
