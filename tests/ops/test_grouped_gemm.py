@@ -166,33 +166,6 @@ def test_interp_grouped_gemm(case, dtype):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float16, FP8], ids=["fp16", "fp8"])
-@pytest.mark.parametrize("case", [c for c in INTERP_CASES if c[5][0] == "tiled" and c[5][4]],
-                         ids=lambda c: f"M{c[0]}-G{c[1]}-N{c[2]}-K{c[3]}-{c[4]}")  # fmt: skip
-def test_interp_tiled_rows_through_a_descriptor_of_y(case, dtype):
-    """Knob ``GG_Y_TMA``: the tiled kernel's full tiles store through a TMA descriptor of y, a
-    group's partial tile through masked pointers (1), or every tile through a device-side
-    descriptor ending at its group's last row (2): the same bits as the masked stores, rows past
-    the groups untouched (groups of 0 rows, sizes past M, N not a multiple of the tile)."""
-    M, G, N, K, kind, (ck, bm, bn, bk, tma) = case
-    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=M + 2 * G)
-    ms = _sizes(kind, M, G, seed=M + 1)
-    fp8 = dtype == FP8
-    out_dt = torch.bfloat16 if fp8 else dtype
-    tri = _tri()
-    got = []
-    for on in (0, 1, 2):
-        rows = poison(torch.empty(M, N, dtype=out_dt))
-        with settings.override(knobs={"GG_Y_TMA": on}):
-            tri._launch(x, w, ms, xs if fp8 else None, ws if fp8 else None, None, None, None, None, True,
-                        _cfg(ck, bm, bn, bk, tma), M, N, K, G, fp8, out_dt, rows_out=rows)  # fmt: skip
-        n = _valid_rows(ms, M)
-        assert_poisoned(rows, slice(0, n), msg=f"rows past sum(m_sizes), GG_Y_TMA={on}")
-        got.append(rows[:n])
-    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
-
-
-@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, FP8, "w_only"], ids=["fp16", "fp8", "w_only"])
 @pytest.mark.parametrize("tma,x_tma,flatten", [(True, True, True), (True, False, True), (False, False, False)])
 @pytest.mark.parametrize("scatter", [False, True], ids=["rows", "scatter"])
@@ -1291,34 +1264,6 @@ def test_gpu_early_epilogue_same_bits(G, M, N, K, dtype, cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("G,M,N,K", [(128, 65536, 2048, 768), (256, 16384, 7168, 256), (16, 4133, 2080, 1024)])
-def test_gpu_tiled_rows_through_tma_same_bits(G, M, N, K, dtype, cuda):
-    """Knob ``GG_Y_TMA`` on the heuristic's tiled tiles (Qwen3-30B and DeepSeek-V3 TP8 down
-    projections at prefill; a ragged N): the stored rows bit for bit those of the masked stores,
-    rows past the groups untouched, inside a CUDA graph too."""
-    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=G + M + 1, device=cuda)
-    ms = random_m_sizes(M - 5, G, device=cuda)  # the last 5 rows belong to no group
-    tw = torch.rand(M, device=cuda) + 0.5
-    got = []
-    for knob in (0, 1, 2):
-        with settings.override(knobs={"GG_Y_TMA": knob}):
-            args = (x, w, ms, xs, ws, None, tw, None, None, True, None, M, N, K, G, dtype == FP8, torch.bfloat16)
-            run = lambda rows: _tri()._launch(*args, rows_out=rows)  # noqa: E731
-            y = poison(torch.empty(M, N, dtype=torch.bfloat16, device=cuda))
-            run(y)
-            assert_poisoned(y, slice(0, M - 5), msg=f"GG_Y_TMA={knob}")
-            g = torch.cuda.CUDAGraph()
-            yg = poison(torch.empty(M, N, dtype=torch.bfloat16, device=cuda))
-            with torch.cuda.graph(g):
-                run(yg)
-            g.replay()
-            assert torch.equal(yg[: M - 5], y[: M - 5]), knob
-        got.append(y[: M - 5])
-    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("G,M,N,K", [(16, 1, 5120, 1024), (128, 128, 2048, 768), (16, 4096, 2048, 1024)])
 @pytest.mark.parametrize("slab", [0, 512], ids=["plain", "slabs"])
 def test_gpu_scatter_add(G, M, N, K, dtype, slab, pin_knobs, cuda):
@@ -1569,19 +1514,18 @@ base = dict(x_ptr=t(M, K, dt=torch.float8_e4m3fn), w_ptr=t(G * N, K, dt=torch.fl
             bias_ptr=t(G * N), tw_ptr=t(M), idx_ptr=t(M, dt=torch.int32), M=M, N=N, K=K, G=G, T_OUT=64,
             stride_xm=K, stride_wn=K, stride_ym=N, HAS_MSIZES=True, FP8=True, HAS_BIAS=True, HAS_TW=True,
             SCATTER=True, W_ONLY=False, G_BLOCK=16)
-tiled = dict(base, y_desc=t(1, dt=torch.int32), Y_TMA=False)
 cases = {
     "gemv": dict(base, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, STAGES=5, USE_PDL=0),
     "stream": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False, EARLY_EPI=1,
                    USE_PDL=0),
     "stream_dst": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False,
                        EARLY_EPI=2, USE_PDL=0),
-    "tiled": dict(tiled, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+    "tiled": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
                   GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=0, N_SLAB=0, USE_PDL=0),
-    "tiled_dst": dict(tiled, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+    "tiled_dst": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
                       GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=2, N_SLAB=2,
                       USE_PDL=0),
-    "persist": dict(tiled, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
+    "persist": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
                     GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, EARLY_EPI=1, N_SLAB=0, USE_PDL=0),
 }
 out = {}

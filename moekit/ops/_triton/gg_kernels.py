@@ -119,21 +119,6 @@ def _epilogue_vectors(
 
 
 @triton.jit
-def _epilogue_value(acc, xs, ws, b, tw, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TW: tl.constexpr,
-                    W_ONLY: tl.constexpr):  # fmt: skip
-    """``acc`` scaled (FP8: x and w scales; ``W_ONLY``: the w scales), biased, weighted by token."""
-    if FP8:
-        acc = acc * xs[:, None] * ws[None, :]
-    if W_ONLY:
-        acc = acc * ws[None, :]
-    if HAS_BIAS:
-        acc = acc + b[None, :]
-    if HAS_TW:
-        acc = acc * tw[:, None]
-    return acc
-
-
-@triton.jit
 def _epilogue(
     acc,
     offs_m,
@@ -163,7 +148,15 @@ def _epilogue(
     follows pointers into called @triton.jit functions coarsely, and a store address computed from
     values another helper loaded (and returned) made it count every input pointer of the kernel as
     written; a load in the kernel's own body passes (tests/ops/test_grouped_gemm.py checks both)."""
-    val = _epilogue_value(acc, xs, ws, b, tw, FP8, HAS_BIAS, HAS_TW, W_ONLY).to(y_ptr.dtype.element_ty)
+    if FP8:
+        acc = acc * xs[:, None] * ws[None, :]
+    if W_ONLY:
+        acc = acc * ws[None, :]
+    if HAS_BIAS:
+        acc = acc + b[None, :]
+    if HAS_TW:
+        acc = acc * tw[:, None]
+    val = acc.to(y_ptr.dtype.element_ty)
     if SCATTER:
         if dst is None:
             dst = tl.load(idx_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
@@ -406,7 +399,6 @@ def _gg_tiled_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
-    y_desc,
     HAS_MSIZES: tl.constexpr,
     FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -426,7 +418,6 @@ def _gg_tiled_kernel(
     X_TMA: tl.constexpr,
     EARLY_EPI: tl.constexpr,
     N_SLAB: tl.constexpr = 0,
-    Y_TMA: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     """``SWAP_AB``: the MMA takes the weight tile as its left operand (``[BLOCK_N, BLOCK_M] = w @
@@ -437,10 +428,7 @@ def _gg_tiled_kernel(
     (``grouped_gemm.early_epilogue`` says for which tiles). ``N_SLAB`` (> 0): the tiles walk the
     output in column slabs of ``N_SLAB`` N tiles, every group's tiles of one slab before the next
     slab's (``grouped_gemm.n_slab_tiles``: a scatter-add whose ``[T, slab]`` destination stays in
-    L2 while every expert adds into it); 0: each group's tiles over all of N in turn. ``Y_TMA``
-    (stored rows, not ``SCATTER``): tiles whose rows are all their group's store through ``y_desc``
-    (a TMA descriptor of y, ``[BLOCK_M, BLOCK_N]`` boxes; columns past N clipped), a group's last,
-    partial tile through masked pointers (the box would write the next group's rows)."""
+    L2 while every expert adds into it); 0: each group's tiles over all of N in turn."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -516,21 +504,7 @@ def _gg_tiled_kernel(
                 offs_m, m_mask, offs_n, n_mask, g, N, xs_ptr, ws_ptr, bias_ptr, tw_ptr, FP8, HAS_BIAS, HAS_TW,
                 W_ONLY,
             )  # fmt: skip
-        if Y_TMA == 2:  # a device-side descriptor ending at the group's last row: one store, clipped
-            val = _epilogue_value(acc_mn, e_xs, e_ws, e_b, e_tw, FP8, HAS_BIAS, HAS_TW, W_ONLY)
-            y_tile = tl.make_tensor_descriptor(y_ptr, shape=[m_end, N], strides=[stride_ym, 1],
-                                               block_shape=[BLOCK_M, BLOCK_N])  # fmt: skip
-            y_tile.store([m0, n0], val.to(y_ptr.dtype.element_ty))
-        elif Y_TMA:
-            val = _epilogue_value(acc_mn, e_xs, e_ws, e_b, e_tw, FP8, HAS_BIAS, HAS_TW, W_ONLY)
-            val = val.to(y_ptr.dtype.element_ty)
-            if m0 + BLOCK_M <= m_end:
-                y_desc.store([m0, n0], val)
-            else:
-                ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-                tl.store(ptrs, val, mask=m_mask[:, None] & n_mask[None, :])
-        else:
-            _epilogue(
-                acc_mn, offs_m, m_mask, offs_n, n_mask, e_xs, e_ws, e_b, e_tw, y_ptr, stride_ym, idx_ptr, T_OUT,
-                FP8, HAS_BIAS, HAS_TW, SCATTER, W_ONLY, e_dst,
-            )  # fmt: skip
+        _epilogue(
+            acc_mn, offs_m, m_mask, offs_n, n_mask, e_xs, e_ws, e_b, e_tw, y_ptr, stride_ym, idx_ptr, T_OUT, FP8,
+            HAS_BIAS, HAS_TW, SCATTER, W_ONLY, e_dst,
+        )  # fmt: skip

@@ -244,8 +244,8 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         pps = persist_programs_per_sm(smem, cfg.warps, _PERSIST_REGS.get(key))
         grid = (max(1, min(upper, pps * sms)),)
         compiled = launch(_gg_tiled_kernel)[grid](
-            *args, ph, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m,
-            SWAP_AB=True, X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), N_SLAB=0, Y_TMA=0, **common,
+            *args, FAST_ACCUM=bool(fast_accum) or not fp8, FLATTEN=cfg.flatten, GROUP_M=cfg.group_m, SWAP_AB=True,
+            X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), N_SLAB=0, **common,
         )  # fmt: skip
         regs = getattr(compiled, "n_regs", None) if by_regs else None  # None in the interpreter or a trace
         if isinstance(regs, int) and regs > 0:
@@ -258,45 +258,18 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), **common)
     else:
         grid = (max(1, min(sms, upper)),)
-        y_tma = y_tma_tiles(scatter) if use_tma and _tma_ok(y, (bm, bn)) else 0
-        if y_tma == 2:
-            _scratch_allocator()
         launch(_gg_tiled_kernel)[grid](
             *args,
-            _descriptor(y, [bm, bn]) if y_tma == 1 else ph,  # (not y twice: see ``ph`` above)
             FAST_ACCUM=bool(fast_accum) or not fp8,
-            # (1: Triton's loop fusion fails on the branch between the two stores)
-            FLATTEN=cfg.flatten and y_tma != 1,
+            FLATTEN=cfg.flatten,
             GROUP_M=cfg.group_m,
             SWAP_AB=False,
             X_TMA=use_tma,  # every argument given: inductor's kernel analysis fills in no defaults
             EARLY_EPI=early_epilogue(cfg, fp8, False, K),
             N_SLAB=n_slab_tiles(cfg, N, scatter),
-            Y_TMA=y_tma,
             **common,
         )
     return None if scatter else y
-
-
-# The tiled kernel's stored rows through TMA (knob ``GG_Y_TMA``): 1 a host descriptor of y for the
-# full tiles (a group's last, partial tile through masked stores); 2 a device-side descriptor per
-# tile ending at its group's last row; 0 the warps' masked stores.
-GG_Y_TMA = 0
-
-
-def _scratch_allocator() -> None:
-    """Device-side tensor descriptors (``Y_TMA`` 2) live in a global scratch buffer that Triton
-    asks an allocator for at each launch: torch's caching allocator, unless one is set."""
-    import triton
-    from triton.runtime import _allocation
-
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-
-
-def y_tma_tiles(scatter: bool) -> int:
-    """The tiled kernel's ``Y_TMA`` (stored rows only; knob ``GG_Y_TMA``)."""
-    return 0 if scatter else int(settings.get().knob("GG_Y_TMA", GG_Y_TMA))
 
 
 def n_slab_tiles(cfg: GemmConfig, N: int, scatter: bool) -> int:
