@@ -186,6 +186,7 @@ def main() -> int:
     for shape in parse(args.shapes):
         print(f"#### {shape} ({time.time() - t0:.0f} s)", flush=True)
         table.update(tune([shape], log=lambda s: print(s, flush=True), which=args.candidates))
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)
     print(f"done in {time.time() - t0:.0f} s; table in {args.out}")
