@@ -46,24 +46,9 @@ DEFAULT = (
 )
 
 
-def two_per_sm_configs(elem: int) -> list[GemmConfig]:
-    """Tiled tiles two of which fit one SM (``pps=2``: registers and shared memory, sm_90 compile):
-    one program's MMAs run while the other's epilogue stores its tile."""
-    bk = 128 if elem == 1 else (64 if elem == 2 else 32)
-    tiles = ((64, 128, 3, 4, True), (64, 128, 3, 4, False), (64, 256, 2, 4, False), (128, 128, 2, 4, False),
-             (64, 128, 2, 4, True))  # fmt: skip
-    if elem == 2:
-        tiles += ((128, 128, 2, 8, True),)
-    return [GemmConfig("tiled", bm, bn, bk, st, wp, flatten=fl, pps=2) for bm, bn, st, wp, fl in tiles]
-
-
-def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int,
-                      which: str = "all") -> list[GemmConfig]:  # fmt: skip
-    """A dozen configurations around the heuristic's choice (same kind first, then the other);
-    ``which="pps2"``: the heuristic's, then ``two_per_sm_configs``."""
+def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> list[GemmConfig]:
+    """A dozen configurations around the heuristic's choice (same kind first, then the other)."""
     h = heuristic_config(M, N, K, G, fp8, elem, sms)
-    if which == "pps2":
-        return [h] + two_per_sm_configs(elem)
     kpow = max(16, next_pow2(K))
     out = [h]
     if h.persist:  # the same tiles one program per tile (MOEKIT_GG_STREAM_PERSIST=0)
@@ -115,8 +100,7 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
     return uniq
 
 
-def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "cuda", log=print,
-         which: str = "all") -> dict:  # fmt: skip
+def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "cuda", log=print) -> dict:
     """Time ``candidate_configs`` for each ``(M, N, K, G, dtype)`` in ``shapes`` (rows spread by
     a random routing) and return {config_key: best config}; written as JSON to ``path`` when
     given (point $MOEKIT_GG_TUNED at it, or save it as ``moekit/ops/_triton/grouped_gemm_tuned.json``)."""
@@ -135,7 +119,7 @@ def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "c
         xs = torch.rand(M, device=device) if fp8 else None
         ws = torch.rand(G * N, device=device) if fp8 else None
         best = None
-        for cfg in candidate_configs(M, N, K, G, fp8, x.element_size(), sms, which):
+        for cfg in candidate_configs(M, N, K, G, fp8, x.element_size(), sms):
             calls = [lambda ms=ms: grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, config=cfg) for ms in ms_sets]
             try:
                 t = bench_us(calls, replays=10)
@@ -175,8 +159,6 @@ def main() -> int:
     ap.add_argument("--shapes", default=DEFAULT)
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh (QUICK=1); no effect")
     ap.add_argument("--out", default=os.path.join(settings.get().bench_dir or ".", "gg_tuned.json"))
-    ap.add_argument("--candidates", choices=("all", "pps2"), default="all",
-                    help="pps2: the heuristic's configuration and tiled tiles two per SM only")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("sweep_gemm: needs a CUDA GPU; nothing to do on this machine.")
@@ -185,7 +167,7 @@ def main() -> int:
     table = {}
     for shape in parse(args.shapes):
         print(f"#### {shape} ({time.time() - t0:.0f} s)", flush=True)
-        table.update(tune([shape], log=lambda s: print(s, flush=True), which=args.candidates))
+        table.update(tune([shape], log=lambda s: print(s, flush=True)))
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)

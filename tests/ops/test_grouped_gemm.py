@@ -1264,25 +1264,6 @@ def test_gpu_early_epilogue_same_bits(G, M, N, K, dtype, cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("G,M,N,K", [(128, 16384, 2048, 768), (256, 16384, 7168, 256)])
-def test_gpu_tiled_two_programs_per_sm_same_bits(G, M, N, K, dtype, cuda):
-    """``GemmConfig.pps``: the tiled kernel's persistent grid with two programs per SM (tiles two
-    of which fit one SM) stores the bits of one program per SM, and the oracle's values."""
-    from dataclasses import replace
-
-    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=G + M + 3, device=cuda)
-    ms = random_m_sizes(M, G, device=cuda)
-    bk = 128 if dtype == FP8 else 64
-    for tile in ((64, 128, bk, 3, 4, True), (128, 128, bk, 2, 4, False)):
-        cfg = _tri().GemmConfig("tiled", *tile[:5], flatten=tile[5])
-        one = _tri().grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, config=cfg)
-        two = _tri().grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, config=replace(cfg, pps=2))
-        assert torch.equal(one, two), tile
-    assert_close(two.float(), _oracle(x, w, ms, x_scale=xs, w_scale=ws), tol=_tol(dtype))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("G,M,N,K", [(16, 1, 5120, 1024), (128, 128, 2048, 768), (16, 4096, 2048, 1024)])
 @pytest.mark.parametrize("slab", [0, 512], ids=["plain", "slabs"])
 def test_gpu_scatter_add(G, M, N, K, dtype, slab, pin_knobs, cuda):

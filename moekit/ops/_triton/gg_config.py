@@ -24,8 +24,7 @@ class GemmConfig:
     the swap-AB tiles on the persistent tiled kernel's tile loop (``flatten``: one software
     pipeline across tiles, so a tile's weight loads start during the previous tile's MMAs and
     epilogue; short K has 2-4 steps per tile), ``gg_stream_pps`` programs per SM; the heuristic's
-    choice for short K (``heuristic_config``). ``pps`` ("tiled" only): persistent programs per SM
-    (two: one's MMAs run while the other's epilogue stores its tile)."""
+    choice for short K (``heuristic_config``)."""
 
     kind: str
     block_m: int
@@ -38,7 +37,6 @@ class GemmConfig:
     flatten: bool = True
     x_tma: bool = False
     persist: bool = False
-    pps: int = 1
 
 
 def expected_groups_hit(M: int, G: int) -> float:

@@ -257,7 +257,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         grid = (max(1, min(min(G, M) * cdiv(N, bn), settings.get().gg_stream_pps * sms)),)
         launch(_gg_stream_kernel)[grid](*args, X_TMA=x_tma, EARLY_EPI=early_epilogue(cfg, fp8, True, K), **common)
     else:
-        grid = (max(1, min(max(1, cfg.pps) * sms, upper)),)
+        grid = (max(1, min(sms, upper)),)
         launch(_gg_tiled_kernel)[grid](
             *args,
             FAST_ACCUM=bool(fast_accum) or not fp8,
