@@ -25,8 +25,6 @@ the expected number hit by uniform random routing, ``E * (1 - (1 - k/E)^T)``):
   lists;
 - ``worst_rel`` / ``worst``: the alternatives' largest deviation from the sorted pipeline's output
   (max abs over max abs, the first routing): an alternative that computes something else shows;
-- ``--topk-modes 0,1,2``: one column per top-k of the routing GEMV (knob ``DECODE_TOPK_MODE``: 0
-  rounds, 1 ranks, 2 bitonic top-k) at its default tile, ``A ... x <1 + mode>``; also timed twice;
 - ``--sets N``: rotate N routings instead of 8 (1: the same experts every call);
 - for FP8, ``sorted_old_gemv``: the sorted pipeline with the gate/up GEMV's 16-bit tile rule (knob
   ``SWIGLU_GEMV_FP8_WAVE`` off).
@@ -159,7 +157,6 @@ def main() -> int:
     ap.add_argument("--alts", action="store_true", help="time the combine's alternatives (two passes)")
     ap.add_argument("--alts-gemv", action="store_true", help="time the routing GEMV's alternatives")
     ap.add_argument("--tiles", default="", help="only these alternatives, e.g. B8x256x3,A4x512x4x4")
-    ap.add_argument("--topk-modes", default="", help="the routing GEMV's top-k modes to time, e.g. 0,1,2")
     ap.add_argument("--sets", type=int, default=SETS, help="routings rotated per timing (default 8)")
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
@@ -204,8 +201,6 @@ def main() -> int:
                 if a.alts_gemv:
                     alts += [("A", decode_swiglu_config(M, s.F, s.D, elem, sms) + (False,))] + _gemv_alternatives(fp8)
                 alts += tiles
-                for mode in (int(v) for v in a.topk_modes.split(",") if v.strip()):
-                    alts.append(("A", decode_swiglu_config(M, s.F, s.D, elem, sms) + (1 + mode,)))
                 alts += [(f"{w}#2", cfg) for w, cfg in reversed(alts)]  # the second pass, reversed
                 if alts:
                     for which, cfg in alts:

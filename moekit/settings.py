@@ -122,8 +122,6 @@ class Settings:
     #                                     128 rows per expert)                                  rule
     #   SWIGLU_FLATTEN                    gg_swiglu (tiled tiles: the tile loop fused into the K
     #                                     loop; default the 64-row tiles only; FP8 128-row never) rule
-    #   DECODE_TOPK_MODE                  decode (moe_decode's routing GEMV's top-k: 0 K rounds
-    #                                     of row reductions, 1 ranks, 2 bitonic top-k)            0
     #   TOPK_ROWS_BLOCKS                  route (shuffle_top_k's split path: blocks aimed at,
     #                                     a power of two sub-tiles each)                       256
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
@@ -151,7 +149,7 @@ KNOBS = (
     "SWIGLU_GEMV_FP8_WAVE", "FP8_STREAM_SWIGLU", "GG_PERSIST_REGS", "ROUTE_QUANT", "GG_EARLY_EPI",
     "GG_EARLY_DST", "EARLY_EPI_MAX_K", "SWIGLU_SMALL_TILES", "BF16_STREAM_SWIGLU", "TILED_MIN_ROWS",
     "TILED_SHORT_K", "GG_N_SLAB", "GATHERED_SWIGLU",
-    "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS", "DECODE_TOPK_MODE",
+    "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS",
 )  # fmt: skip
 
 

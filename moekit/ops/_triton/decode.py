@@ -30,17 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_combine import grouped_gemm_combine
 from moekit.ops._triton.gg_swiglu import _gate_up_scales, _gemv_pair, _swiglu_store, swiglu_gemv_config
 from moekit.ops._triton.route_select import SCORE_CODES, _select_topk
-
-# The routing GEMV's top-k (knob ``DECODE_TOPK_MODE``): 0 K rounds of row reductions (up to each
-# program's own slot), 1 the experts' ranks from one comparison of every pair of keys, 2 Triton's
-# bitonic top-k of the keys.
-DECODE_TOPK_MODE = 0
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -98,12 +92,7 @@ def _decode_swiglu_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     l = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + cols[None, :] * stride_le, mask=col_ok[None, :], other=0.0)
-    if LAZY >= 2:  # every slot at once (2: the experts' ranks, 3: a bitonic top-k); weights as below
-        need_w = (nb == 0) | WEIGHT_IN
-        _, _, ids, w, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, row_ok, scale, TOPK,
-                                       SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, 1, BLOCK_E, TOPK - 1, need_w,
-                                       LAZY - 1)  # fmt: skip
-    elif LAZY:  # the weights (all K rounds) where stored or used; elsewhere rounds up to the own slot
+    if LAZY:  # the weights (all K rounds) where stored or used; elsewhere rounds up to the own slot
         need_w = (nb == 0) | WEIGHT_IN
         _, _, ids, w, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, row_ok, scale, TOPK,
                                        SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, 1, BLOCK_E,
@@ -156,11 +145,9 @@ def decode_swiglu(
     config: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch 1: ``(z [T*K, F], ids [T*K] int32, rw [T*K] float32)``, token-major rows.
-    ``config``: ``(BLOCK_N, BLOCK_K, STAGES, warps[, lazy])``; ``lazy`` (default 1, True): each
+    ``config``: ``(BLOCK_N, BLOCK_K, STAGES, warps[, lazy])``; ``lazy`` (default True): each
     program runs the routing rounds up to its own slot only and normalizes the weights only where
-    it stores or uses them (the same bits); 2 / 3 (knob ``DECODE_TOPK_MODE`` 1 / 2): every slot at
-    once, from the experts' ranks / a bitonic top-k of their keys (``route_select._select_topk``'s
-    ``RANK``), the same experts and weights. H200, session 18, moe_decode at T=1, two passes each:
+    it stores or uses them (the same bits). H200, session 18, moe_decode at T=1, two passes each:
     lazy 1.2-2.0 µs faster in 10 of 12 (model, tile) pairs (Qwen3-30B bf16 24.8 vs 26.3, DeepSeek-V3
     TP8 bf16 28.6 vs 29.9, gpt-oss-120b bf16 57.4 vs 59.0, Qwen3 FP8 19.6 vs 20.8), level in two."""
     T, D = (int(d) for d in x.shape)
@@ -174,7 +161,7 @@ def decode_swiglu(
         return z, ids, rw
     cfg = config or decode_swiglu_config(M, F, D, w13.element_size(), num_sms(dev))
     bn, bk, stages, warps = cfg[:4]
-    lazy = int(cfg[4]) if len(cfg) > 4 else 1 + int(settings.get().knob("DECODE_TOPK_MODE", DECODE_TOPK_MODE))
+    lazy = bool(cfg[4]) if len(cfg) > 4 else True
     ph = torch.empty((1,), dtype=torch.float32, device=dev)
     launch(_decode_swiglu_kernel)[(M * cdiv(F, bn),)](
         x, logits, bias if bias is not None else ph, w13, w13_scale if w13_scale is not None else ph, z, ids, rw,

@@ -58,42 +58,25 @@ def _group_mask(c, BT: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr, TOPK_GR
 @triton.jit
 def _select_topk(l, cols, col_ok, bias, slots, slot_ok, row_ok, scale, K: tl.constexpr, SCORE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 BT: tl.constexpr, BLOCK_E: tl.constexpr, last, weights, RANK: tl.constexpr = False):  # fmt: skip
+                 BT: tl.constexpr, BLOCK_E: tl.constexpr, last, weights):  # fmt: skip
     """A ``[BT, BLOCK_E]`` float32 logits tile to each token's choice: ``(key, thr, ids, w, ok)``,
     the unique selection keys, the K-th largest key per row (``key >= thr``: the chosen experts),
     the experts ``[BT, K_PAD]`` in slot order (value descending, expert ascending; 0 where not
     ``ok``), their float32 weights (normalized, scaled) and the valid (row, slot) mask. Shared by
     the routing launch and the fused decode GEMV (``moekit.ops._triton.decode``). ``last``: the
     last slot to find (``K - 1``: all; the decode GEMV may stop at its own, the later slots then
-    0 and ``thr`` that slot's key); ``weights`` False: the raw gathered scores, not normalized.
-    ``RANK`` (one row, ``BT == 1``; for the decode GEMV, whose programs all wait for their routing
-    before streaming) instead of K serial rounds of row reductions: 1 each expert's rank among the
-    row's keys (how many are larger) from one ``[BLOCK_E, BLOCK_E]`` comparison, the slots read off
-    the ranks; 2 Triton's bitonic top-k of the keys. The same experts (the keys are unique)."""
+    0 and ``thr`` that slot's key); ``weights`` False: the raw gathered scores, not normalized."""
     c, s = _scores(l, col_ok, bias, SCORE, HAS_BIAS)
     if NG > 1:
         c = _group_mask(c, BT, NG, BLOCK_E // NG, TOPK_GROUP)
     key = _score_keys(c, cols, True)
-    if RANK == 2:  # Triton's bitonic top-k of the row's keys
-        tl.static_assert(BT == 1, "_select_topk: RANK takes one row")
-        top = tl.topk(tl.sum(key, axis=0), slots.shape[0])  # [K_PAD] keys, descending
-        ids = (65535 - (top & 65535)).to(tl.int32)[None, :]
-        thr = tl.sum(tl.where(slots == K - 1, top, 0))[None]
-    elif RANK:
-        tl.static_assert(BT == 1, "_select_topk: RANK takes one row")
-        k1 = tl.sum(key, axis=0)  # [BLOCK_E]: the one row
-        rank = tl.sum((k1[None, :] > k1[:, None]).to(tl.int32), axis=1)
-        hit = rank[None, :] == slots[:, None]  # [K_PAD, BLOCK_E]
-        ids = tl.sum(tl.where(hit, cols[None, :], 0), axis=1).to(tl.int32)[None, :]
-        thr = tl.sum(tl.where(rank == K - 1, k1, 0))[None]
-    else:
-        # K rounds of "largest key below the previous one"; slot j gets round j's expert.
-        thr = tl.max(key, axis=1)
-        ids = tl.where(slots[None, :] == 0, (65535 - (thr & 65535)).to(tl.int32)[:, None], 0)
-        for j in tl.static_range(1, K):
-            if j <= last:
-                thr = _row_below(key, key, key, thr, 1, True)
-                ids = tl.where(slots[None, :] == j, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
+    # K rounds of "largest key below the previous one"; slot j gets round j's expert.
+    thr = tl.max(key, axis=1)
+    ids = tl.where(slots[None, :] == 0, (65535 - (thr & 65535)).to(tl.int32)[:, None], 0)
+    for j in tl.static_range(1, K):
+        if j <= last:
+            thr = _row_below(key, key, key, thr, 1, True)
+            ids = tl.where(slots[None, :] == j, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
     ok = row_ok[:, None] & slot_ok[None, :]
     ids = tl.where(ok, ids, 0)
     w = tl.gather(s, ids, 1)
