@@ -163,6 +163,22 @@ def _swiglu_gemv_kernel(
 
 
 @triton.jit
+def _gate_up_tiles(w_ptr, gate, F, gate_row0, up_row0, n_mask, offs_k, k_mask, k0, stride_wn,
+                   USE_TMA: tl.constexpr):  # fmt: skip
+    """One K step's ``[BLOCK_N, BLOCK_K]`` gate and up weight tiles: through the weights' TMA
+    descriptor (``w_ptr``; rows ``gate_row0`` / ``up_row0``) or masked pointers (rows ``gate`` /
+    ``gate + F``)."""
+    if USE_TMA:
+        wg = w_ptr.load([gate_row0, k0])
+        wu = w_ptr.load([up_row0, k0])
+    else:
+        wmask = n_mask[:, None] & k_mask[None, :]
+        wg = tl.load(w_ptr + gate[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+        wu = tl.load(w_ptr + (gate + F)[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+    return wg, wu
+
+
+@triton.jit
 def _swiglu_stream_kernel(
     x_ptr,
     w_ptr,
@@ -234,13 +250,8 @@ def _swiglu_stream_kernel(
             for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < K
-                if USE_TMA:
-                    wg = w_ptr.load([gate_row0, k0])
-                    wu = w_ptr.load([up_row0, k0])
-                else:
-                    wmask = n_mask[:, None] & k_mask[None, :]
-                    wg = tl.load(w_ptr + gate[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
-                    wu = tl.load(w_ptr + (gate + F)[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+                wg, wu = _gate_up_tiles(w_ptr, gate, F, gate_row0, up_row0, n_mask, offs_k, k_mask, k0, stride_wn,
+                                        USE_TMA)  # fmt: skip
                 x_t = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
                 if W_CAST:  # weight-only FP8: the weights in x's dtype, in registers
                     wg = wg.to(x_t.dtype)
@@ -340,13 +351,8 @@ def _swiglu_tiled_kernel(
                 else:
                     acc = tl.dot(a, tl.trans(wgu), acc, max_num_imprecise_acc=BLOCK_K)
             else:
-                if USE_TMA:
-                    wg = w_ptr.load([gate_row0, k0])
-                    wu = w_ptr.load([up_row0, k0])
-                else:
-                    wmask = n_mask[:, None] & k_mask[None, :]
-                    wg = tl.load(w_ptr + gate[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
-                    wu = tl.load(w_ptr + (gate + F)[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+                wg, wu = _gate_up_tiles(w_ptr, gate, F, gate_row0, up_row0, n_mask, offs_k, k_mask, k0, stride_wn,
+                                        USE_TMA)  # fmt: skip
                 if W_CAST:  # weight-only FP8: the weights in x's dtype, in registers
                     wg = wg.to(a.dtype)
                     wu = wu.to(a.dtype)
