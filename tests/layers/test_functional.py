@@ -553,6 +553,17 @@ def test_gpu_decode_and_sorted_pipelines_match_reference(name, fp8, T):
             assert_close(got.float(), want, tol=tol, msg=f"{name} T={T} {path} down={down}")
 
 
+def _prefill_case(name, fp8, seed):
+    """A prefill batch of about 64 rows per expert (the tiled kernel's range) for a model's shapes:
+    ``(shapes, T, weights, x, logits, the float32 layer's output)``."""
+    s = MODEL_SHAPES[name]
+    T = max(1024, 64 * s.E // s.top_k)
+    w = _gpu_weights(name, fp8)
+    x = torch.randn(T, s.D, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda").bfloat16()
+    logits = x.float() @ w["router_DE"].float()
+    return s, T, w, x, logits, _reference_hit(x, w, s, logits)
+
+
 @FULL_SIZE
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", DECODE_MODELS)
@@ -563,12 +574,7 @@ def test_gpu_sorted_prefill_fused_swiglu_matches_reference(name, fp8):
     from moekit import settings
     from moekit.layers.experts import _fused_swiglu
 
-    s = MODEL_SHAPES[name]
-    T = max(1024, 64 * s.E // s.top_k)  # about 64 rows per expert: the tiled kernel's range
-    w = _gpu_weights(name, fp8)
-    x = torch.randn(T, s.D, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda").bfloat16()
-    logits = x.float() @ w["router_DE"].float()
-    want = _reference_hit(x, w, s, logits)
+    s, T, w, x, logits, want = _prefill_case(name, fp8, seed=7)
     for fused in (True, False):
         with settings.override(sorted_swiglu=fused):
             # gpt-oss's and Scout's wide rows: the unfused GEMM's TMA tiles win (FUSED_SWIGLU_MIN_SAVING)
@@ -590,12 +596,7 @@ def test_gpu_gathered_swiglu_matches_reference(name, mode, fp8):
     from moekit import settings
     from moekit.layers.experts import _fused_swiglu, _gathered_swiglu
 
-    s = MODEL_SHAPES[name]
-    T = max(1024, 64 * s.E // s.top_k)  # about 64 rows per expert: the tiled kernel's range
-    w = _gpu_weights(name, fp8)
-    x = torch.randn(T, s.D, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda").bfloat16()
-    logits = x.float() @ w["router_DE"].float()
-    want = _reference_hit(x, w, s, logits)
+    s, T, w, x, logits, want = _prefill_case(name, fp8, seed=5)
     M, e = T * s.top_k, 1 if fp8 else 2
     outs = {}
     for knob in (0, mode):
