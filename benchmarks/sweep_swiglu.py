@@ -14,7 +14,7 @@ Per (model, T, dtype), µs per call (CUDA graphs, medians, inputs rotated past L
   ``experts._gathered_swiglu`` takes it;
 - one column per alternative tile ``BMxBN sS`` of the fused kernel (``fused``: its tile loop fused
   into the K loop; ``pair`` / ``two``: knob ``SWIGLU_PAIR`` pinned on / off, the gate and up rows in
-  one load and MMA or two), and where ``auto`` streams, per streaming alternative
+  one load and MMA or two; ``--tiles`` / ``--pairs`` pick the alternatives), and where ``auto`` streams, per streaming alternative
   ``stream BMxBNxBK sS``;
 - ``kernel_us`` / ``tma_kernel_us`` / ``gemm_us``: the kernels alone (FP8 rows quantized
   beforehand, no output quantization): ``grouped_gemm_swiglu`` reading the token rows by index,
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,6 +45,14 @@ STREAM = [(128, 64, 2), (128, 32, 4), (64, 64, 4), (64, 64, 6), (64, 128, 3), (3
 # (rows, columns, stages, fused tile + K loop)
 TILES = [(64, 128, 4, False), (128, 64, 4, False), (128, 128, 3, False), (64, 64, 4, False), (128, 128, 2, False),
          (128, 128, 3, True), (128, 128, 2, True), (64, 128, 4, True)]  # fmt: skip
+
+
+def _parse_tile(text: str) -> tuple:
+    """``BMxBN[xBK]sS[f]`` -> (rows, columns, K tile or 0 for the dtype's, stages, fused loop)."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?s(\d+)(f?)", text.strip())
+    if m is None:
+        raise SystemExit(f"--tiles: expected entries like 128x128s3f or 128x128x256s2, got {text!r}")
+    return int(m[1]), int(m[2]), int(m[3] or 0), int(m[4]), bool(m[5])
 
 
 def _case(model: str, T: int, fp8: bool, seed: int = 0) -> dict:
@@ -171,7 +180,16 @@ def main() -> int:
     ap.add_argument(
         "--no-alts", action="store_true", help="skip the tile alternatives (the stage and kernel columns only)"
     )
+    ap.add_argument(
+        "--tiles",
+        default="",
+        help="tiled alternatives instead of the built-in list: BMxBN[xBK]sS[f] entries, comma-separated "
+        "(BK defaults to 128 for FP8, 64 for bf16; f: tile loop fused into the K loop), e.g. 128x128s3f,128x128x256s2",
+    )
+    ap.add_argument("--pairs", default="two,pair", help="SWIGLU_PAIR per tiled alternative: two, pair or both")
     a = ap.parse_args()
+    tiles = [_parse_tile(t) for t in a.tiles.split(",") if t] or [(bm, bn, 0, st, fl) for bm, bn, st, fl in TILES]
+    pairs = [{"two": False, "pair": True}[p] for p in a.pairs.split(",") if p]
     if not torch.cuda.is_available():
         print("sweep_swiglu needs CUDA; nothing to do on this machine")
         return 0
@@ -202,12 +220,13 @@ def main() -> int:
                 row["fused_us"] = bench_us([lambda st=st: _fused(c, st) for st in c["sets"]], replays=10)
                 row["gathered_us"] = bench_us([lambda st=st: _gathered(c, st) for st in c["sets"]], replays=10)
                 row.update(_kernels(c))
-                bk = 128 if fp8 else 64
                 alts = [
-                    (f"{bm}x{bn} s{stages}{' fused' if flatten else ''} {'pair' if pair else 'two'}",
-                     GemmConfig("tiled", bm, bn, bk, stages, 8 if bm * bn >= 128 * 64 else 4, flatten=flatten),
+                    (f"{bm}x{bn}{f'x{bk}' if bk else ''} s{stages}{' fused' if flatten else ''} "
+                     f"{'pair' if pair else 'two'}",
+                     GemmConfig("tiled", bm, bn, bk or (128 if fp8 else 64), stages, 8 if bm * bn >= 128 * 64 else 4,
+                                flatten=flatten),
                      {"SWIGLU_PAIR": pair})
-                    for bm, bn, stages, flatten in ([] if a.no_alts else TILES) for pair in (False, True)
+                    for bm, bn, bk, stages, flatten in ([] if a.no_alts else tiles) for pair in pairs
                 ]  # fmt: skip
                 if cfg.kind == "stream" and not a.no_alts:
                     for bn, sk, stages in STREAM:
