@@ -29,6 +29,7 @@ Routing: uniform random top-k (the benchmark's models' shapes).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import sys
@@ -247,10 +248,13 @@ def main() -> int:
                             row[name] = bench_us([lambda st=st: _fused(c, st, alt) for st in c["sets"]], replays=10)
                     except Exception as exc:  # a tile that does not fit: keep the others
                         row[name] = f"{type(exc).__name__}"
+                del want, ok, st0, alts
+                c.clear()
+                gc.collect()  # reference cycles (a failed launch's traceback holds its frames' tensors)
+                torch.cuda.empty_cache()
+                row["gib_after"] = round(torch.cuda.memory_allocated() / 2**30, 2)  # what the case left behind
                 print(row, flush=True)
                 rows.append(row)
-                c.clear()
-                torch.cuda.empty_cache()
     print(markdown_table(rows))
     save_rows("sweep_swiglu", rows)
     return 0
