@@ -135,10 +135,18 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> floa
     return err
 
 
+def _expert_f32(w, e: int) -> torch.Tensor:
+    """Expert ``e`` of stacked weights in float32; ``w`` a tensor or ``(fp8 weights, row scales)``."""
+    if isinstance(w, tuple):
+        return w[0][e].float() * w[1][e][:, None]
+    return w[e].float()
+
+
 def _reference_routed(x, w13, w2, ids, weights, on_input):
-    """float32 routed-experts output for the given top-k (weights on input or output)."""
+    """float32 routed-experts output for the given top-k (weights on input or output); ``w13`` /
+    ``w2`` stacked weights or ``(fp8 weights, row scales)``, dequantized per expert."""
     T, D = x.shape
-    F = w2.shape[2]
+    F = (w2[0] if isinstance(w2, tuple) else w2).shape[2]
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1).long()
     wt = weights.reshape(-1).float()
@@ -148,8 +156,8 @@ def _reference_routed(x, w13, w2, ids, weights, on_input):
         xs = x[tok[sel]].float()
         if on_input:
             xs = xs * wt[sel, None]
-        h = xs @ w13[e].float().T
-        y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2[e].float().T
+        h = xs @ _expert_f32(w13, e).T
+        y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ _expert_f32(w2, e).T
         if not on_input:
             y = y * wt[sel, None]
         out.index_add_(0, tok[sel], y)
@@ -181,8 +189,10 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = Fals
         q = {"w13": w13q, "w13_scale": w13s, "w2": w2q, "w2_scale": w2s}
     w13 = q["w13"] if fp8 else w["w13_e2FD"]
     w2 = q["w2"] if fp8 else w["w2_eDF"]
-    deq13 = (q["w13"].float() * q["w13_scale"][..., None]) if fp8 else w["w13_e2FD"]
-    deq2 = (q["w2"].float() * q["w2_scale"][..., None]) if fp8 else w["w2_eDF"]
+    # The reference's weights: FP8 dequantized one expert at a time (``_reference_routed``), not
+    # whole (a float32 copy of Llama 4 Maverick's w13 is 43 GB).
+    deq13 = (q["w13"], q["w13_scale"]) if fp8 else w["w13_e2FD"]
+    deq2 = (q["w2"], q["w2_scale"]) if fp8 else w["w2_eDF"]
     mslk = try_import_mslk() if cuda else None
     mslk_ok = mslk is not None and s.top_k == 1 and s.score_func == "sigmoid" and s.E in (16, 32, 128, 320) and not fp8
     vllm = _vllm_harness() if cuda else None
@@ -190,6 +200,7 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = Fals
     tol = 8e-2 if fp8 else 2e-2
     reps = 5 if quick else 20
     rows = []
+    vq: list = []
     for T in tokens:
         g = torch.Generator(device="cpu").manual_seed(T)
         x0 = torch.randn(T, s.D, generator=g).to(dtype).to(device)
@@ -235,8 +246,10 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = Fals
         if vllm is not None and not on_input:
             try:
                 if fp8:
-                    v13, v13s = vllm.quantize_weight_per_channel_fp8(w["w13_e2FD"])
-                    v2, v2s = vllm.quantize_weight_per_channel_fp8(w["w2_eDF"])
+                    if not vq:  # vLLM's own per-channel FP8 weights, once per model (not per T)
+                        vq.extend(vllm.quantize_weight_per_channel_fp8(w["w13_e2FD"]))
+                        vq.extend(vllm.quantize_weight_per_channel_fp8(w["w2_eDF"]))
+                    v13, v13s, v2, v2s = vq
 
                     def theirs(st):
                         return vllm.vllm_moe_fp8(st["x"], v13, v13s, v2, v2s, st["tw"], st["ti"])

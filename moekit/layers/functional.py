@@ -46,11 +46,26 @@ def route(
     )  # fmt: skip
 
 
+# Float32 bytes of weights ``quantize_expert_weights`` converts per step.
+_QUANT_STEP_BYTES = 2**30
+
+
 def quantize_expert_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise FP8 of stacked expert weights ``[G, N, K]`` -> ``(w_fp8 [G, N, K], scale [G, N])``."""
+    """Row-wise FP8 of stacked expert weights ``[G, N, K]`` -> ``(w_fp8 [G, N, K], scale [G, N])``.
+    Computed in float32 a few experts at a time (at most ``_QUANT_STEP_BYTES`` of float32 per step; the rows are
+    independent, so the bits are those of one pass): one pass over Llama 4 Maverick's w13 would
+    take a 43 GB float32 copy."""
     from moekit.reference.quantize import quantize_rows
 
-    q, s = quantize_rows(w.float(), eps=1e-12)
+    if w.dim() != 3 or w.shape[0] <= 1:
+        return quantize_rows(w.float(), eps=1e-12)
+    per = max(1, _QUANT_STEP_BYTES // max(1, 4 * w[0].numel()))
+    if per >= w.shape[0]:
+        return quantize_rows(w.float(), eps=1e-12)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for e0 in range(0, w.shape[0], per):
+        q[e0 : e0 + per], s[e0 : e0 + per] = quantize_rows(w[e0 : e0 + per].float(), eps=1e-12)
     return q, s
 
 

@@ -107,6 +107,11 @@ MODEL_SHAPES: dict[str, ModelShape] = {
 }
 
 
+# Float32 bytes above which ``random_expert_weights`` draws a stacked GPU weight one expert at a
+# time (other values than one draw; no shape under it changes: gpt-oss-120b's w13 is 8.5 GB).
+_ONE_DRAW_BYTES = 16 * 2**30
+
+
 def random_expert_weights(
     shape: ModelShape | str,
     dtype: torch.dtype = torch.bfloat16,
@@ -131,6 +136,16 @@ def random_expert_weights(
         g.manual_seed(0 if seed is None else seed)
 
     def rnd(*dims: int, fan_in: int) -> torch.Tensor:
+        n = 1
+        for d in dims:
+            n *= d
+        if on_gpu and len(dims) == 3 and 4 * n > _ONE_DRAW_BYTES:
+            # One expert at a time: a single float32 draw of Llama 4 Maverick's w13 is 43 GB, and
+            # its scaled copy as much again (more than an 80 GB card holds).
+            out = torch.empty(*dims, dtype=dtype, device=device)
+            for e in range(dims[0]):
+                out[e] = (torch.randn(*dims[1:], generator=g, device=device) / fan_in**0.5).to(dtype)
+            return out
         t = torch.randn(*dims, generator=g, device=device if on_gpu else "cpu")
         return (t / fan_in**0.5).to(dtype).to(device)
 

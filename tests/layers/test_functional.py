@@ -134,6 +134,39 @@ def test_moe_forward_gpu_bf16(s, T):
     assert_close(got.float(), want.float(), dtype=torch.bfloat16, tol=2e-2)
 
 
+def test_quantize_expert_weights_in_steps_same_bits(monkeypatch):
+    """``quantize_expert_weights`` converts a few experts at a time (``_QUANT_STEP_BYTES``): the
+    bits and scales of one pass, for a step of one expert and of two (a partial last step)."""
+    from moekit.layers import functional
+    from moekit.reference.quantize import quantize_rows
+
+    w = (torch.randn(5, 48, 40, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
+    q0, s0 = quantize_rows(w.float(), eps=1e-12)
+    for step in (4 * 48 * 40, 2 * 4 * 48 * 40):
+        monkeypatch.setattr(functional, "_QUANT_STEP_BYTES", step)
+        q, sc = quantize_expert_weights(w)
+        assert q.dtype == torch.float8_e4m3fn and sc.shape == (5, 48)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(sc, s0)
+
+
+def test_layer_bench_reference_dequantizes_per_expert():
+    """The layer benchmark's float32 reference takes FP8 weights as (weights, row scales) and
+    dequantizes one expert at a time: the same output as the weights dequantized whole."""
+    from moekit.layer_bench import _reference_routed
+
+    g = torch.Generator().manual_seed(2)
+    E, F, D, T, k = 4, 16, 32, 6, 2
+    w13, w2 = torch.randn(E, 2 * F, D, generator=g), torch.randn(E, D, F, generator=g)
+    q13, s13 = quantize_expert_weights(w13)
+    q2, s2 = quantize_expert_weights(w2)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+    wts = torch.rand(T, k, generator=g)
+    whole = _reference_routed(x, q13.float() * s13[..., None], q2.float() * s2[..., None], ids, wts, False)
+    per = _reference_routed(x, (q13, s13), (q2, s2), ids, wts, False)
+    assert torch.equal(per, whole)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 1024])
 def test_moe_forward_gpu_fp8(T):

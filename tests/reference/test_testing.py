@@ -266,3 +266,26 @@ def test_assert_fp8_close_accepts_round_to_nearest_implementations():
         assert_fp8_close(torch.tensor([1.0, 2.0, 3.5, -4.0]).to(torch.float8_e4m3fn), ref_q)
     with pytest.raises(AssertionError, match="NaN"):
         assert_fp8_close(torch.tensor([1.0, float("nan"), 3.0, -4.0]).to(torch.float8_e4m3fn), ref_q)
+
+
+@pytest.mark.gpu
+def test_gpu_random_expert_weights_one_expert_at_a_time(monkeypatch):
+    """Stacked GPU weights past ``_ONE_DRAW_BYTES`` of float32 are drawn per expert (Llama 4
+    Maverick's w13 in one draw is 43 GB): same shapes and dtype, the same scale, experts that
+    differ, and the same values for the same seed."""
+    from moekit.testing import data
+
+    s = MODEL_SHAPES["tiny"]
+    whole = random_expert_weights(s, device="cuda", seed=3)
+    monkeypatch.setattr(data, "_ONE_DRAW_BYTES", 1024)
+    per = random_expert_weights(s, device="cuda", seed=3)
+    again = random_expert_weights(s, device="cuda", seed=3)
+    for k in ("w13_e2FD", "w2_eDF"):
+        assert per[k].shape == whole[k].shape and per[k].dtype == whole[k].dtype == torch.bfloat16
+        assert not torch.equal(per[k], whole[k])  # the chunked path ran
+        assert torch.equal(per[k], again[k])
+        assert not torch.equal(per[k][0], per[k][1])
+        fan_in = s.D if k == "w13_e2FD" else s.F
+        std = per[k].float().std().item() * fan_in**0.5
+        assert 0.9 < std < 1.1, (k, std)
+    assert torch.equal(per["router_DE"], whole["router_DE"])  # 2-D: one draw as before
