@@ -218,7 +218,9 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = Fals
         row: dict = {"model": model, "T": T, "dtype": "fp8" if fp8 else str(dtype).replace("torch.", "")}
         nbytes = sum(routed_bytes(s, route(st["logits"], cfg, bias)[0], cfg.top_k, fp8, dtype.itemsize, st["x"])
                      for st in sets) / n_sets  # fmt: skip
-        row["floor_us"] = floor_us(nbytes, 2 * T * s.top_k * 3 * s.D * s.F, fp8=fp8)
+        row["flops"] = 2 * T * s.top_k * 3 * s.D * s.F
+        row["bytes"] = nbytes  # what the floor counts (weights of the experts hit, x and out)
+        row["floor_us"] = floor_us(nbytes, row["flops"], fp8=fp8)
         ref0 = _reference_routed(sets[0]["x"], deq13, deq2, sets[0]["ti"], sets[0]["tw"], on_input)
 
         def ours(st, path=None, det=False):
