@@ -127,17 +127,28 @@ class _PdlLauncher:
 _DIRECT: dict = {}
 
 
+def _tracing() -> bool:
+    """Whether a launch now is being traced (torch.compile, or make_fx / export / fake tensors:
+    a dispatch mode is active), where a triton_op's kernels must go through ``wrap_triton``."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def launch(kernel: Any) -> Any:
-    """``kernel`` wrapped for ``torch.library.triton_op`` tracing (``wrap_triton``); launching it
-    outside a trace runs it directly, in the interpreter too. Kernels with a ``USE_PDL``
-    parameter get programmatic dependent launch where ``_pdl_ok``.
+    """``kernel`` wrapped for ``torch.library.triton_op`` tracing (``wrap_triton``) while a trace
+    runs (``_tracing``); otherwise the kernel itself, in the interpreter too. Kernels with a
+    ``USE_PDL`` parameter get programmatic dependent launch where ``_pdl_ok``.
 
     Where ``wrap_triton`` is off (an op's eager implementation: the dispatcher's backend call or
     ``call_op``'s direct one) its wrapper would only forward to ``kernel[grid]``: the kernel itself
-    (or its PDL launcher) is returned, made once per kernel, saving two wrapper objects per launch."""
+    (or its PDL launcher) is returned, made once per kernel, saving two wrapper objects per launch.
+    Outside a trace with it on (a private launcher called directly: benchmarks, sweeps, tests) the
+    wrapper would launch through torch's higher-order op, which files every call's non-tensor
+    arguments in a process-wide side table for good: a TMA descriptor there keeps its tensor alive
+    (session 31: ``sweep_swiglu.py`` kept every gathered row matrix it passed, 4 GiB per timed
+    case)."""
     from torch._library.triton import is_wrap_triton_enabled
 
-    if not is_wrap_triton_enabled():
+    if not is_wrap_triton_enabled() or not _tracing():
         d = _DIRECT.get(kernel)
         if d is None:
             pdl = "USE_PDL" in getattr(kernel, "arg_names", ())

@@ -90,3 +90,23 @@ def test_compiled_call_matches_eager():
     x = torch.randn(4, 8)
     fn = torch.compile(lambda t: ops.silu_mul(t[:, :4], t[:, 4:]), fullgraph=True, backend="eager")
     torch.testing.assert_close(fn(x), ops.silu_mul(x[:, :4], x[:, 4:]), rtol=0, atol=0)
+
+
+def test_private_launchers_launch_directly_outside_a_trace():
+    """A private launcher called outside a trace (benchmarks, sweeps) launches its kernel itself,
+    not through ``wrap_triton``'s higher-order op, which files every call's non-tensor arguments
+    (TMA descriptors and the tensors they hold among them) in a process-wide side table for good.
+    Under a trace (a dispatch mode: fake tensors, make_fx, export) the wrapper is used."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from moekit.ops._common import _DIRECT, _tracing, launch
+    from moekit.ops._triton.gg_swiglu import _swiglu_tiled_kernel
+
+    assert not _tracing()
+    with set_wrap_triton_enabled(True):
+        first = launch(_swiglu_tiled_kernel)
+        assert first is launch(_swiglu_tiled_kernel) is _DIRECT[_swiglu_tiled_kernel]
+        with FakeTensorMode():
+            assert _tracing()
+            traced = launch(_swiglu_tiled_kernel)
+        assert traced is not first  # a fresh wrapper of wrap_triton's kernel (its PDL launcher)

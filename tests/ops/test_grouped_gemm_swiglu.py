@@ -729,3 +729,32 @@ def test_none_x_is_a_type_error(fn):
     args = (None, w, ms) if fn != "grouped_gemm_fp8_rowwise" else (None, w, ms, None, None)
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got NoneType"):
         getattr(ops, fn)(*args)
+
+
+@pytest.mark.gpu
+def test_gpu_private_launcher_keeps_no_reference_to_its_rows():
+    """``grouped_gemm_swiglu``'s launcher called directly (as the sweeps do) on rows in order,
+    read through a TMA descriptor: no reference to the rows outlives the call, and torch's kernel
+    side table does not grow (session 31: every call's descriptor stayed there with its rows)."""
+    import gc
+    import sys
+
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from moekit.ops._triton.gg_swiglu import grouped_gemm_swiglu as launcher
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    G, F, K, per = 4, 128, 256, 256
+    x = torch.randn(G * per, K, generator=g, device="cuda").bfloat16()
+    w13 = (torch.randn(G * 2 * F, K, generator=g, device="cuda") / 16).bfloat16()
+    m = torch.full((G,), per, dtype=torch.int32, device="cuda")
+    launcher(x, w13, m, None, None, None, None)  # compile outside the count
+    torch.cuda.synchronize()
+    gc.collect()
+    refs, table = sys.getrefcount(x), len(kernel_side_table.constant_args)
+    for _ in range(3):
+        launcher(x, w13, m, None, None, None, None)
+    torch.cuda.synchronize()
+    gc.collect()
+    assert sys.getrefcount(x) == refs
+    assert len(kernel_side_table.constant_args) == table
