@@ -10,10 +10,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# results_table.py renders RESULTS.md from JSON rows: no GPU involved (tested below).
-SCRIPTS = sorted(
-    f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f != "results_table.py"
-)
+# results_table.py renders RESULTS.md from JSON rows and acceptance.py checks them against the
+# issues' bars: no GPU involved (tested below).
+CPU_TOOLS = ("results_table.py", "acceptance.py")
+SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f not in CPU_TOOLS)
 
 
 @pytest.mark.reference
@@ -128,3 +128,52 @@ def test_isolate_stages_times_every_stage_alone_and_in_place():
     gemms = [r for r in rows if r["op"].startswith("grouped_gemm")]
     assert all(r["alone_us"] > 0 and r["random_m_sizes_us"] > 0 and r["rand_xw_us"] > 0 for r in gemms), gemms
     assert all(isinstance(r["in_place_us"], float) and r["layer_us"] > 0 for r in rows)
+
+
+def _acceptance():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import acceptance
+    finally:
+        sys.path.pop(0)
+    return acceptance
+
+
+@pytest.mark.reference
+def test_acceptance_verdicts():
+    """``acceptance.py``: a bar met, missed, or asking for less time than the card's floor."""
+    acc = _acceptance()
+    ceilings = {"read": 3.0, "bf16_matmul": 700.0, "fp8_matmul": 1300.0}
+
+    def card(T):
+        nbytes, flops = acc.cell_bytes_flops("qwen3-30b-a3b", T, False)
+        return max(nbytes / 3.0e6, flops / 700e6)
+
+    q = {"model": "qwen3-30b-a3b", "dtype": "bfloat16"}
+    rows = [
+        dict(q, T=1, floor_us=17.8, moekit_us=23.0, vllm_us=30.0),  # floor + 6 = 23.8; 0.8x vLLM = 24
+        dict(q, T=4, floor_us=66.6, moekit_us=100.0, vllm_us=1.1 * card(4)),  # 0.8x vLLM < the card's floor
+        dict(q, T=2048, floor_us=288.2, moekit_us=500.0),
+    ]
+    res = acc.check(rows, 14, ceilings)
+    assert [r["T"] for r in res] == [1, 4]  # T=2048 is issue 15's
+    assert res[0]["floor_bar"] == "met" and res[0]["vllm_bar"] == "met"
+    assert res[0]["card_floor_us"] == pytest.approx(card(1))
+    assert res[1]["floor_bar"] == "missed"  # 66.6 / 0.85 = 78.4 µs
+    assert res[1]["vllm_bar"] == "below card floor"
+    assert acc.check(rows, 14, None)[1]["vllm_bar"] == "missed"  # no ceilings: no such verdict
+    res15 = acc.check(rows, 15, ceilings)
+    assert [r["T"] for r in res15] == [2048] and res15[0]["floor_bar"] == "missed"  # 288.2 / 0.75 = 384 µs
+    assert acc.summary(res)["floor_bar"] == {"met": 1, "missed": 1}
+
+
+@pytest.mark.reference
+def test_acceptance_runs_on_the_recorded_grids(capsys):
+    """The grids RESULTS.md quotes: every cell of both issues present, and the script's output."""
+    acc = _acceptance()
+    res_dir = os.path.join(ROOT, "benchmarks", "results")
+    rows = acc.load_rows([os.path.join(res_dir, f) for f in
+                          ("layer_grid_decode_h100.json", "layer_grid_prefill_h100.json", "layer_maverick_h100.json")])  # fmt: skip
+    ceilings = acc.load_ceilings(os.path.join(res_dir, "card_ceilings_h100.json"))
+    assert set(ceilings) >= {"copy", "read", "bf16_matmul", "fp8_matmul"}
+    assert len(acc.check(rows, 14, ceilings)) == 44 and len(acc.check(rows, 15, ceilings)) == 50
