@@ -250,9 +250,11 @@ def main() -> int:
                         row[name] = f"{type(exc).__name__}"
                 del want, ok, st0, alts
                 c.clear()
-                gc.collect()  # reference cycles (a failed launch's traceback holds its frames' tensors)
+                gc.collect()
                 torch.cuda.empty_cache()
-                row["gib_after"] = round(torch.cuda.memory_allocated() / 2**30, 2)  # what the case left behind
+                # What the case left allocated: 5-35 GiB before session 31's fix of direct launcher
+                # calls (torch's kernel side table kept every TMA descriptor and its rows), 0 since.
+                row["gib_after"] = round(torch.cuda.memory_allocated() / 2**30, 2)
                 print(row, flush=True)
                 rows.append(row)
     print(markdown_table(rows))
