@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -136,10 +137,7 @@ def random_expert_weights(
         g.manual_seed(0 if seed is None else seed)
 
     def rnd(*dims: int, fan_in: int) -> torch.Tensor:
-        n = 1
-        for d in dims:
-            n *= d
-        if on_gpu and len(dims) == 3 and 4 * n > _ONE_DRAW_BYTES:
+        if on_gpu and len(dims) == 3 and 4 * math.prod(dims) > _ONE_DRAW_BYTES:
             # One expert at a time: a single float32 draw of Llama 4 Maverick's w13 is 43 GB, and
             # its scaled copy as much again (more than an 80 GB card holds).
             out = torch.empty(*dims, dtype=dtype, device=device)
