@@ -21,8 +21,8 @@ the expected number hit by uniform random routing, ``E * (1 - (1 - k/E)^T)``):
   program's own slot, the default; ``False``: the default tile with every program's routing run
   whole), the combine at its default; also timed twice (``A ... #2``);
 - ``--tiles``: only the alternatives named (``B`` combine tiles ``BxFxS[xW]``, W warps, default
-  4; ``A`` GEMV tiles ``BxKxSxW[xTMA]``, lazy routing, ``TMA`` 1: the weight tiles through a TMA
-  descriptor), also timed twice: a shorter call than the whole lists;
+  4; ``A`` GEMV tiles ``BxKxSxW``, lazy routing), also timed twice: a shorter call than the whole
+  lists;
 - ``worst_rel`` / ``worst``: the alternatives' largest deviation from the sorted pipeline's output
   (max abs over max abs, the first routing): an alternative that computes something else shows;
 - ``--sets N``: rotate N routings instead of 8 (1: the same experts every call);
@@ -130,18 +130,15 @@ def _gemv_alternatives(fp8: bool) -> list:
 
 
 def _parse_tiles(spec: str) -> list:
-    """``"B8x256x3,A4x512x4x4,A16x256x3x4x1"`` -> ``[("B", (8, 256, 3)), ("A", (4, 512, 4, 4, True)),
-    ("A", (16, 256, 3, 4, True, True))]`` (an A tile's fifth number: its weight tiles by TMA)."""
+    """``"B8x256x3,A4x512x4x4"`` -> ``[("B", (8, 256, 3)), ("A", (4, 512, 4, 4, True))]``."""
     out = []
     for item in (t.strip() for t in spec.split(",") if t.strip()):
         kind, dims = item[0].upper(), tuple(int(v) for v in item[1:].split("x"))
-        if (kind, len(dims)) not in (("B", 3), ("B", 4), ("A", 4), ("A", 5)):
+        if (kind, len(dims)) not in (("B", 3), ("B", 4), ("A", 4)):
             raise SystemExit(
-                f"--tiles: {item!r} is neither B<bn>x<bf>x<stages>[x<warps>] nor A<bn>x<bk>x<stages>x<warps>[x<tma>]"
+                f"--tiles: {item!r} is neither B<bn>x<bf>x<stages>[x<warps>] nor A<bn>x<bk>x<stages>x<warps>"
             )
-        if kind == "A":  # (bn, bk, stages, warps, lazy[, weight tiles by TMA])
-            dims = dims[:4] + (True,) + tuple(bool(v) for v in dims[4:])
-        out.append((kind, dims))
+        out.append((kind, dims + (True,) if kind == "A" else dims))
     return out
 
 

@@ -127,36 +127,6 @@ def test_interp_lazy_routing_gives_the_same_bits(routing):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("w_kind", ["bf16", "fp8"])
-@pytest.mark.parametrize("bk", [16, 32])
-def test_interp_tma_weight_tiles_give_the_same_bits(w_kind, bk, monkeypatch):
-    """The routing GEMV's weight tiles loaded through a TMA descriptor (config element 5, knob
-    ``DECODE_W_TMA``) give the pointer loads' bits: F = 24 leaves the last 16-row slice reading 8
-    rows past the gate (or up) rows, which its store masks; D = 48 with 32-wide K tiles reads
-    columns past D, which the descriptor fills with zeros."""
-    from moekit.ops._triton import decode as dec
-    from moekit.ops._triton import grouped_gemm as gg
-
-    made = []
-    real = gg._descriptor
-    monkeypatch.setattr(gg, "_descriptor", lambda t, block: made.append(block) or real(t, block))
-    T, E, D, F, k = 2, 8, 48, 24, 4
-    x, logits, w13, w2, kw = _case(T, E, D, F, k, "deepseek", w_kind, seed=13)
-    s13 = kw["w13_scale_e2F"]
-    args = (x, logits, kw["e_score_correction_bias"], w13.reshape(-1, D), None if s13 is None else s13.reshape(-1),
-            F, k, kw["score_func"], kw["renormalize"], kw["n_group"], kw["topk_group"], kw["routed_scaling_factor"],
-            False)  # fmt: skip
-    plain = dec.decode_swiglu(*args, config=(16, bk, 2, 4, True, False))
-    assert not made
-    tma = dec.decode_swiglu(*args, config=(16, bk, 2, 4, True, True))
-    assert made == [[16, bk]]  # the descriptor path ran
-    for a, b in zip(plain, tma):
-        assert torch.equal(a, b)
-    with settings.override(knobs={"DECODE_W_TMA": True}):  # the knob picks the same path
-        assert torch.equal(dec.decode_swiglu(*args, config=(16, bk, 2, 4))[0], tma[0])
-
-
-@pytest.mark.interpreter
 def test_interp_accumulates_into_out_and_stores_without_reading():
     T, E, D, F, k = 2, 8, 32, 16, 2
     x, logits, w13, w2, kw = _case(T, E, D, F, k, "softmax_renorm", seed=5)
@@ -326,28 +296,6 @@ def test_gpu_matches_reference_and_sorted_pipeline(name, w_kind, T):
     assert_close(rw, rw_r, tol=1e-6, msg=f"{name} weights")
     base = torch.zeros(T, D, dtype=torch.bfloat16, device="cuda")
     assert_close(got.float(), _sorted_decode(x, logits, w13, w2, base, k, kw).float(), tol=1e-2, msg=name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_SHAPES))
-@pytest.mark.parametrize("w_kind", ["bf16", "fp8"])
-@pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("tile", [(16, 256, 3), (8, 256, 6), (16, 128, 5)])
-def test_gpu_tma_weight_tiles_give_the_same_bits(name, w_kind, T, tile):
-    """The routing GEMV with its weight tiles through a TMA descriptor gives the pointer loads'
-    bits (choices, weights and SwiGLU rows) on the benchmark's shapes."""
-    from moekit.ops._triton import decode as dec
-
-    x, logits, w13, w2, kw, k = _gpu_case(name, T, w_kind, seed=T + 3)
-    E, twoF, D = w13.shape
-    s13 = kw["w13_scale_e2F"]
-    args = (x, logits, kw["e_score_correction_bias"], w13.reshape(-1, D), None if s13 is None else s13.reshape(-1),
-            twoF // 2, k, kw["score_func"], kw["renormalize"], kw["n_group"], kw["topk_group"],
-            kw["routed_scaling_factor"], False)  # fmt: skip
-    plain = dec.decode_swiglu(*args, config=tile + (4, True, False))
-    tma = dec.decode_swiglu(*args, config=tile + (4, True, True))
-    for a, b in zip(plain, tma):
-        assert torch.equal(a, b), (name, w_kind, T, tile)
 
 
 @pytest.mark.gpu

@@ -30,11 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_combine import grouped_gemm_combine
-from moekit.ops._triton.gg_swiglu import _gate_up_scales, _gemv_pair, _gemv_pair_tma, _swiglu_store, swiglu_gemv_config
+from moekit.ops._triton.gg_swiglu import _gate_up_scales, _gemv_pair, _swiglu_store, swiglu_gemv_config
 from moekit.ops._triton.route_select import SCORE_CODES, _select_topk
 
 
@@ -73,7 +72,6 @@ def _decode_swiglu_kernel(
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
     LAZY: tl.constexpr = False,
-    W_TMA: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
@@ -116,12 +114,8 @@ def _decode_swiglu_kernel(
     rs = tl.full((1,), 1.0, tl.float32)
     if WEIGHT_IN:
         rs = wj + rs * 0.0
-    if W_TMA:
-        row0 = g * 2 * F + nb * BLOCK_N
-        hg, hu = _gemv_pair_tma(w_ptr, row0, row0 + F, x_row, D, BLOCK_N, BLOCK_K, EVEN_K, STAGES)
-    else:
-        hg, hu = _gemv_pair(w_ptr + gate[:, None] * stride_wn, w_ptr + up[:, None] * stride_wn, x_row, n_mask, D,
-                            BLOCK_N, BLOCK_K, EVEN_K, STAGES)  # fmt: skip
+    hg, hu = _gemv_pair(w_ptr + gate[:, None] * stride_wn, w_ptr + up[:, None] * stride_wn, x_row, n_mask, D,
+                        BLOCK_N, BLOCK_K, EVEN_K, STAGES)  # fmt: skip
     offs_m = m + tl.zeros((1,), tl.int32)
     _swiglu_store(hg, hu, offs_m, offs_m >= 0, offs_n, n_mask, z_ptr, stride_zm, rs, ws_g, ws_u, rs,
                   False, HAS_WS, WEIGHT_IN)  # fmt: skip
@@ -168,22 +162,14 @@ def decode_swiglu(
     cfg = config or decode_swiglu_config(M, F, D, w13.element_size(), num_sms(dev))
     bn, bk, stages, warps = cfg[:4]
     lazy = bool(cfg[4]) if len(cfg) > 4 else True
-    w_tma = bool(cfg[5]) if len(cfg) > 5 else settings.get().knob("DECODE_W_TMA", False)
-    w_arg = w13
-    if w_tma:
-        from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok
-
-        w_tma = bk <= 256 and _tma_ok(w13, (bn, bk))
-        w_arg = _descriptor(w13, [bn, bk]) if w_tma else w13
     ph = torch.empty((1,), dtype=torch.float32, device=dev)
     launch(_decode_swiglu_kernel)[(M * cdiv(F, bn),)](
-        x, logits, bias if bias is not None else ph, w_arg, w13_scale if w13_scale is not None else ph, z, ids, rw,
+        x, logits, bias if bias is not None else ph, w13, w13_scale if w13_scale is not None else ph, z, ids, rw,
         T, E, F, D, x.stride(0), logits.stride(0), logits.stride(1), w13.stride(0), z.stride(0), float(scale),
         TOPK=top_k, K_PAD=next_pow2(top_k), SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None,
         RENORM=bool(renormalize), NG=1 if n_group is None else int(n_group), TOPK_GROUP=int(topk_group or 1),
         BLOCK_E=max(16, next_pow2(E)), WEIGHT_IN=bool(weight_on_input), HAS_WS=w13_scale is not None,
-        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, W_TMA=w_tma, num_warps=warps,
-        num_stages=stages,
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return z, ids, rw
 

@@ -103,29 +103,6 @@ def _gemv_pair(wg_rows, wu_rows, x_row, n_mask, K, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _gemv_pair_tma(w_desc, gate_row0, up_row0, x_row, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    """``_gemv_pair`` with the weight tiles ``[BLOCK_N, BLOCK_K]`` at rows ``gate_row0`` /
-    ``up_row0`` of the descriptor ``w_desc`` loaded by TMA (columns past K read as zeros; rows
-    past the slice are other rows' values, for the caller to mask at its store): the pipeliner
-    stages them through shared memory with the copy engine instead of per-thread copies."""
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        wg = w_desc.load([gate_row0, k0])
-        wu = w_desc.load([up_row0, k0])
-        if EVEN_K:
-            xv = tl.load(x_row + offs_k)
-        else:
-            xv = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0)
-        xf = xv.to(tl.float32)[None, :]
-        acc_g += wg.to(tl.float32) * xf
-        acc_u += wu.to(tl.float32) * xf
-    return tl.sum(acc_g, axis=1)[None, :], tl.sum(acc_u, axis=1)[None, :]
-
-
-@triton.jit
 def _swiglu_gemv_kernel(
     x_ptr,
     w_ptr,
