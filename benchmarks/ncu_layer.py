@@ -3,7 +3,7 @@
 logits, as ``bench_layer.py`` times them), read by Nsight Compute: duration, DRAM bytes and
 throughput, achieved occupancy, registers and grid, each kernel replayed from a cold L2.
 
-    python benchmarks/ncu_layer.py [--models qwen3-30b-a3b,deepseek-v3-tp8] [--tokens 1,4] [--dtype bf16,fp8] [--stalls]
+    python benchmarks/ncu_layer.py [--models qwen3-30b-a3b,deepseek-v3-tp8] [--tokens 1,4] [--dtype bf16,fp8] [--stalls] [--sol]
 
 runs ``ncu`` on itself (``--clock-control none``: the clocks as they are) over one forward per
 case, after warm-up calls that compile every kernel, and prints one table row per kernel. A
@@ -13,7 +13,9 @@ whose counters the machine exposes. ``--stalls`` adds, per kernel, instructions 
 and the average number of warps stalled per issue for each reason (ncu's
 ``smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio``; ``long_sb``: waiting on
 global memory, ``wait``/``short_sb``/``math``: fixed latencies and pipes, ``barrier``,
-``not_sel``: ready but another warp issued). Each case's forward starts with a marker launch
+``not_sel``: ready but another warp issued). ``--sol`` adds L2 and SM throughput, the tensor-core
+pipes' active cycles (% of peak over the kernel's duration) and the bytes through L2 and written
+to DRAM. Each case's forward starts with a marker launch
 (``torch.cuda._sleep``), which splits the rows into cases whatever kernels the path launches.
 """
 
@@ -53,6 +55,16 @@ STALLS = {
         ("branch_resolving", "branch"), ("imc_miss", "imc"),
     )},
 }  # fmt: skip
+#: ``--sol``: where a kernel sits against each unit's peak (% of peak sustained over its duration:
+#: L2 slices, SM issue / pipes, Hopper's tensor-core (gmma) pipe) and what crossed L2 and DRAM.
+SOL = {
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "L2 %",
+    "lts__t_bytes.sum": "L2 MB",
+    "dram__bytes_write.sum": "MB written",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "SM %",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed": "gmma %",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed": "hmma %",
+}
 MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: the first launch of every profiled case
 
 
@@ -111,6 +123,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--dtype", default="bf16,fp8")
     ap.add_argument("--stalls", action="store_true", help="add instructions, cycles and warp stall reasons")
+    ap.add_argument("--sol", action="store_true", help="add L2 / SM / tensor-pipe throughput and L2 bytes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
@@ -123,7 +136,8 @@ def main() -> int:
     if a.child:
         run_cases(models, tokens, dtypes)
         return 0
-    metrics = {**METRICS, **STALLS} if a.stalls else METRICS
+    metrics = {**METRICS, **(STALLS if a.stalls else {}), **(SOL if a.sol else {})}
+    metrics = _available(metrics)
     cmd = [_ncu(), "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw", "--print-units",
            "base",
            "--metrics", ",".join(metrics), sys.executable, os.path.abspath(__file__), "--child",
@@ -134,6 +148,19 @@ def main() -> int:
         return 1
     print(table(proc.stdout, metrics))
     return 0
+
+
+def _available(metrics: dict) -> dict:
+    """``metrics`` less those this GPU's Nsight Compute does not list (``--query-metrics``; one
+    unknown name fails the whole profile), each dropped one named."""
+    proc = subprocess.run([_ncu(), "--query-metrics"], capture_output=True, text=True)
+    have = {ln.split()[0] for ln in proc.stdout.splitlines() if ln.strip() and "__" in ln.split()[0]}
+    if proc.returncode != 0 or not have:
+        return metrics
+    for m in metrics:
+        if m.split(".")[0] not in have:
+            print(f"ncu_layer: this GPU's ncu has no {m.split('.')[0]}; left out")
+    return {m: label for m, label in metrics.items() if m.split(".")[0] in have}
 
 
 def table(out: str, metrics: dict) -> str:
@@ -158,7 +185,7 @@ def table(out: str, metrics: dict) -> str:
                 f = float(v.replace(",", ""))
                 if label == "us":
                     f /= 1000.0  # ns
-                elif label == "MB read":
+                elif label.startswith("MB") or label.endswith(" MB"):
                     f /= 1e6
                 counts = label in ("inst", "cycles", "regs", "grid", "block")
                 v = f"{f:.1f}" if f < 1e6 and not counts else f"{f:.0f}"
