@@ -157,10 +157,10 @@ def _available(metrics: dict) -> dict:
     have = {ln.split()[0] for ln in proc.stdout.splitlines() if ln.strip() and "__" in ln.split()[0]}
     if proc.returncode != 0 or not have:
         return metrics
-    for m in metrics:
-        if m.split(".")[0] not in have:
+    for m in metrics:  # (launch__ attributes are not listed, and always there)
+        if m.split(".")[0] not in have and not m.startswith("launch__"):
             print(f"ncu_layer: this GPU's ncu has no {m.split('.')[0]}; left out")
-    return {m: label for m, label in metrics.items() if m.split(".")[0] in have}
+    return {m: label for m, label in metrics.items() if m.split(".")[0] in have or m.startswith("launch__")}
 
 
 def table(out: str, metrics: dict) -> str:
