@@ -429,9 +429,11 @@ def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int
     small = s.knob("SWIGLU_SMALL_TILES", None)
     if small is None:
         small = by_index and K < 4 * F
-    if small and M < 192 * hits:
+    if small and M < s.knob("SWIGLU_SMALL_MAX_ROWS", 192) * hits:
         return GemmConfig("tiled", 64, block_n, block_k, 4, 8, flatten=bool(s.knob("SWIGLU_FLATTEN", True)))
-    return GemmConfig("tiled", 128, block_n, block_k, 3, 8, flatten=bool(s.knob("SWIGLU_FLATTEN", False)) and elem != 1)
+    stages = int(s.knob("SWIGLU_TILED_STAGES", 3))
+    flatten = bool(s.knob("SWIGLU_FLATTEN", False)) and elem != 1
+    return GemmConfig("tiled", 128, block_n, block_k, stages, 8, flatten=flatten)
 
 
 # Float32 accumulator elements of one FP8 gate/up GEMV program (gate and up tiles each
