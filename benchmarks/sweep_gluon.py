@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""The Gluon grouped GEMM (``moekit.ops._triton.gg_gluon``, experimental) against the library's
+Triton grouped GEMM and cuBLAS on the same rows: what hand-scheduled Hopper tiles give on the
+layer's compute-bound GEMMs.
+
+    python benchmarks/sweep_gluon.py [--cases qwen3-w2:8192,...] [--configs 128x256x64b4,128x256x64b3c]
+
+A case is ``name:T`` (the layer's GEMM at T tokens: ``M = T * top-k`` rows spread over the experts
+by a uniform random routing); a config is ``BMxBNxBK`` ``b<buffers>`` (``c``: the epilogue's rows
+through shared memory). Per case, µs per call (CUDA graphs, medians): ``triton`` (``grouped_gemm``
+with the router weights on the rows, its default configuration), one column per Gluon config,
+``cublas`` (``torch.mm`` of all M rows against one expert's weights: the dense rate on the same
+FLOPs) and TFLOP/s of each; ``rel_err``: the largest Gluon deviation from ``triton``'s output
+(max abs over max abs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import torch  # noqa: E402
+
+# name: (G experts, N, K, top-k)
+SHAPES = {
+    "qwen3-w2": (128, 2048, 768, 8),
+    "qwen3-w13": (128, 1536, 2048, 8),
+    "deepseek-w2": (256, 7168, 256, 8),
+    "deepseek-w13": (256, 512, 7168, 8),
+    "gptoss-w2": (128, 2880, 2880, 4),
+    "gptoss-w13": (128, 5760, 2880, 4),
+}
+DEFAULT_CASES = (
+    "qwen3-w2:8192,qwen3-w13:8192,qwen3-w2:2048,gptoss-w2:8192,gptoss-w13:8192,deepseek-w13:8192,deepseek-w2:8192"
+)
+DEFAULT_CONFIGS = "128x256x64b4,128x256x64b3c,128x128x64b4,128x128x64b5c"
+
+
+def _config(text: str) -> tuple:
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)b(\d+)(c?)", text.strip())
+    if m is None:
+        raise SystemExit(f"--configs: expected entries like 128x256x64b4 or 128x256x64b3c, got {text!r}")
+    return (int(m[1]), int(m[2]), int(m[3])), int(m[4]), bool(m[5])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=DEFAULT_CASES)
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS)
+    ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
+    a = ap.parse_args()
+    configs = [_config(c) for c in a.configs.split(",") if c]
+    if not torch.cuda.is_available():
+        print("sweep_gluon needs CUDA; nothing to do on this machine")
+        return 0
+    from moekit.benchmarking import bench_us, markdown_table, save_rows
+    from moekit.ops._triton.gg_gluon import grouped_gemm_gluon
+    from moekit.ops._triton.grouped_gemm import grouped_gemm
+    from moekit.testing.data import random_m_sizes
+
+    rows = []
+    for case in a.cases.split(","):
+        name, T = case.split(":")
+        G, N, K, k = SHAPES[name]
+        M = int(T) * k
+        ms = random_m_sizes(M, G, k, device="cuda", seed=0)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(G * N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+        rs = torch.rand(M, device="cuda") + 0.5
+        flops = 2.0 * M * N * K
+        row = {"case": case, "M": M, "N": N, "K": K, "G": G}
+        want = grouped_gemm(x, w, ms, token_weights=rs)
+        us = bench_us(lambda: grouped_gemm(x, w, ms, token_weights=rs), replays=10)
+        row["triton"], row["triton_tf"] = round(us, 1), round(flops / us / 1e6)
+        worst = 0.0
+        for block, nbuf, co in configs:
+            tag = "x".join(map(str, block)) + f"b{nbuf}" + ("c" if co else "")
+            try:
+                got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co)
+                torch.cuda.synchronize()
+                rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+                worst = max(worst, rel)
+                us = bench_us(lambda b=block, n=nbuf, c=co: grouped_gemm_gluon(x, w, ms, rs, block=b, num_buf=n,
+                                                                             coalesce=c), replays=10)  # fmt: skip
+                row[tag], row[tag + "_tf"] = round(us, 1), round(flops / us / 1e6)
+            except Exception as exc:  # a config that does not fit: keep the others
+                row[tag] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        wd = w[:N]
+        us = bench_us(lambda: torch.mm(x, wd.t()), replays=10)
+        row["cublas"], row["cublas_tf"] = round(us, 1), round(flops / us / 1e6)
+        row["rel_err"] = round(worst, 5)
+        print(row, flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    print(markdown_table(rows))
+    save_rows("sweep_gluon", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
