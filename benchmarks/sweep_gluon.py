@@ -7,7 +7,8 @@ layer's compute-bound GEMMs.
 
 A case is ``name:T`` (the layer's GEMM at T tokens: ``M = T * top-k`` rows spread over the experts
 by a uniform random routing); a config is ``BMxBNxBK`` ``b<buffers>`` (``c``: the epilogue's rows
-through shared memory). Per case, µs per call (CUDA graphs, medians): ``triton`` (``grouped_gemm``
+through shared memory; ``d0``: each MMA group waited for before the next is issued, default ``d1``:
+one left running). Per case, µs per call (CUDA graphs, medians): ``triton`` (``grouped_gemm``
 with the router weights on the rows, its default configuration), one column per Gluon config,
 ``cublas`` (``torch.mm`` of all M rows against one expert's weights: the dense rate on the same
 FLOPs) and TFLOP/s of each; ``rel_err``: the largest Gluon deviation from ``triton``'s output
@@ -38,14 +39,16 @@ SHAPES = {
 DEFAULT_CASES = (
     "qwen3-w2:8192,qwen3-w13:8192,qwen3-w2:2048,gptoss-w2:8192,gptoss-w13:8192,deepseek-w13:8192,deepseek-w2:8192"
 )
-DEFAULT_CONFIGS = "128x256x64b4,128x256x64b3c,128x128x64b4,128x128x64b5c"
+DEFAULT_CONFIGS = "128x256x64b4d0,128x256x64b4,128x256x64b3c,128x128x64b5c"
 
 
 def _config(text: str) -> tuple:
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)b(\d+)(c?)", text.strip())
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)b(\d+)(c?)(?:d(\d))?", text.strip())
     if m is None:
-        raise SystemExit(f"--configs: expected entries like 128x256x64b4 or 128x256x64b3c, got {text!r}")
-    return (int(m[1]), int(m[2]), int(m[3])), int(m[4]), bool(m[5])
+        raise SystemExit(
+            f"--configs: expected entries like 128x256x64b4, 128x256x64b3c or 128x256x64b4d0, got {text!r}"
+        )
+    return (int(m[1]), int(m[2]), int(m[3])), int(m[4]), bool(m[5]), int(m[6] or 1)
 
 
 def main() -> int:
@@ -78,15 +81,16 @@ def main() -> int:
         us = bench_us(lambda: grouped_gemm(x, w, ms, token_weights=rs), replays=10)
         row["triton"], row["triton_tf"] = round(us, 1), round(flops / us / 1e6)
         worst = 0.0
-        for block, nbuf, co in configs:
-            tag = "x".join(map(str, block)) + f"b{nbuf}" + ("c" if co else "")
+        for block, nbuf, co, dp in configs:
+            tag = "x".join(map(str, block)) + f"b{nbuf}" + ("c" if co else "") + f"d{dp}"
             try:
-                got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co)
+                got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp)
                 torch.cuda.synchronize()
                 rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
                 worst = max(worst, rel)
-                us = bench_us(lambda b=block, n=nbuf, c=co: grouped_gemm_gluon(x, w, ms, rs, block=b, num_buf=n,
-                                                                             coalesce=c), replays=10)  # fmt: skip
+                us = bench_us(lambda b=block, n=nbuf, c=co, d=dp: grouped_gemm_gluon(x, w, ms, rs, block=b, num_buf=n,
+                                                                                   coalesce=c, depth=d),
+                              replays=10)  # fmt: skip
                 row[tag], row[tag + "_tf"] = round(us, 1), round(flops / us / 1e6)
             except Exception as exc:  # a config that does not fit: keep the others
                 row[tag] = f"{type(exc).__name__}: {str(exc)[:80]}"

@@ -26,7 +26,7 @@ from triton.runtime.jit import mangle_type
 import moekit.ops._triton.gg_gluon as GG
 
 out = []
-for (G, N, K, block, nbuf, co) in json.loads(os.environ["CASES"]):
+for (G, N, K, block, nbuf, co, dp) in json.loads(os.environ["CASES"]):
     bm, bn, bk = block
     x = torch.empty((4096, K), dtype=torch.bfloat16, device="meta")
     w = torch.empty((G * N, K), dtype=torch.bfloat16, device="meta")
@@ -36,7 +36,7 @@ for (G, N, K, block, nbuf, co) in json.loads(os.environ["CASES"]):
     sig = {"x_desc": mangle_type(xd), "w_desc": mangle_type(wd), "y_ptr": "*bf16", "rs_ptr": "*fp32",
            "m_sizes_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_ym": "i32"}
     consts = {"HAS_RS": True, "G_BLOCK": max(32, triton.next_power_of_2(G)), "NUM_BUF": nbuf, "COALESCE": co,
-              "num_warps": 8}
+              "DEPTH": dp, "num_warps": 8}
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in (2, 3, 4, 5, 6, 7, 9)}
     c = triton.compile(GluonASTSource(GG._gg_gluon_kernel, sig, constexprs=consts, attrs=attrs),
@@ -52,12 +52,13 @@ for (G, N, K, block, nbuf, co) in json.loads(os.environ["CASES"]):
 print("@@" + json.dumps(out))
 """
 
-# (G, N, K, block, buffers, coalesced epilogue): the benchmark's tiles
+# (G, N, K, block, buffers, coalesced epilogue, MMA groups in flight): the benchmark's tiles
 CASES = [
-    (128, 2048, 768, (128, 256, 64), 4, False),
-    (128, 2048, 768, (128, 256, 64), 3, True),
-    (256, 7168, 256, (128, 128, 64), 4, False),
-    (128, 2880, 2880, (128, 128, 64), 5, True),
+    (128, 2048, 768, (128, 256, 64), 4, False, 0),
+    (128, 2048, 768, (128, 256, 64), 4, False, 1),
+    (128, 2048, 768, (128, 256, 64), 3, True, 1),
+    (256, 7168, 256, (128, 128, 64), 4, False, 1),
+    (128, 2880, 2880, (128, 128, 64), 5, True, 1),
 ]
 
 
@@ -115,7 +116,10 @@ def _reference(x, w, ms, rs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cfg", [((128, 256, 64), 4, False), ((128, 256, 64), 3, True), ((128, 128, 64), 5, True)])
+@pytest.mark.parametrize(
+    "cfg", [((128, 256, 64), 4, False, 0), ((128, 256, 64), 4, False, 1), ((128, 256, 64), 3, True, 1),
+            ((128, 128, 64), 5, True, 1)]
+)  # fmt: skip
 @pytest.mark.parametrize("scaled", [True, False])
 def test_gpu_matches_reference(dtype, cfg, scaled):
     """Ragged groups (empty ones, a group over several row tiles, the last tile of a group ending
@@ -131,8 +135,8 @@ def test_gpu_matches_reference(dtype, cfg, scaled):
     w = (torch.randn(G * N, K, device="cuda") / K**0.5).to(dtype)
     rs = torch.rand(M, device="cuda") + 0.5 if scaled else None
     y = torch.full((M, N), 7.0, device="cuda", dtype=dtype)
-    block, nbuf, co = cfg
-    grouped_gemm_gluon(x, w, ms, rs, out=y, block=block, num_buf=nbuf, coalesce=co)
+    block, nbuf, co, dp = cfg
+    grouped_gemm_gluon(x, w, ms, rs, out=y, block=block, num_buf=nbuf, coalesce=co, depth=dp)
     want, used = _reference(x.cpu(), w.cpu(), ms.cpu(), None if rs is None else rs.cpu())
     assert_close(y[:used].float().cpu(), want[:used], tol=2e-2, msg=str(cfg))
     assert (y[used:] == 7.0).all()
@@ -153,6 +157,10 @@ def test_gpu_many_tiles_per_program_match_the_triton_kernel():
     w = (torch.randn(G * N, K, device="cuda") / K**0.5).bfloat16()
     rs = torch.rand(M, device="cuda") + 0.5
     want = grouped_gemm(x, w, ms, token_weights=rs)
-    for block, nbuf, co in [((128, 256, 64), 4, False), ((128, 256, 64), 3, True)]:
-        got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co)
+    for block, nbuf, co, dp in [
+        ((128, 256, 64), 4, False, 0),
+        ((128, 256, 64), 4, False, 1),
+        ((128, 256, 64), 3, True, 1),
+    ]:
+        got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp)
         assert_close(got.float(), want.float(), tol=1e-2, msg=str(block))

@@ -97,6 +97,27 @@ def _load_at(t, gi, starts, sizes, tbeg, tend, BLOCK_M: gl.constexpr, BLOCK_N: g
 
 
 @gluon.jit
+def _produce(p, pk, pg, pm0, pn0, n_steps, k_steps, pid, progs, gi, starts, sizes, tbeg, tend, x_desc, w_desc, a_bufs,
+             b_bufs, bars, N, NUM_BUF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             BLOCK_K: gl.constexpr):  # fmt: skip
+    """Issue the TMA loads of step ``p`` (its x and w tiles, on its buffer's barrier; none past
+    the program's last step) and advance the producer state ``(p, pk, pg, pm0, pn0)``: the step,
+    its K step within the tile and the tile's group, first row and first column (looked up when
+    ``p`` starts a tile)."""
+    if pk == 0:
+        pg, pm0, pn0 = _load_at(pid + (p // k_steps) * progs, gi, starts, sizes, tbeg, tend, BLOCK_M, BLOCK_N)
+    ok = p < n_steps
+    bar = bars.index(p % NUM_BUF)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(x_desc, [pm0, pk * BLOCK_K], bar, a_bufs.index(p % NUM_BUF), ok)
+    tma.async_copy_global_to_shared(w_desc, [pg * N + pn0, pk * BLOCK_K], bar, b_bufs.index(p % NUM_BUF), ok)
+    pk += 1
+    if pk == k_steps:
+        pk = 0
+    return p + 1, pk, pg, pm0, pn0
+
+
+@gluon.jit
 def _gg_gluon_kernel(
     x_desc,
     w_desc,
@@ -112,6 +133,7 @@ def _gg_gluon_kernel(
     G_BLOCK: gl.constexpr,
     NUM_BUF: gl.constexpr,
     COALESCE: gl.constexpr,
+    DEPTH: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -142,7 +164,6 @@ def _gg_gluon_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(bars.index(i), count=1)
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0],
@@ -157,39 +178,34 @@ def _gg_gluon_kernel(
     pm0 = gl.to_tensor(0)
     pn0 = gl.to_tensor(0)
     pk = gl.to_tensor(0)
-    for _ in gl.static_range(NUM_BUF - 2):
-        if pk == 0:
-            pg, pm0, pn0 = _load_at(pid + (p // k_steps) * progs, gi, starts, sizes, tbeg, tend, BLOCK_M, BLOCK_N)
-        ok = p < n_steps
-        bar = bars.index(p % NUM_BUF)
-        mbarrier.expect(bar, nbytes, pred=ok)
-        tma.async_copy_global_to_shared(x_desc, [pm0, pk * BLOCK_K], bar, a_bufs.index(p % NUM_BUF), ok)
-        tma.async_copy_global_to_shared(w_desc, [pg * N + pn0, pk * BLOCK_K], bar, b_bufs.index(p % NUM_BUF), ok)
-        p += 1
-        pk += 1
-        if pk == k_steps:
-            pk = 0
+    for _ in gl.static_range(NUM_BUF - 2 + DEPTH):
+        p, pk, pg, pm0, pn0 = _produce(p, pk, pg, pm0, pn0, n_steps, k_steps, pid, progs, gi, starts, sizes, tbeg,
+                                       tend, x_desc, w_desc, a_bufs, b_bufs, bars, N, NUM_BUF, BLOCK_M, BLOCK_N,
+                                       BLOCK_K)  # fmt: skip
 
     for s in range(n_steps):
-        # Load step p = s + NUM_BUF - 2 into the buffer step s - 2 read (its MMA is complete:
-        # step s - 1 waited for every group in flight before it issued its own).
-        if pk == 0:
-            pg, pm0, pn0 = _load_at(pid + (p // k_steps) * progs, gi, starts, sizes, tbeg, tend, BLOCK_M, BLOCK_N)
-        ok = p < n_steps
-        bar = bars.index(p % NUM_BUF)
-        mbarrier.expect(bar, nbytes, pred=ok)
-        tma.async_copy_global_to_shared(x_desc, [pm0, pk * BLOCK_K], bar, a_bufs.index(p % NUM_BUF), ok)
-        tma.async_copy_global_to_shared(w_desc, [pg * N + pn0, pk * BLOCK_K], bar, b_bufs.index(p % NUM_BUF), ok)
-        p += 1
-        pk += 1
-        if pk == k_steps:
-            pk = 0
-
+        if DEPTH == 0:
+            # Load step s + NUM_BUF - 2 into the buffer step s - 2 read (its MMA is complete: step
+            # s - 1 waited for every group in flight before it issued its own).
+            p, pk, pg, pm0, pn0 = _produce(p, pk, pg, pm0, pn0, n_steps, k_steps, pid, progs, gi, starts, sizes,
+                                           tbeg, tend, x_desc, w_desc, a_bufs, b_bufs, bars, N, NUM_BUF, BLOCK_M,
+                                           BLOCK_N, BLOCK_K)  # fmt: skip
         kk = s % k_steps
         buf = s % NUM_BUF
         mbarrier.wait(bars.index(buf), (s // NUM_BUF) & 1)
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        acc = warpgroup_mma(a_bufs.index(buf), b_bufs.index(buf).permute((1, 0)), done, use_acc=kk > 0, is_async=True)
+        if DEPTH == 0:
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = warpgroup_mma(a_bufs.index(buf), b_bufs.index(buf).permute((1, 0)), done, use_acc=kk > 0,
+                                is_async=True)  # fmt: skip
+        else:
+            # Issue step s behind step s - 1, then wait for s - 1 alone: the tensor cores always have
+            # the next group queued; the buffer s - 1 read takes step s + NUM_BUF - 1's loads.
+            acc = warpgroup_mma(a_bufs.index(buf), b_bufs.index(buf).permute((1, 0)), acc, use_acc=kk > 0,
+                                is_async=True)  # fmt: skip
+            acc = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=1, deps=(acc,)))
+            p, pk, pg, pm0, pn0 = _produce(p, pk, pg, pm0, pn0, n_steps, k_steps, pid, progs, gi, starts, sizes,
+                                           tbeg, tend, x_desc, w_desc, a_bufs, b_bufs, bars, N, NUM_BUF, BLOCK_M,
+                                           BLOCK_N, BLOCK_K)  # fmt: skip
         if kk == k_steps - 1:
             res = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             g, m0, m_end, n0 = _tile_at(pid + (s // k_steps) * progs, gi, starts, sizes, tbeg, tend, BLOCK_M, BLOCK_N)
@@ -226,12 +242,15 @@ def grouped_gemm_gluon(
     num_buf: int = 4,
     num_warps: int = 8,
     coalesce: bool = False,
+    depth: int = 1,
 ) -> torch.Tensor:
     """``y [M, N]`` (``out`` when given): ``y[m] = (x[m] @ w_g.T) * row_scales[m]`` for the rows of
     group ``g`` (``m_sizes [G]`` int32 row counts, rows in group order), ``w [G * N, K]``; rows past
     ``sum(m_sizes)`` left unwritten. 16-bit ``x`` and ``w`` of one dtype, CUDA sm_90. ``coalesce``: the
     epilogue's rows through shared memory to 16-byte stores (its scratch takes one operand stage
-    of shared memory: ``num_buf`` 3 at 128 x 256 x 64)."""
+    of shared memory: ``num_buf`` 3 at 128 x 256 x 64). ``depth``: MMA groups left in flight
+    when the next is issued (0: each waited for first, the Gluon tutorials' form; 1: the next
+    group queued behind the running one)."""
     if x.dtype not in _GL_DTYPES or w.dtype != x.dtype:
         raise TypeError(f"grouped_gemm_gluon takes bf16 or fp16 x and w of one dtype, got {x.dtype} and {w.dtype}")
     M, K = (int(d) for d in x.shape)
@@ -250,7 +269,7 @@ def grouped_gemm_gluon(
     _gg_gluon_kernel[(num_sms(x.device),)](
         x_desc, w_desc, y, rs, m_sizes, M, N, K, G, y.stride(0),
         HAS_RS=row_scales is not None, G_BLOCK=max(32, next_pow2(G)), NUM_BUF=num_buf, COALESCE=bool(coalesce),
-        num_warps=num_warps,
+        DEPTH=int(depth), num_warps=num_warps,
     )  # fmt: skip
     return y
 
