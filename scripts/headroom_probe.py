@@ -2,11 +2,19 @@
 """One-off probe (session 32): what the vendor library reaches on the layer's GEMMs flattened
 to one dense matrix product (every routed row against one expert's weights), bf16 ``torch.mm``
 and FP8 row-wise ``torch._scaled_mm``: the headroom a better grouped kernel could have on the
-compute-bound prefill cells (H100: our grouped kernels run 500-560 TFLOP/s there)."""
+compute-bound prefill cells (H100: our grouped kernels run 500-560 TFLOP/s there).
 
-import torch
+    python scripts/headroom_probe.py      # (CUDA)
+"""
 
-from moekit.benchmarking import bench_us
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from moekit.benchmarking import bench_us  # noqa: E402
 
 SHAPES = {  # name: (M routed rows, N, K)
     "qwen3 T=8192 gate|up": (65536, 1536, 2048),
@@ -21,6 +29,9 @@ SHAPES = {  # name: (M routed rows, N, K)
 
 
 def main():
+    if not torch.cuda.is_available():
+        print("headroom_probe needs CUDA; nothing to do on this machine")
+        return
     print("| shape | M | N | K | bf16 µs | bf16 TF/s | fp8 µs | fp8 TF/s |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (M, N, K) in SHAPES.items():
