@@ -8,7 +8,7 @@ layer's compute-bound GEMMs.
 A case is ``name:T`` (the layer's GEMM at T tokens: ``M = T * top-k`` rows spread over the experts
 by a uniform random routing); a config is ``BMxBNxBK`` ``b<buffers>`` (``c``: the epilogue's rows
 through shared memory; ``d0``: each MMA group waited for before the next is issued, default ``d1``:
-one left running). Per case, µs per call (CUDA graphs, medians): ``triton`` (``grouped_gemm``
+one left running; ``w``: the warp-specialized kernel). Per case, µs per call (CUDA graphs, medians): ``triton`` (``grouped_gemm``
 with the router weights on the rows, its default configuration), one column per Gluon config,
 ``cublas`` (``torch.mm`` of all M rows against one expert's weights: the dense rate on the same
 FLOPs) and TFLOP/s of each; ``rel_err``: the largest Gluon deviation from ``triton``'s output
@@ -39,7 +39,7 @@ SHAPES = {
 DEFAULT_CASES = (
     "qwen3-w2:8192,qwen3-w13:8192,qwen3-w2:2048,gptoss-w2:8192,gptoss-w13:8192,deepseek-w13:8192,deepseek-w2:8192"
 )
-DEFAULT_CONFIGS = "128x256x64b4d0,128x256x64b4,128x256x64b3c,128x128x64b5c"
+DEFAULT_CONFIGS = "128x256x64b3c,128x256x64b3w,128x256x64b2w"
 
 
 def _config(text: str) -> tuple:
@@ -81,16 +81,15 @@ def main() -> int:
         us = bench_us(lambda: grouped_gemm(x, w, ms, token_weights=rs), replays=10)
         row["triton"], row["triton_tf"] = round(us, 1), round(flops / us / 1e6)
         worst = 0.0
-        for block, nbuf, co, dp in configs:
-            tag = "x".join(map(str, block)) + f"b{nbuf}" + ("c" if co else "") + f"d{dp}"
+        for block, nbuf, co, dp, ws in configs:
+            tag = "x".join(map(str, block)) + f"b{nbuf}" + ("w" if ws else ("c" if co else "") + f"d{dp}")
             try:
-                got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp)
+                got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws)
                 torch.cuda.synchronize()
                 rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
                 worst = max(worst, rel)
-                us = bench_us(lambda b=block, n=nbuf, c=co, d=dp: grouped_gemm_gluon(x, w, ms, rs, block=b, num_buf=n,
-                                                                                   coalesce=c, depth=d),
-                              replays=10)  # fmt: skip
+                us = bench_us(lambda b=block, n=nbuf, c=co, d=dp, v=ws: grouped_gemm_gluon(x, w, ms, rs, block=b,
+                              num_buf=n, coalesce=c, depth=d, ws=v), replays=10)  # fmt: skip
                 row[tag], row[tag + "_tf"] = round(us, 1), round(flops / us / 1e6)
             except Exception as exc:  # a config that does not fit: keep the others
                 row[tag] = f"{type(exc).__name__}: {str(exc)[:80]}"

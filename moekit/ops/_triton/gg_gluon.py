@@ -238,6 +238,224 @@ def _gg_gluon_kernel(
         mbarrier.invalidate(bars.index(i))
 
 
+# ---------------------------------------------------------------------------------------------
+# Warp-specialized form: TMA warps, two MMA warpgroups on one 128 x 256 tile, store warps (2 + 8 + 2
+# warps; the workers at 48 registers, the MMA warpgroups at 232: 384 threads in 64K registers).
+# ---------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _table(m_sizes_ptr, M, N, G, G_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           NW: gl.constexpr):  # fmt: skip
+    """The group table in a partition of ``NW`` warps: ``(gi, starts, sizes, tbeg, tend, total)``."""
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    gi = gl.arange(0, G_BLOCK, layout=vec)
+    sizes = gl.maximum(gl.load(m_sizes_ptr + gi, mask=gi < G, other=0), 0)
+    ends = gl.associative_scan(sizes, 0, _add)
+    starts = gl.minimum(ends - sizes, M)
+    sizes = gl.minimum(ends, M) - starts
+    tiles = gl.cdiv(sizes, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    tend = gl.associative_scan(tiles, 0, _add)
+    return gi, starts, sizes, tend - tiles, tend, gl.sum(tiles, 0)
+
+
+@gluon.jit
+def _read_table(tab, NW: gl.constexpr):
+    """The group table the kernel left in shared memory (``tab``: four ``[G_BLOCK]`` buffers,
+    starts, sizes, first tiles, tile ends), read by a partition of ``NW`` warps (worker partitions take no
+    tensors, and no constexpr arguments either: the table's width comes from its shape)."""
+    t_starts, t_sizes, t_tbeg, t_tend = tab
+    G_BLOCK: gl.constexpr = t_starts.type.shape[0]
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    gi = gl.arange(0, G_BLOCK, layout=vec)
+    tend = t_tend.load(vec)
+    return gi, t_starts.load(vec), t_sizes.load(vec), t_tbeg.load(vec), tend, gl.max(tend, 0)
+
+
+@gluon.jit
+def _tile_from(tab, t, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr):
+    """``_tile_at`` over the table in shared memory, read for this one lookup (a worker partition
+    holds none of it across its loop: 5 x G_BLOCK / (32 NW) registers it does not have)."""
+    gi, starts, sizes, tbeg, tend, total = _read_table(tab, NW)
+    return _tile_at(t, gi, starts, sizes, tbeg, tend, BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
+def _tiles_of(tab, NW: gl.constexpr):
+    """How many tiles this program walks (``pid, pid + P, ...`` below the table's total)."""
+    t_starts, t_sizes, t_tbeg, t_tend = tab
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    total = gl.max(t_tend.load(vec), 0)
+    return gl.cdiv(gl.maximum(total - gl.program_id(0), 0), gl.num_programs(0))
+
+
+@gluon.jit
+def _ws_load(x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, y_ptr, N, K,
+             stride_ym):  # fmt: skip
+    """The TMA warps: every step's x and w tiles into the next free buffer (``empty`` waited, the
+    copies landing on ``ready``)."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    NUM_BUF: gl.constexpr = a_bufs.type.shape[0]
+    pid = gl.program_id(0)
+    progs = gl.num_programs(0)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    s = 0
+    for j in range(_tiles_of(tab, 2)):
+        g, m0, _, n0 = _tile_from(tab, pid + j * progs, BLOCK_M, BLOCK_N, 2)
+        for kk in range(k_steps):
+            buf = s % NUM_BUF
+            mbarrier.wait(empty.index(buf), ((s // NUM_BUF) & 1) ^ 1)  # (a fresh barrier passes phase 1)
+            bar = ready.index(buf)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [m0, kk * BLOCK_K], bar, a_bufs.index(buf))
+            tma.async_copy_global_to_shared(w_desc, [g * N + n0, kk * BLOCK_K], bar, b_bufs.index(buf))
+            s += 1
+
+
+@gluon.jit
+def _ws_store(x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, y_ptr, N, K,
+              stride_ym):  # fmt: skip
+    """The store warps: each finished tile from the staging buffer to its rows, masked at its
+    group's end, 16 rows at a time; then the buffer is the MMA warps' again."""
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    NW: gl.constexpr = 2
+    CH: gl.constexpr = 8
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    pid = gl.program_id(0)
+    progs = gl.num_programs(0)
+    for j in range(_tiles_of(tab, NW)):
+        g, m0, m_end, n0 = _tile_from(tab, pid + j * progs, BLOCK_M, BLOCK_N, NW)
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_l))
+        mbarrier.wait(c_ready, j & 1)
+        for r in gl.static_range(0, BLOCK_M, CH):
+            v = c_smem.slice(r, CH).load(rows_l)
+            offs_m = m0 + r + gl.arange(0, CH, layout=gl.SliceLayout(1, rows_l))
+            ptrs = y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
+            gl.store(ptrs, v, mask=(offs_m < m_end)[:, None] & (offs_n < N)[None, :])
+        mbarrier.arrive(c_empty, count=1)
+
+
+@gluon.jit
+def _ws_mma_scaled(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K):
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K, True)
+
+
+@gluon.jit
+def _ws_mma_plain(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K):
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K, False)
+
+
+@gluon.jit
+def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K, HAS_RS: gl.constexpr):
+    """The MMA warpgroups (default partition): each step's group issued behind the running one,
+    the buffer of the one before released; a finished tile's rows scaled, cast and left in the
+    staging buffer for the store warps, so the next tile's MMAs start at once. (Arguments through
+    ``warp_specialize`` arrive as IR values: the default partition's ``HAS_RS`` is fixed by
+    ``_ws_mma_scaled`` / ``_ws_mma_plain``, its warps read from ``gl.num_warps``.)"""
+    NW: gl.constexpr = gl.num_warps()
+    NUM_BUF: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    dtype: gl.constexpr = a_bufs.dtype
+    pid = gl.program_id(0)
+    progs = gl.num_programs(0)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0],
+        warps_per_cta=_mma_warps(BLOCK_M, NW),
+        instr_shape=[16, _mma_n(BLOCK_M, BLOCK_N, NW), 256 // dtype.primitive_bitwidth],
+    )
+    zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+    acc = warpgroup_mma_init(zero)
+    s = 0
+    for j in range(_tiles_of(tab, NW)):
+        for kk in range(k_steps):
+            buf = s % NUM_BUF
+            mbarrier.wait(ready.index(buf), (s // NUM_BUF) & 1)
+            # (the accumulator is zeroed after each epilogue: a constant use_acc, and the finished
+            # tile's registers free for its scaled rows)
+            acc = warpgroup_mma(a_bufs.index(buf), b_bufs.index(buf).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=1, deps=(acc,)))
+            # the step before is complete: its buffer goes back to the TMA warp (within the tile)
+            mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1, pred=kk > 0)
+            s += 1
+        if HAS_RS:  # the row scales' load under the last MMA group
+            g, m0, m_end, n0 = _tile_from(tab, pid + j * progs, BLOCK_M, BLOCK_N, NW)
+            offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+            rsv = gl.load(rs_ptr + offs_m, mask=offs_m < m_end, other=0.0)
+        res = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1)
+        if HAS_RS:
+            res = res * rsv[:, None]
+        out = res.to(dtype)
+        mbarrier.wait(c_empty, (j & 1) ^ 1)
+        c_smem.store(out)
+        mbarrier.arrive(c_ready, count=1)
+        acc = warpgroup_mma_init(zero)
+
+
+@gluon.jit
+def _gg_gluon_ws_kernel(
+    x_desc,
+    w_desc,
+    y_ptr,
+    rs_ptr,
+    m_sizes_ptr,
+    M,
+    N,
+    K,
+    G,
+    stride_ym,
+    HAS_RS: gl.constexpr,
+    G_BLOCK: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, BLOCK_K], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
+    c_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    )
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(c_ready, count=1)
+    mbarrier.init(c_empty, count=1)
+    # The group table, once, for every partition.
+    gi, starts, sizes, tbeg, tend, total = _table(m_sizes_ptr, M, N, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
+    tab_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    tab = (
+        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, starts),
+        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, sizes),
+        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, tbeg),
+        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, tend),
+    )
+    gl.thread_barrier()
+    worker = (x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, y_ptr, N, K, stride_ym)
+    mma_args = (a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K)
+    if HAS_RS:
+        gl.warp_specialize([(_ws_mma_scaled, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2], [48, 48])
+    else:
+        gl.warp_specialize([(_ws_mma_plain, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2], [48, 48])
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+    mbarrier.invalidate(c_ready)
+    mbarrier.invalidate(c_empty)
+
+
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -252,6 +470,7 @@ def grouped_gemm_gluon(
     num_warps: int = 8,
     coalesce: bool = True,
     depth: int = 1,
+    ws: bool = False,
 ) -> torch.Tensor:
     """``y [M, N]`` (``out`` when given): ``y[m] = (x[m] @ w_g.T) * row_scales[m]`` for the rows of
     group ``g`` (``m_sizes [G]`` int32 row counts, rows in group order), ``w [G * N, K]``; rows past
@@ -259,7 +478,9 @@ def grouped_gemm_gluon(
     epilogue's rows through shared memory to 16-byte stores (its scratch takes one operand stage
     of shared memory: ``num_buf`` 3 at 128 x 256 x 64). ``depth``: MMA groups left in flight
     when the next is issued (0: each waited for first, the Gluon tutorials' form; 1: the next
-    group queued behind the running one). Defaults: the best measured (session 32 run 6)."""
+    group queued behind the running one). Defaults: the best measured (session 32 run 6). ``ws``: the
+    warp-specialized kernel (TMA warps, the two MMA warpgroups, store warps; ``num_buf``
+    operand stages, 3 at most at 128 x 256 x 64; ``coalesce`` and ``depth`` do not apply)."""
     if x.dtype not in _GL_DTYPES or w.dtype != x.dtype:
         raise TypeError(f"grouped_gemm_gluon takes bf16 or fp16 x and w of one dtype, got {x.dtype} and {w.dtype}")
     M, K = (int(d) for d in x.shape)
@@ -275,6 +496,12 @@ def grouped_gemm_gluon(
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt))
     w_desc = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
     rs = row_scales if row_scales is not None else torch.empty((1,), dtype=torch.float32, device=x.device)
+    if ws:
+        _gg_gluon_ws_kernel[(num_sms(x.device),)](
+            x_desc, w_desc, y, rs, m_sizes, M, N, K, G, y.stride(0),
+            HAS_RS=row_scales is not None, G_BLOCK=max(32, next_pow2(G)), NUM_BUF=num_buf, num_warps=8,
+        )  # fmt: skip
+        return y
     _gg_gluon_kernel[(num_sms(x.device),)](
         x_desc, w_desc, y, rs, m_sizes, M, N, K, G, y.stride(0),
         HAS_RS=row_scales is not None, G_BLOCK=max(32, next_pow2(G)), NUM_BUF=num_buf, COALESCE=bool(coalesce),
