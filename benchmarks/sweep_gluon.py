@@ -43,12 +43,13 @@ DEFAULT_CONFIGS = "128x256x64b3c,128x256x64b3w,128x256x64b2w"
 
 
 def _config(text: str) -> tuple:
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)b(\d+)(c?)(?:d(\d))?", text.strip())
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)b(\d+)(c?)(?:d(\d))?(w?)", text.strip())
     if m is None:
         raise SystemExit(
-            f"--configs: expected entries like 128x256x64b4, 128x256x64b3c or 128x256x64b4d0, got {text!r}"
+            "--configs: expected entries like 128x256x64b4, 128x256x64b3c, 128x256x64b4d0 or 128x256x64b3w, "
+            f"got {text!r}"
         )
-    return (int(m[1]), int(m[2]), int(m[3])), int(m[4]), bool(m[5]), int(m[6] or 1)
+    return (int(m[1]), int(m[2]), int(m[3])), int(m[4]), bool(m[5]), int(m[6] or 1), bool(m[7])
 
 
 def main() -> int:
