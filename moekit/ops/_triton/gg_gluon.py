@@ -22,14 +22,14 @@ schedules every step by hand:
 GPU only (Gluon has no interpreter): ``moekit.ops._triton.grouped_gemm`` stays the library's path;
 this one is reached only through ``grouped_gemm_gluon`` (benchmarks, GPU tests).
 
-Where it stands (H100, session 32 runs 5-6, ``benchmarks/sweep_gluon.py``, µs; rows bit-identical
-to the Triton kernel's): Qwen3-30B's down projection at T=8192 (65536 rows, N 2048, K 768) 440.8
-with the coalesced epilogue (535.5 storing from the MMA layout; 547.0 waiting for each MMA group
-before the next) against the Triton kernel's 384.3 and cuBLAS's 301.1 on the same FLOPs; its
-gate|up GEMM 854.2 against 731.1 and 564.9; DeepSeek-V3 TP8's down 820.4 against 738.1 and 435.9.
-The epilogue is what it lacks: no program overlaps its stores with MMAs. Next: a producer warp
-and two consumer warpgroups taking turns (one's epilogue under the other's MMAs), TMA stores for
-tiles whose rows are all their group's.
+Where it stands (H100, session 32 runs 5-8, ``benchmarks/sweep_gluon.py``, µs; rows bit-identical
+to the Triton kernel's): the single-partition kernel, its epilogue not overlapped, ran 4-15% behind
+the Triton kernel; the warp-specialized one (``ws=True``, the default: TMA warps, the two MMA
+warpgroups, store warps writing a finished tile while the next one's MMAs run) is level with it
+(Qwen3-30B's down projection at T=8192, 65536 rows, N 2048, K 768: 383.3 against 382.8; its gate|up
+GEMM 744.0 against 733.3) and 4.4% faster on DeepSeek-V3 TP8's down projection (713.8 against
+746.4). cuBLAS stays 22-40% ahead of both on the same FLOPs (297.9, 565.1, 473.3): the next
+candidate is the operands' traffic, clusters of two CTAs sharing one operand by TMA multicast.
 """
 
 from __future__ import annotations
@@ -470,7 +470,7 @@ def grouped_gemm_gluon(
     num_warps: int = 8,
     coalesce: bool = True,
     depth: int = 1,
-    ws: bool = False,
+    ws: bool = True,
 ) -> torch.Tensor:
     """``y [M, N]`` (``out`` when given): ``y[m] = (x[m] @ w_g.T) * row_scales[m]`` for the rows of
     group ``g`` (``m_sizes [G]`` int32 row counts, rows in group order), ``w [G * N, K]``; rows past
@@ -478,8 +478,8 @@ def grouped_gemm_gluon(
     epilogue's rows through shared memory to 16-byte stores (its scratch takes one operand stage
     of shared memory: ``num_buf`` 3 at 128 x 256 x 64). ``depth``: MMA groups left in flight
     when the next is issued (0: each waited for first, the Gluon tutorials' form; 1: the next
-    group queued behind the running one). Defaults: the best measured (session 32 run 6). ``ws``: the
-    warp-specialized kernel (TMA warps, the two MMA warpgroups, store warps; ``num_buf``
+    group queued behind the running one). Defaults: the best measured (session 32 runs 6 and 8). ``ws``:
+    the warp-specialized kernel (TMA warps, the two MMA warpgroups, store warps; ``num_buf``
     operand stages, 3 at most at 128 x 256 x 64; ``coalesce`` and ``depth`` do not apply)."""
     if x.dtype not in _GL_DTYPES or w.dtype != x.dtype:
         raise TypeError(f"grouped_gemm_gluon takes bf16 or fp16 x and w of one dtype, got {x.dtype} and {w.dtype}")
