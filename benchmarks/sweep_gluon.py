@@ -5,8 +5,9 @@ layer's compute-bound GEMMs.
 
     python benchmarks/sweep_gluon.py [--cases qwen3-w2:8192,...] [--configs 128x256x64b4,128x256x64b3c]
 
-A case is ``name:T`` (the layer's GEMM at T tokens: ``M = T * top-k`` rows spread over the experts
-by a uniform random routing); a config is ``BMxBNxBK`` ``b<buffers>`` (``c``: the epilogue's rows
+A case is ``name:T[:fp8]`` (the layer's GEMM at T tokens: ``M = T * top-k`` rows spread over the
+experts by a uniform random routing; ``fp8``: row-wise FP8 operands, twice the configs' K tile, cuBLAS
+``torch._scaled_mm``); a config is ``BMxBNxBK`` ``b<buffers>`` (``c``: the epilogue's rows
 through shared memory; ``d0``: each MMA group waited for before the next is issued, default ``d1``:
 one left running; ``w``: the warp-specialized kernel). Per case, µs per call (CUDA graphs, medians): ``triton`` (``grouped_gemm``
 with the router weights on the rows, its default configuration), one column per Gluon config,
@@ -64,38 +65,53 @@ def main() -> int:
         return 0
     from moekit.benchmarking import bench_us, markdown_table, save_rows
     from moekit.ops._triton.gg_gluon import grouped_gemm_gluon
+    from moekit.ops import quantize_fp8_row
     from moekit.ops._triton.grouped_gemm import grouped_gemm
     from moekit.testing.data import random_m_sizes
 
     rows = []
     for case in a.cases.split(","):
-        name, T = case.split(":")
+        name, T, *rest = case.split(":")
+        fp8 = rest == ["fp8"]
         G, N, K, k = SHAPES[name]
         M = int(T) * k
         ms = random_m_sizes(M, G, k, device="cuda", seed=0)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(G * N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
         rs = torch.rand(M, device="cuda") + 0.5
+        sc = {}
+        if fp8:  # row-wise FP8 operands, the layer's FP8 path
+            x, xs = quantize_fp8_row(x)
+            w, wsc = quantize_fp8_row(w)
+            sc = {"x_scale": xs, "w_scale": wsc}
         flops = 2.0 * M * N * K
         row = {"case": case, "M": M, "N": N, "K": K, "G": G}
-        want = grouped_gemm(x, w, ms, token_weights=rs)
-        us = bench_us(lambda: grouped_gemm(x, w, ms, token_weights=rs), replays=10)
+        want = grouped_gemm(x, w, ms, token_weights=rs, **sc)
+        us = bench_us(lambda: grouped_gemm(x, w, ms, token_weights=rs, **sc), replays=10)
         row["triton"], row["triton_tf"] = round(us, 1), round(flops / us / 1e6)
         worst = 0.0
         for block, nbuf, co, dp, ws in configs:
             tag = "x".join(map(str, block)) + f"b{nbuf}" + ("w" if ws else ("c" if co else "") + f"d{dp}")
+            if fp8:  # 128-byte K tiles
+                block = (block[0], block[1], 2 * block[2])
             try:
-                got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws)
+                got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws, **sc)
                 torch.cuda.synchronize()
                 rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
                 worst = max(worst, rel)
                 us = bench_us(lambda b=block, n=nbuf, c=co, d=dp, v=ws: grouped_gemm_gluon(x, w, ms, rs, block=b,
-                              num_buf=n, coalesce=c, depth=d, ws=v), replays=10)  # fmt: skip
+                              num_buf=n, coalesce=c, depth=d, ws=v, **sc), replays=10)  # fmt: skip
                 row[tag], row[tag + "_tf"] = round(us, 1), round(flops / us / 1e6)
-            except Exception as exc:  # a config that does not fit: keep the others
+            except Exception as exc:  # a config that does not fit (or FP8 off the warp-specialized kernel)
                 row[tag] = f"{type(exc).__name__}: {str(exc)[:80]}"
         wd = w[:N]
-        us = bench_us(lambda: torch.mm(x, wd.t()), replays=10)
+        if fp8:
+            sa, sb = sc["x_scale"][:, None].contiguous(), sc["w_scale"][None, :N].contiguous()
+            us = bench_us(
+                lambda: torch._scaled_mm(x, wd.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), replays=10
+            )
+        else:
+            us = bench_us(lambda: torch.mm(x, wd.t()), replays=10)
         row["cublas"], row["cublas_tf"] = round(us, 1), round(flops / us / 1e6)
         row["rel_err"] = round(worst, 5)
         print(row, flush=True)

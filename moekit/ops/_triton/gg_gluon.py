@@ -318,7 +318,7 @@ def _ws_load(x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready,
 def _ws_store(x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, y_ptr, N, K,
               stride_ym):  # fmt: skip
     """The store warps: each finished tile from the staging buffer to its rows, masked at its
-    group's end, 16 rows at a time; then the buffer is the MMA warps' again."""
+    group's end, 8 rows (one swizzle period) at a time; then the buffer is the MMA warps' again."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     BLOCK_N: gl.constexpr = c_smem.type.shape[1]
     NW: gl.constexpr = 2
@@ -339,22 +339,35 @@ def _ws_store(x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready
 
 
 @gluon.jit
-def _ws_mma_scaled(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K):
-    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K, True)
+def _ws_mma_scaled(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, True, False)
 
 
 @gluon.jit
-def _ws_mma_plain(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K):
-    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K, False)
+def _ws_mma_plain(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, False, False)
 
 
 @gluon.jit
-def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K, HAS_RS: gl.constexpr):
+def _ws_mma_fp8_scaled(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, True, True)
+
+
+@gluon.jit
+def _ws_mma_fp8(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, False, True)
+
+
+@gluon.jit
+def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K,
+            HAS_RS: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
     """The MMA warpgroups (default partition): each step's group issued behind the running one,
     the buffer of the one before released; a finished tile's rows scaled, cast and left in the
     staging buffer for the store warps, so the next tile's MMAs start at once. (Arguments through
-    ``warp_specialize`` arrive as IR values: the default partition's ``HAS_RS`` is fixed by
-    ``_ws_mma_scaled`` / ``_ws_mma_plain``, its warps read from ``gl.num_warps``.)"""
+    ``warp_specialize`` arrive as IR values: the default partition's ``HAS_RS`` and ``FP8`` are
+    fixed by the ``_ws_mma_*`` wrappers, its warps read from ``gl.num_warps``.) FP8: e4m3 rows and
+    weights, the rows' scales ``xs`` and the weights' per-column ``ws`` applied in the epilogue
+    (row-wise scaling, float32)."""
     NW: gl.constexpr = gl.num_warps()
     NUM_BUF: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -383,15 +396,24 @@ def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr,
             # the step before is complete: its buffer goes back to the TMA warp (within the tile)
             mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1, pred=kk > 0)
             s += 1
-        if HAS_RS:  # the row scales' load under the last MMA group
+        if HAS_RS or FP8:  # the epilogue's scales loaded under the last MMA group
             g, m0, m_end, n0 = _tile_from(tab, pid + j * progs, BLOCK_M, BLOCK_N, NW)
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-            rsv = gl.load(rs_ptr + offs_m, mask=offs_m < m_end, other=0.0)
+            m_ok = offs_m < m_end
+            row_s = gl.full((BLOCK_M,), 1.0, gl.float32, layout=gl.SliceLayout(1, mma))
+            if HAS_RS:
+                row_s = row_s * gl.load(rs_ptr + offs_m, mask=m_ok, other=0.0)
+            if FP8:
+                row_s = row_s * gl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
+                offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+                col_s = gl.load(ws_ptr + g.to(gl.int64) * N + offs_n, mask=offs_n < N, other=0.0)
         res = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1)
-        if HAS_RS:
-            res = res * rsv[:, None]
-        out = res.to(dtype)
+        if FP8:
+            res = res * row_s[:, None] * col_s[None, :]
+        elif HAS_RS:
+            res = res * row_s[:, None]
+        out = res.to(c_smem.dtype)
         mbarrier.wait(c_empty, (j & 1) ^ 1)
         c_smem.store(out)
         mbarrier.arrive(c_ready, count=1)
@@ -404,6 +426,8 @@ def _gg_gluon_ws_kernel(
     w_desc,
     y_ptr,
     rs_ptr,
+    xs_ptr,
+    ws_ptr,
     m_sizes_ptr,
     M,
     N,
@@ -411,6 +435,7 @@ def _gg_gluon_ws_kernel(
     G,
     stride_ym,
     HAS_RS: gl.constexpr,
+    FP8: gl.constexpr,
     G_BLOCK: gl.constexpr,
     NUM_BUF: gl.constexpr,
     num_warps: gl.constexpr,
@@ -419,10 +444,11 @@ def _gg_gluon_ws_kernel(
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
+    y_dtype: gl.constexpr = y_ptr.dtype.element_ty
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, BLOCK_K], x_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
     c_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        y_dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], y_dtype)
     )
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -444,8 +470,14 @@ def _gg_gluon_ws_kernel(
     )
     gl.thread_barrier()
     worker = (x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, y_ptr, N, K, stride_ym)
-    mma_args = (a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, N, K)
-    if HAS_RS:
+    mma_args = (a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K)
+    if FP8:
+        if HAS_RS:
+            gl.warp_specialize([(_ws_mma_fp8_scaled, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2],
+                               [48, 48])  # fmt: skip
+        else:
+            gl.warp_specialize([(_ws_mma_fp8, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2], [48, 48])
+    elif HAS_RS:
         gl.warp_specialize([(_ws_mma_scaled, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2], [48, 48])
     else:
         gl.warp_specialize([(_ws_mma_plain, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2], [48, 48])
@@ -465,41 +497,62 @@ def grouped_gemm_gluon(
     m_sizes: torch.Tensor,
     row_scales: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
-    block: tuple[int, int, int] = (128, 256, 64),
+    block: Optional[tuple[int, int, int]] = None,
     num_buf: int = 3,
     num_warps: int = 8,
     coalesce: bool = True,
     depth: int = 1,
     ws: bool = True,
+    x_scale: Optional[torch.Tensor] = None,
+    w_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``y [M, N]`` (``out`` when given): ``y[m] = (x[m] @ w_g.T) * row_scales[m]`` for the rows of
     group ``g`` (``m_sizes [G]`` int32 row counts, rows in group order), ``w [G * N, K]``; rows past
-    ``sum(m_sizes)`` left unwritten. 16-bit ``x`` and ``w`` of one dtype, CUDA sm_90. ``coalesce``: the
-    epilogue's rows through shared memory to 16-byte stores (its scratch takes one operand stage
-    of shared memory: ``num_buf`` 3 at 128 x 256 x 64). ``depth``: MMA groups left in flight
-    when the next is issued (0: each waited for first, the Gluon tutorials' form; 1: the next
-    group queued behind the running one). Defaults: the best measured (session 32 runs 6 and 8). ``ws``:
-    the warp-specialized kernel (TMA warps, the two MMA warpgroups, store warps; ``num_buf``
-    operand stages, 3 at most at 128 x 256 x 64; ``coalesce`` and ``depth`` do not apply)."""
-    if x.dtype not in _GL_DTYPES or w.dtype != x.dtype:
-        raise TypeError(f"grouped_gemm_gluon takes bf16 or fp16 x and w of one dtype, got {x.dtype} and {w.dtype}")
+    ``sum(m_sizes)`` left unwritten. CUDA sm_90. 16-bit ``x`` and ``w`` of one dtype (``y`` in it),
+    or FP8 e4m3 ``x`` and ``w`` with row-wise scales ``x_scale [M]`` and ``w_scale [G * N]``
+    (float32; ``y`` bf16; the warp-specialized kernel only). ``block``: ``(BM, BN, BK)``, default
+    128 x 256 x 64 (16-bit) or x 128 (FP8: 128-byte K tiles). ``coalesce``: the epilogue's rows
+    through shared memory to 16-byte stores (its scratch takes one operand stage of shared memory:
+    ``num_buf`` 3 at 128 x 256 x 64). ``depth``: MMA groups left in flight when the next is issued
+    (0: each waited for first, the Gluon tutorials' form; 1: the next group queued behind the
+    running one). Defaults: the best measured (session 32 runs 6 and 8). ``ws``: the
+    warp-specialized kernel (TMA warps, the two MMA warpgroups, store warps; ``num_buf`` operand
+    stages, 3 at most at 128 x 256 x 64; ``coalesce`` and ``depth`` do not apply)."""
+    fp8 = x.dtype == torch.float8_e4m3fn
+    if fp8:
+        if w.dtype != x.dtype:
+            raise TypeError(f"grouped_gemm_gluon: FP8 x takes FP8 (e4m3) w, got {w.dtype}")
+        if x_scale is None or w_scale is None:
+            raise ValueError("grouped_gemm_gluon: FP8 x and w need x_scale [M] and w_scale [G * N]")
+        if not ws:
+            raise ValueError("grouped_gemm_gluon: FP8 runs on the warp-specialized kernel only (ws=True)")
+    elif x.dtype not in _GL_DTYPES or w.dtype != x.dtype:
+        raise TypeError(
+            f"grouped_gemm_gluon takes bf16 or fp16 x and w of one dtype, or FP8 e4m3 both, got {x.dtype} and {w.dtype}"
+        )
     M, K = (int(d) for d in x.shape)
     G = int(m_sizes.shape[0])
     if G == 0 or int(w.shape[0]) % G or int(w.shape[1]) != K:
         raise ValueError(f"grouped_gemm_gluon: w must be [G * N, K] with G = {G}, K = {K}; got {tuple(w.shape)}")
     N = int(w.shape[0]) // G
-    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if fp8 and (tuple(x_scale.shape) != (M,) or tuple(w_scale.shape) != (G * N,)):
+        raise ValueError(
+            f"grouped_gemm_gluon: x_scale must be [{M}] and w_scale [{G * N}], got "
+            f"{tuple(x_scale.shape)} and {tuple(w_scale.shape)}"
+        )
+    y = out if out is not None else torch.empty((M, N), dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    bm, bn, bk = block
-    dt = _GL_DTYPES[x.dtype]
+    bm, bn, bk = block or ((128, 256, 128) if fp8 else (128, 256, 64))
+    dt = gl.float8e4nv if fp8 else _GL_DTYPES[x.dtype]
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt))
     w_desc = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
-    rs = row_scales if row_scales is not None else torch.empty((1,), dtype=torch.float32, device=x.device)
+    ph = torch.empty((1,), dtype=torch.float32, device=x.device)
+    rs = row_scales if row_scales is not None else ph
     if ws:
         _gg_gluon_ws_kernel[(num_sms(x.device),)](
-            x_desc, w_desc, y, rs, m_sizes, M, N, K, G, y.stride(0),
-            HAS_RS=row_scales is not None, G_BLOCK=max(32, next_pow2(G)), NUM_BUF=num_buf, num_warps=8,
+            x_desc, w_desc, y, rs, x_scale if fp8 else ph, w_scale if fp8 else ph, m_sizes, M, N, K, G, y.stride(0),
+            HAS_RS=row_scales is not None, FP8=fp8, G_BLOCK=max(32, next_pow2(G)), NUM_BUF=num_buf, num_warps=8,
         )  # fmt: skip
         return y
     _gg_gluon_kernel[(num_sms(x.device),)](
