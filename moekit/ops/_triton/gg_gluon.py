@@ -14,10 +14,14 @@ schedules every step by hand:
 - one flat producer / consumer step counter across tiles: the TMA loads of ``x`` and ``w`` tiles
   run ``NUM_BUF - 2`` steps ahead of the MMAs, through the epilogue of a tile into the next, so
   no tile restarts its pipeline;
-- ``warpgroup_mma`` asynchronously, one group in flight (waited before the next is issued: the
-  buffer the next load overwrites was read two steps back);
+- ``warpgroup_mma`` asynchronously (``depth`` 1: the next group queued behind the running one;
+  0: each waited for before the next is issued);
 - the epilogue scales the rows, casts and stores with masks (a tile's rows end at its group's
-  end; TMA stores would overwrite the next group's rows).
+  end; TMA stores would overwrite the next group's rows);
+- the warp-specialized kernel (``ws=True``, the default) splits those roles: TMA warps fill a
+  ring of operand stages, the two MMA warpgroups leave each finished tile in a staging buffer,
+  store warps write it out while the next tile's MMAs run. It also takes FP8 e4m3 rows and
+  weights with row-wise scales (applied in the epilogue).
 
 GPU only (Gluon has no interpreter): ``moekit.ops._triton.grouped_gemm`` stays the library's path;
 this one is reached only through ``grouped_gemm_gluon`` (benchmarks, GPU tests).
