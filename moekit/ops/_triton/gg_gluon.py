@@ -81,6 +81,16 @@ def _mma_n(BLOCK_M, BLOCK_N, num_warps):
     return n
 
 
+@gluon.constexpr_function
+def _acc_layout(BLOCK_M, BLOCK_N, num_warps, bits):
+    """The wgmma accumulator's layout for a ``BLOCK_M x BLOCK_N`` tile of ``bits``-bit operands."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0],
+        warps_per_cta=_mma_warps(BLOCK_M, num_warps),
+        instr_shape=[16, _mma_n(BLOCK_M, BLOCK_N, num_warps), 256 // bits],
+    )
+
+
 @gluon.jit
 def _add(a, b):
     return a + b
@@ -107,6 +117,21 @@ def _load_at(t, gi, starts, sizes, tbeg, tend, BLOCK_M: gl.constexpr, BLOCK_N: g
     """(group, first row, first column) of tile ``t``: where its loads start."""
     g, m0, _, n0 = _tile_at(t, gi, starts, sizes, tbeg, tend, BLOCK_M, BLOCK_N)
     return g, m0, n0
+
+
+@gluon.jit
+def _table(m_sizes_ptr, M, N, G, G_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           NW: gl.constexpr):  # fmt: skip
+    """The group table in a partition of ``NW`` warps: ``(gi, starts, sizes, tbeg, tend, total)``."""
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    gi = gl.arange(0, G_BLOCK, layout=vec)
+    sizes = gl.maximum(gl.load(m_sizes_ptr + gi, mask=gi < G, other=0), 0)
+    ends = gl.associative_scan(sizes, 0, _add)
+    starts = gl.minimum(ends - sizes, M)
+    sizes = gl.minimum(ends, M) - starts
+    tiles = gl.cdiv(sizes, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    tend = gl.associative_scan(tiles, 0, _add)
+    return gi, starts, sizes, tend - tiles, tend, gl.sum(tiles, 0)
 
 
 @gluon.jit
@@ -156,16 +181,7 @@ def _gg_gluon_kernel(
     gl.static_assert(NUM_BUF >= 3, "the loads run NUM_BUF - 2 steps ahead of the MMAs")
 
     # The group table: rows [starts, starts + sizes) per group, tiles [tbeg, tend).
-    vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    gi = gl.arange(0, G_BLOCK, layout=vec)
-    sizes = gl.maximum(gl.load(m_sizes_ptr + gi, mask=gi < G, other=0), 0)
-    ends = gl.associative_scan(sizes, 0, _add)
-    starts = gl.minimum(ends - sizes, M)
-    sizes = gl.minimum(ends, M) - starts
-    tiles = gl.cdiv(sizes, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-    tend = gl.associative_scan(tiles, 0, _add)
-    tbeg = tend - tiles
-    total = gl.sum(tiles, 0)
+    gi, starts, sizes, tbeg, tend, total = _table(m_sizes_ptr, M, N, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
 
     pid = gl.program_id(0)
     progs = gl.num_programs(0)
@@ -178,11 +194,7 @@ def _gg_gluon_kernel(
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(bars.index(i), count=1)
 
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0],
-        warps_per_cta=_mma_warps(BLOCK_M, num_warps),
-        instr_shape=[16, _mma_n(BLOCK_M, BLOCK_N, num_warps), 256 // dtype.primitive_bitwidth],
-    )
+    mma: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, num_warps, dtype.primitive_bitwidth)
     acc = warpgroup_mma_init(gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma))
 
     # Producer: the tile and K offset of step p (coordinates looked up when p starts a tile).
@@ -246,21 +258,6 @@ def _gg_gluon_kernel(
 # Warp-specialized form: TMA warps, two MMA warpgroups on one 128 x 256 tile, store warps (2 + 8 + 2
 # warps; the workers at 48 registers, the MMA warpgroups at 232: 384 threads in 64K registers).
 # ---------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _table(m_sizes_ptr, M, N, G, G_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-           NW: gl.constexpr):  # fmt: skip
-    """The group table in a partition of ``NW`` warps: ``(gi, starts, sizes, tbeg, tend, total)``."""
-    vec: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    gi = gl.arange(0, G_BLOCK, layout=vec)
-    sizes = gl.maximum(gl.load(m_sizes_ptr + gi, mask=gi < G, other=0), 0)
-    ends = gl.associative_scan(sizes, 0, _add)
-    starts = gl.minimum(ends - sizes, M)
-    sizes = gl.minimum(ends, M) - starts
-    tiles = gl.cdiv(sizes, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-    tend = gl.associative_scan(tiles, 0, _add)
-    return gi, starts, sizes, tend - tiles, tend, gl.sum(tiles, 0)
 
 
 @gluon.jit
@@ -381,11 +378,7 @@ def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr,
     pid = gl.program_id(0)
     progs = gl.num_programs(0)
     k_steps = gl.cdiv(K, BLOCK_K)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0],
-        warps_per_cta=_mma_warps(BLOCK_M, NW),
-        instr_shape=[16, _mma_n(BLOCK_M, BLOCK_N, NW), 256 // dtype.primitive_bitwidth],
-    )
+    mma: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, NW, dtype.primitive_bitwidth)
     zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
     acc = warpgroup_mma_init(zero)
     s = 0
