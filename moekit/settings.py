@@ -126,6 +126,8 @@ class Settings:
     #                                     a power of two sub-tiles each)                       256
     #   SWIGLU_TILED_STAGES               gg_swiglu (stages of the 128-row tiled tiles)          3
     #   SWIGLU_SMALL_MAX_ROWS             gg_swiglu (64-row tiles below this many rows/expert)   192
+    #   GLUON_DOWN                        experts (the stored down rows through the experimental
+    #                                     warp-specialized Gluon kernel on Hopper)             False
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -152,6 +154,7 @@ KNOBS = (
     "GG_EARLY_DST", "EARLY_EPI_MAX_K", "SWIGLU_SMALL_TILES", "BF16_STREAM_SWIGLU", "TILED_MIN_ROWS",
     "TILED_SHORT_K", "GG_N_SLAB", "GATHERED_SWIGLU",
     "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS", "SWIGLU_TILED_STAGES", "SWIGLU_SMALL_MAX_ROWS",
+    "GLUON_DOWN",
 )  # fmt: skip
 
 

@@ -232,3 +232,50 @@ def test_fp8_errors_name_what_was_expected():
         grouped_gemm_gluon(x8, w8, ms, x_scale=torch.ones(4), w_scale=torch.ones(8), ws=False)
     with pytest.raises(ValueError, match=r"x_scale must be \[4\]"):
         grouped_gemm_gluon(x8, w8, ms, x_scale=torch.ones(3), w_scale=torch.ones(8))
+
+
+@pytest.mark.reference
+def test_layer_takes_the_gluon_rows_only_where_asked_and_able():
+    """``experts._gluon_rows``: None with the knob off, and on CPU tensors with it on (the Triton
+    or CPU path runs)."""
+    from moekit import settings
+    from moekit.layers import experts
+
+    z = torch.zeros(8, 32).bfloat16()
+    w = torch.zeros(2 * 16, 32).bfloat16()
+    ms = torch.tensor([4, 4], dtype=torch.int32)
+    assert experts._gluon_rows(z, w, ms, None) is None
+    with settings.override(knobs={"GLUON_DOWN": True}):
+        assert experts._gluon_rows(z, w, ms, None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_layer_with_the_gluon_down_rows(fp8):
+    """``moe_forward`` with knob ``GLUON_DOWN`` (the stored down rows through the warp-specialized
+    Gluon kernel; rows stored from 1 routed row here) against the same layer without it, and the
+    float32 reference (``moe_decode``'s: the dense layer from logits, any T)."""
+    from moekit import reference as ref
+    from moekit import settings
+    from moekit.layers.functional import RoutingConfig, moe_forward, quantize_expert_weights
+
+    torch.manual_seed(0)
+    T, E, D, F, k = 512, 16, 512, 256, 8
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    logits = torch.randn(T, E, device="cuda")
+    w13 = (torch.randn(E, 2 * F, D, device="cuda") / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, F, device="cuda") / F**0.5).bfloat16()
+    kw = {}
+    if fp8:
+        w13, s13 = quantize_expert_weights(w13)
+        w2, s2 = quantize_expert_weights(w2)
+        kw = dict(w13_scale_e2F=s13, w2_scale_eD=s2)
+    cfg = RoutingConfig(top_k=k, score_func="softmax", renormalize=True, apply_router_weight_on_input=False)
+    with settings.override(decode_fused="off", knobs={"DOWN_SUM_MIN_ROWS": 1}):
+        base = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
+        with settings.override(knobs={"DOWN_SUM_MIN_ROWS": 1, "GLUON_DOWN": True}):
+            got = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
+    assert_close(got.float(), base.float(), tol=1e-2, msg=f"fp8={fp8}")
+    want = ref.moe_decode(x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), torch.zeros(T, D).bfloat16(), top_k=k,
+                          score_func="softmax", renormalize=True, **{n: v.cpu() for n, v in kw.items()})  # fmt: skip
+    assert_close(got.cpu().float(), want.float(), tol=3e-2, msg=f"fp8={fp8}")
