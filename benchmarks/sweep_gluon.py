@@ -9,7 +9,8 @@ A case is ``name:T[:fp8]`` (the layer's GEMM at T tokens: ``M = T * top-k`` rows
 experts by a uniform random routing; ``fp8``: row-wise FP8 operands, twice the configs' K tile, cuBLAS
 ``torch._scaled_mm``); a config is ``BMxBNxBK`` ``b<buffers>`` (``c``: the epilogue's rows
 through shared memory; ``d0``: each MMA group waited for before the next is issued, default ``d1``:
-one left running; ``w``: the warp-specialized kernel). Per case, µs per call (CUDA graphs, medians): ``triton`` (``grouped_gemm``
+one left running; ``w``: the warp-specialized kernel; ``h`` after it: one MMA partition per 64-row
+half of the tile). Per case, µs per call (CUDA graphs, medians): ``triton`` (``grouped_gemm``
 with the router weights on the rows, its default configuration), one column per Gluon config,
 ``cublas`` (``torch.mm`` of all M rows against one expert's weights: the dense rate on the same
 FLOPs) and TFLOP/s of each; ``rel_err``: the largest Gluon deviation from ``triton``'s output
@@ -44,13 +45,13 @@ DEFAULT_CONFIGS = "128x256x64b3c,128x256x64b3w,128x256x64b2w"
 
 
 def _config(text: str) -> tuple:
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)b(\d+)(c?)(?:d(\d))?(w?)", text.strip())
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)b(\d+)(c?)(?:d(\d))?(w?)(h?)", text.strip())
     if m is None:
         raise SystemExit(
-            "--configs: expected entries like 128x256x64b4, 128x256x64b3c, 128x256x64b4d0 or 128x256x64b3w, "
+            "--configs: expected entries like 128x256x64b4, 128x256x64b3c, 128x256x64b4d0, 128x256x64b3w or 128x256x64b3wh, "
             f"got {text!r}"
         )
-    return (int(m[1]), int(m[2]), int(m[3])), int(m[4]), bool(m[5]), int(m[6] or 1), bool(m[7])
+    return (int(m[1]), int(m[2]), int(m[3])), int(m[4]), bool(m[5]), int(m[6] or 1), bool(m[7]), bool(m[8])
 
 
 def main() -> int:
@@ -90,17 +91,18 @@ def main() -> int:
         us = bench_us(lambda: grouped_gemm(x, w, ms, token_weights=rs, **sc), replays=10)
         row["triton"], row["triton_tf"] = round(us, 1), round(flops / us / 1e6)
         worst = 0.0
-        for block, nbuf, co, dp, ws in configs:
-            tag = "x".join(map(str, block)) + f"b{nbuf}" + ("w" if ws else ("c" if co else "") + f"d{dp}")
+        for block, nbuf, co, dp, ws, hv in configs:
+            tag = "x".join(map(str, block)) + f"b{nbuf}" + ("w" if ws else ("c" if co else "") + f"d{dp}") + "h" * hv
             if fp8:  # 128-byte K tiles
                 block = (block[0], block[1], 2 * block[2])
             try:
-                got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws, **sc)
+                got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws, halves=hv,
+                                         **sc)  # fmt: skip
                 torch.cuda.synchronize()
                 rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
                 worst = max(worst, rel)
-                us = bench_us(lambda b=block, n=nbuf, c=co, d=dp, v=ws: grouped_gemm_gluon(x, w, ms, rs, block=b,
-                              num_buf=n, coalesce=c, depth=d, ws=v, **sc), replays=10)  # fmt: skip
+                us = bench_us(lambda b=block, n=nbuf, c=co, d=dp, v=ws, h=hv: grouped_gemm_gluon(x, w, ms, rs, block=b,
+                              num_buf=n, coalesce=c, depth=d, ws=v, halves=h, **sc), replays=10)  # fmt: skip
                 row[tag], row[tag + "_tf"] = round(us, 1), round(flops / us / 1e6)
             except Exception as exc:  # a config that does not fit (or FP8 off the warp-specialized kernel)
                 row[tag] = f"{type(exc).__name__}: {str(exc)[:80]}"

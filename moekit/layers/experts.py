@@ -181,8 +181,10 @@ def _gluon_rows(z, w2, m_sizes, rows_w, zs=None, ws2=None):
     read (16-byte aligned), float32 router weights, 16-bit or FP8 rows (with fast accumulation:
     the caller's to check). ``None`` elsewhere: the Triton kernel runs. H100, session 32: the
     kernel alone level with the Triton one, 4.4% faster on DeepSeek-V3 TP8's down projection at
-    T=8192 (``benchmarks/sweep_gluon.py``); the layer with it not yet measured."""
-    if not settings.get().knob("GLUON_DOWN", False) or not z.is_cuda or torch.version.hip is not None:
+    T=8192 (``benchmarks/sweep_gluon.py``); the layer with it not yet measured. ``GLUON_DOWN=2``:
+    the kernel's ``halves`` form (one MMA partition per 64-row half of a tile)."""
+    mode = int(settings.get().knob("GLUON_DOWN", 0))
+    if not mode or not z.is_cuda or torch.version.hip is not None:
         return None
     from moekit.ops._common import _capability_major, _tracing
 
@@ -199,8 +201,8 @@ def _gluon_rows(z, w2, m_sizes, rows_w, zs=None, ws2=None):
     from moekit.ops._triton.gg_gluon import grouped_gemm_gluon
 
     if zs is None:
-        return grouped_gemm_gluon(z, w, m_sizes, rows_w)
-    return grouped_gemm_gluon(z, w, m_sizes, rows_w, x_scale=zs.reshape(-1), w_scale=ws2.reshape(-1))
+        return grouped_gemm_gluon(z, w, m_sizes, rows_w, halves=mode == 2)
+    return grouped_gemm_gluon(z, w, m_sizes, rows_w, x_scale=zs.reshape(-1), w_scale=ws2.reshape(-1), halves=mode == 2)
 
 
 def down_sums_rows(deterministic: bool = False, rows: int = 0, top_k: int = 1) -> bool:

@@ -26,7 +26,7 @@ from triton.runtime.jit import mangle_type
 import moekit.ops._triton.gg_gluon as GG
 
 out = []
-for (G, N, K, block, nbuf, co, dp, ws, dt) in json.loads(os.environ["CASES"]):
+for (G, N, K, block, nbuf, co, dp, ws, dt, hv) in json.loads(os.environ["CASES"]):
     bm, bn, bk = block
     tdt, gdt = (torch.float8_e4m3fn, gl.float8e4nv) if dt == "fp8" else (torch.bfloat16, gl.bfloat16)
     x = torch.empty((4096, K), dtype=tdt, device="meta")
@@ -39,19 +39,15 @@ for (G, N, K, block, nbuf, co, dp, ws, dt) in json.loads(os.environ["CASES"]):
     if ws:
         sig.update(xs_ptr="*fp32", ws_ptr="*fp32")
     sig.update(m_sizes_ptr="*i32", M="i32", N="i32", K="i32", G="i32", stride_ym="i32")
-    consts = {"HAS_RS": True}
-    if ws:
-        consts["FP8"] = dt == "fp8"
-    consts.update(G_BLOCK=max(32, triton.next_power_of_2(G)), NUM_BUF=nbuf)
-    if not ws:
-        consts.update(COALESCE=co, DEPTH=dp)
-    consts["num_warps"] = 8
+    consts = {"HAS_RS": True, "G_BLOCK": max(32, triton.next_power_of_2(G)), "NUM_BUF": nbuf}
+    consts.update(HALVES=hv) if ws else consts.update(COALESCE=co, DEPTH=dp)
+    consts["num_warps"] = 4 if hv else 8
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr") or n in ("N", "K", "stride_ym")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     c = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": consts["num_warps"]})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
@@ -65,18 +61,20 @@ for (G, N, K, block, nbuf, co, dp, ws, dt) in json.loads(os.environ["CASES"]):
 print("@@" + json.dumps(out))
 """
 
-# (G, N, K, block, buffers, coalesced epilogue, MMA groups in flight, warp-specialized, dtype): the
-# benchmark's tiles
+# (G, N, K, block, buffers, coalesced epilogue, MMA groups in flight, warp-specialized, dtype, one
+# partition per 64-row half): the benchmark's tiles
 CASES = [
-    (128, 2048, 768, (128, 256, 64), 4, False, 0, False, "bf16"),
-    (128, 2048, 768, (128, 256, 64), 4, False, 1, False, "bf16"),
-    (128, 2048, 768, (128, 256, 64), 3, True, 1, False, "bf16"),
-    (256, 7168, 256, (128, 128, 64), 4, False, 1, False, "bf16"),
-    (128, 2880, 2880, (128, 128, 64), 5, True, 1, False, "bf16"),
-    (128, 2048, 768, (128, 256, 64), 3, True, 1, True, "bf16"),
-    (256, 7168, 256, (128, 256, 64), 2, True, 1, True, "bf16"),
-    (128, 2048, 768, (128, 256, 128), 3, True, 1, True, "fp8"),
-    (256, 512, 7168, (128, 256, 128), 3, True, 1, True, "fp8"),
+    (128, 2048, 768, (128, 256, 64), 4, False, 0, False, "bf16", False),
+    (128, 2048, 768, (128, 256, 64), 4, False, 1, False, "bf16", False),
+    (128, 2048, 768, (128, 256, 64), 3, True, 1, False, "bf16", False),
+    (256, 7168, 256, (128, 128, 64), 4, False, 1, False, "bf16", False),
+    (128, 2880, 2880, (128, 128, 64), 5, True, 1, False, "bf16", False),
+    (128, 2048, 768, (128, 256, 64), 3, True, 1, True, "bf16", False),
+    (256, 7168, 256, (128, 256, 64), 2, True, 1, True, "bf16", False),
+    (128, 2048, 768, (128, 256, 128), 3, True, 1, True, "fp8", False),
+    (256, 512, 7168, (128, 256, 128), 3, True, 1, True, "fp8", False),
+    (128, 2048, 768, (128, 256, 64), 3, True, 1, True, "bf16", True),
+    (128, 2048, 768, (128, 256, 128), 3, True, 1, True, "fp8", True),
 ]
 
 
@@ -142,7 +140,8 @@ def _reference(x, w, ms, rs):
 @pytest.mark.parametrize(
     "cfg", [((128, 256, 64), 4, False, 0, False), ((128, 256, 64), 4, False, 1, False),
             ((128, 256, 64), 3, True, 1, False), ((128, 128, 64), 5, True, 1, False),
-            ((128, 256, 64), 3, True, 1, True), ((128, 256, 64), 2, True, 1, True)]
+            ((128, 256, 64), 3, True, 1, True), ((128, 256, 64), 2, True, 1, True),
+            ((128, 256, 64), 3, True, 1, True, True)]
 )  # fmt: skip
 @pytest.mark.parametrize("scaled", [True, False])
 def test_gpu_matches_reference(dtype, cfg, scaled):
@@ -159,8 +158,8 @@ def test_gpu_matches_reference(dtype, cfg, scaled):
     w = (torch.randn(G * N, K, device="cuda") / K**0.5).to(dtype)
     rs = torch.rand(M, device="cuda") + 0.5 if scaled else None
     y = torch.full((M, N), 7.0, device="cuda", dtype=dtype)
-    block, nbuf, co, dp, ws = cfg
-    grouped_gemm_gluon(x, w, ms, rs, out=y, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws)
+    block, nbuf, co, dp, ws, *hv = cfg  # (hv: one MMA partition per 64-row half, groups of 5 and 64 rows)
+    grouped_gemm_gluon(x, w, ms, rs, out=y, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws, halves=bool(hv))
     want, used = _reference(x.cpu(), w.cpu(), ms.cpu(), None if rs is None else rs.cpu())
     assert_close(y[:used].float().cpu(), want[:used], tol=2e-2, msg=str(cfg))
     assert (y[used:] == 7.0).all()
@@ -182,12 +181,13 @@ def test_gpu_many_tiles_per_program_match_the_triton_kernel():
     w = (torch.randn(G * N, K, device="cuda") / K**0.5).bfloat16()
     rs = torch.rand(M, device="cuda") + 0.5
     want = grouped_gemm(x, w, ms, token_weights=rs)
-    for block, nbuf, co, dp, ws in [
-        ((128, 256, 64), 4, False, 0, False),
-        ((128, 256, 64), 3, True, 1, False),
-        ((128, 256, 64), 3, True, 1, True),
+    for block, nbuf, co, dp, ws, hv in [
+        ((128, 256, 64), 4, False, 0, False, False),
+        ((128, 256, 64), 3, True, 1, False, False),
+        ((128, 256, 64), 3, True, 1, True, False),
+        ((128, 256, 64), 3, True, 1, True, True),
     ]:
-        got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws)
+        got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws, halves=hv)
         assert_close(got.float(), want.float(), tol=1e-2, msg=str(block))
 
 
@@ -212,9 +212,10 @@ def test_gpu_fp8_matches_the_triton_kernel(scaled):
         xq, xs, wq, wsc, ms = (t.cuda() for t in (xq, xs, wq, wsc, ms))
         rs = torch.rand(M, device="cuda") + 0.5 if scaled else None
         want = grouped_gemm(xq, wq, ms, x_scale=xs, w_scale=wsc, token_weights=rs)
-        got = grouped_gemm_gluon(xq, wq, ms, rs, x_scale=xs, w_scale=wsc)
-        assert got.dtype == torch.bfloat16
-        assert_close(got.float(), want.float(), tol=2e-2, msg=f"G={G} N={N} K={K}")
+        for hv in (False, True):
+            got = grouped_gemm_gluon(xq, wq, ms, rs, x_scale=xs, w_scale=wsc, halves=hv)
+            assert got.dtype == torch.bfloat16
+            assert_close(got.float(), want.float(), tol=2e-2, msg=f"G={G} N={N} K={K} halves={hv}")
 
 
 @pytest.mark.reference
@@ -230,6 +231,8 @@ def test_fp8_errors_name_what_was_expected():
         grouped_gemm_gluon(x8, w8, ms)
     with pytest.raises(ValueError, match="ws=True"):
         grouped_gemm_gluon(x8, w8, ms, x_scale=torch.ones(4), w_scale=torch.ones(8), ws=False)
+    with pytest.raises(ValueError, match="halves"):
+        grouped_gemm_gluon(x8, w8, ms, x_scale=torch.ones(4), w_scale=torch.ones(8), halves=True, block=(64, 256, 128))
     with pytest.raises(ValueError, match=r"x_scale must be \[4\]"):
         grouped_gemm_gluon(x8, w8, ms, x_scale=torch.ones(3), w_scale=torch.ones(8))
 

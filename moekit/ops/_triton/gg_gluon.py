@@ -332,49 +332,67 @@ def _ws_store(x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_l))
         mbarrier.wait(c_ready, j & 1)
         for r in gl.static_range(0, BLOCK_M, CH):
-            v = c_smem.slice(r, CH).load(rows_l)
-            offs_m = m0 + r + gl.arange(0, CH, layout=gl.SliceLayout(1, rows_l))
-            ptrs = y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
-            gl.store(ptrs, v, mask=(offs_m < m_end)[:, None] & (offs_n < N)[None, :])
+            if m0 + r < m_end:  # (chunks past the group's end: nothing to write, maybe nothing staged)
+                v = c_smem.slice(r, CH).load(rows_l)
+                offs_m = m0 + r + gl.arange(0, CH, layout=gl.SliceLayout(1, rows_l))
+                ptrs = y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
+                gl.store(ptrs, v, mask=(offs_m < m_end)[:, None] & (offs_n < N)[None, :])
         mbarrier.arrive(c_empty, count=1)
 
 
 @gluon.jit
 def _ws_mma_scaled(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
-    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, True, False)
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, True, 0, False)
 
 
 @gluon.jit
 def _ws_mma_plain(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
-    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, False, False)
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, False, 0, False)
 
 
 @gluon.jit
-def _ws_mma_fp8_scaled(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
-    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, True, True)
+def _ws_lo_scaled(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, True, 0, True)
 
 
 @gluon.jit
-def _ws_mma_fp8(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
-    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, False, True)
+def _ws_lo_plain(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, False, 0, True)
+
+
+@gluon.jit
+def _ws_hi_scaled(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, True, 1, True)
+
+
+@gluon.jit
+def _ws_hi_plain(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K):
+    _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K, False, 1, True)
 
 
 @gluon.jit
 def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K,
-            HAS_RS: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
-    """The MMA warpgroups (default partition): each step's group issued behind the running one,
-    the buffer of the one before released; a finished tile's rows scaled, cast and left in the
-    staging buffer for the store warps, so the next tile's MMAs start at once. (Arguments through
-    ``warp_specialize`` arrive as IR values: the default partition's ``HAS_RS`` and ``FP8`` are
-    fixed by the ``_ws_mma_*`` wrappers, its warps read from ``gl.num_warps``.) FP8: e4m3 rows and
-    weights, the rows' scales ``xs`` and the weights' per-column ``ws`` applied in the epilogue
-    (row-wise scaling, float32)."""
+            HAS_RS: gl.constexpr, H: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
+    """The MMA warps: each step's group issued behind the running one, the buffer of the one
+    before released; a finished tile's rows scaled, cast and left in the staging buffer for the
+    store warps, so the next tile's MMAs start at once. (Arguments through ``warp_specialize``
+    arrive as IR values: ``HAS_RS``, ``H`` and ``HALVES`` are fixed by the wrappers above, the
+    warps read from ``gl.num_warps``, FP8 from the operands' dtype.) FP8: e4m3 rows and weights,
+    the rows' scales ``xs`` and the weights' per-column ``ws`` applied in the epilogue (row-wise
+    scaling, float32).
+
+    ``HALVES``: this partition is one warpgroup with rows ``[64 H, 64 H + 64)`` of each 128-row
+    tile (the other half is another partition's). A half whose rows all lie past its group's end
+    (the last row tile of a group holding at most 64 rows) issues no MMAs: it only keeps the
+    buffers' phases (each buffer waits for both halves' release) and leaves its staging rows
+    unwritten, which the store warps skip."""
     NW: gl.constexpr = gl.num_warps()
     NUM_BUF: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1] // 2 if HALVES else a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     dtype: gl.constexpr = a_bufs.dtype
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     pid = gl.program_id(0)
     progs = gl.num_programs(0)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -383,38 +401,54 @@ def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr,
     acc = warpgroup_mma_init(zero)
     s = 0
     for j in range(_tiles_of(tab, NW)):
-        for kk in range(k_steps):
-            buf = s % NUM_BUF
-            mbarrier.wait(ready.index(buf), (s // NUM_BUF) & 1)
-            # (the accumulator is zeroed after each epilogue: a constant use_acc, and the finished
-            # tile's registers free for its scaled rows)
-            acc = warpgroup_mma(a_bufs.index(buf), b_bufs.index(buf).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=1, deps=(acc,)))
-            # the step before is complete: its buffer goes back to the TMA warp (within the tile)
-            mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1, pred=kk > 0)
-            s += 1
-        if HAS_RS or FP8:  # the epilogue's scales loaded under the last MMA group
-            g, m0, m_end, n0 = _tile_from(tab, pid + j * progs, BLOCK_M, BLOCK_N, NW)
-            offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-            m_ok = offs_m < m_end
-            row_s = gl.full((BLOCK_M,), 1.0, gl.float32, layout=gl.SliceLayout(1, mma))
-            if HAS_RS:
-                row_s = row_s * gl.load(rs_ptr + offs_m, mask=m_ok, other=0.0)
+        g, m0, m_end, n0 = _tile_from(tab, pid + j * progs, 2 * BLOCK_M if HALVES else BLOCK_M, BLOCK_N, NW)
+        m0 = m0 + H * BLOCK_M
+        if m0 < m_end:
+            for kk in range(k_steps):
+                buf = s % NUM_BUF
+                mbarrier.wait(ready.index(buf), (s // NUM_BUF) & 1)
+                a = a_bufs.index(buf)
+                if HALVES:
+                    a = a.slice(H * BLOCK_M, BLOCK_M)
+                # (the accumulator is zeroed after each epilogue: a constant use_acc, and the finished
+                # tile's registers free for its scaled rows)
+                acc = warpgroup_mma(a, b_bufs.index(buf).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=1, deps=(acc,)))
+                # the step before is complete: its buffer goes back to the TMA warp (within the tile)
+                mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1, pred=kk > 0)
+                s += 1
+            if HAS_RS or FP8:  # the epilogue's scales loaded under the last MMA group
+                offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+                m_ok = offs_m < m_end
+                row_s = gl.full((BLOCK_M,), 1.0, gl.float32, layout=gl.SliceLayout(1, mma))
+                if HAS_RS:
+                    row_s = row_s * gl.load(rs_ptr + offs_m, mask=m_ok, other=0.0)
+                if FP8:
+                    row_s = row_s * gl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
+                    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+                    col_s = gl.load(ws_ptr + g.to(gl.int64) * N + offs_n, mask=offs_n < N, other=0.0)
+            res = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1)
             if FP8:
-                row_s = row_s * gl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
-                offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-                col_s = gl.load(ws_ptr + g.to(gl.int64) * N + offs_n, mask=offs_n < N, other=0.0)
-        res = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1)
-        if FP8:
-            res = res * row_s[:, None] * col_s[None, :]
-        elif HAS_RS:
-            res = res * row_s[:, None]
-        out = res.to(c_smem.dtype)
-        mbarrier.wait(c_empty, (j & 1) ^ 1)
-        c_smem.store(out)
-        mbarrier.arrive(c_ready, count=1)
-        acc = warpgroup_mma_init(zero)
+                res = res * row_s[:, None] * col_s[None, :]
+            elif HAS_RS:
+                res = res * row_s[:, None]
+            out = res.to(c_smem.dtype)
+            mbarrier.wait(c_empty, (j & 1) ^ 1)
+            if HALVES:
+                c_smem.slice(H * BLOCK_M, BLOCK_M).store(out)
+            else:
+                c_smem.store(out)
+            mbarrier.arrive(c_ready, count=1)
+            acc = warpgroup_mma_init(zero)
+        else:  # (HALVES only: no rows here) the buffers released as they fill, nothing staged
+            for kk in range(k_steps):
+                buf = s % NUM_BUF
+                mbarrier.wait(ready.index(buf), (s // NUM_BUF) & 1)
+                mbarrier.arrive(empty.index(buf), count=1)
+                s += 1
+            mbarrier.wait(c_empty, (j & 1) ^ 1)
+            mbarrier.arrive(c_ready, count=1)
 
 
 @gluon.jit
@@ -432,9 +466,9 @@ def _gg_gluon_ws_kernel(
     G,
     stride_ym,
     HAS_RS: gl.constexpr,
-    FP8: gl.constexpr,
     G_BLOCK: gl.constexpr,
     NUM_BUF: gl.constexpr,
+    HALVES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -451,10 +485,11 @@ def _gg_gluon_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    halves: gl.constexpr = 2 if HALVES else 1  # (the MMA partitions: each releases buffers and stages rows)
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(c_ready, count=1)
+        mbarrier.init(empty.index(i), count=halves)
+    mbarrier.init(c_ready, count=halves)
     mbarrier.init(c_empty, count=1)
     # The group table, once, for every partition.
     gi, starts, sizes, tbeg, tend, total = _table(m_sizes_ptr, M, N, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
@@ -468,12 +503,13 @@ def _gg_gluon_ws_kernel(
     gl.thread_barrier()
     worker = (x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, y_ptr, N, K, stride_ym)
     mma_args = (a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K)
-    if FP8:
+    if HALVES:  # one warpgroup per 64-row half: this one (4 warps) and a worker of 4 at the same budget
         if HAS_RS:
-            gl.warp_specialize([(_ws_mma_fp8_scaled, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2],
-                               [48, 48])  # fmt: skip
+            gl.warp_specialize([(_ws_lo_scaled, mma_args), (_ws_hi_scaled, mma_args), (_ws_load, worker),
+                                (_ws_store, worker)], [4, 2, 2], [232, 48, 48])  # fmt: skip
         else:
-            gl.warp_specialize([(_ws_mma_fp8, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2], [48, 48])
+            gl.warp_specialize([(_ws_lo_plain, mma_args), (_ws_hi_plain, mma_args), (_ws_load, worker),
+                                (_ws_store, worker)], [4, 2, 2], [232, 48, 48])  # fmt: skip
     elif HAS_RS:
         gl.warp_specialize([(_ws_mma_scaled, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2], [48, 48])
     else:
@@ -502,6 +538,7 @@ def grouped_gemm_gluon(
     ws: bool = True,
     x_scale: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
+    halves: bool = False,
 ) -> torch.Tensor:
     """``y [M, N]`` (``out`` when given): ``y[m] = (x[m] @ w_g.T) * row_scales[m]`` for the rows of
     group ``g`` (``m_sizes [G]`` int32 row counts, rows in group order), ``w [G * N, K]``; rows past
@@ -514,7 +551,9 @@ def grouped_gemm_gluon(
     (0: each waited for first, the Gluon tutorials' form; 1: the next group queued behind the
     running one). Defaults: the best measured (session 32 runs 6 and 8). ``ws``: the
     warp-specialized kernel (TMA warps, the two MMA warpgroups, store warps; ``num_buf`` operand
-    stages, 3 at most at 128 x 256 x 64; ``coalesce`` and ``depth`` do not apply)."""
+    stages, 3 at most at 128 x 256 x 64; ``coalesce`` and ``depth`` do not apply). ``halves``
+    (warp-specialized, 128-row tiles): each MMA warpgroup its own partition with one 64-row half
+    of the tile, so a group's last row tile with at most 64 rows runs half its MMAs."""
     fp8 = x.dtype == torch.float8_e4m3fn
     if fp8:
         if w.dtype != x.dtype:
@@ -541,6 +580,10 @@ def grouped_gemm_gluon(
     if M == 0 or N == 0:
         return y
     bm, bn, bk = block or ((128, 256, 128) if fp8 else (128, 256, 64))
+    if halves and (not ws or bm != 128):
+        raise ValueError(
+            f"grouped_gemm_gluon: halves takes the warp-specialized kernel with 128-row tiles, got ws={ws}, block={block}"
+        )
     dt = gl.float8e4nv if fp8 else _GL_DTYPES[x.dtype]
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt))
     w_desc = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
@@ -549,7 +592,8 @@ def grouped_gemm_gluon(
     if ws:
         _gg_gluon_ws_kernel[(num_sms(x.device),)](
             x_desc, w_desc, y, rs, x_scale if fp8 else ph, w_scale if fp8 else ph, m_sizes, M, N, K, G, y.stride(0),
-            HAS_RS=row_scales is not None, FP8=fp8, G_BLOCK=max(32, next_pow2(G)), NUM_BUF=num_buf, num_warps=8,
+            HAS_RS=row_scales is not None, G_BLOCK=max(32, next_pow2(G)), NUM_BUF=num_buf, HALVES=bool(halves),
+            num_warps=4 if halves else 8,
         )  # fmt: skip
         return y
     _gg_gluon_kernel[(num_sms(x.device),)](
