@@ -75,6 +75,7 @@ CASES = [
     (256, 512, 7168, (128, 256, 128), 3, True, 1, True, "fp8", False),
     (128, 2048, 768, (128, 256, 64), 3, True, 1, True, "bf16", True),
     (128, 2048, 768, (128, 256, 128), 3, True, 1, True, "fp8", True),
+    (128, 2048, 768, (128, 256, 32), 6, True, 1, True, "bf16", True),
 ]
 
 
@@ -141,7 +142,7 @@ def _reference(x, w, ms, rs):
     "cfg", [((128, 256, 64), 4, False, 0, False), ((128, 256, 64), 4, False, 1, False),
             ((128, 256, 64), 3, True, 1, False), ((128, 128, 64), 5, True, 1, False),
             ((128, 256, 64), 3, True, 1, True), ((128, 256, 64), 2, True, 1, True),
-            ((128, 256, 64), 3, True, 1, True, True)]
+            ((128, 256, 64), 3, True, 1, True, True), ((128, 256, 32), 6, True, 1, True, True)]
 )  # fmt: skip
 @pytest.mark.parametrize("scaled", [True, False])
 def test_gpu_matches_reference(dtype, cfg, scaled):
