@@ -53,9 +53,20 @@ for (G, N, K, block, nbuf, co, dp, ws, dt, hv) in json.loads(os.environ["CASES"]
         f.write(c.asm["cubin"])
         f.flush()
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout.splitlines()
     st = re.search(r"STACK:(\d+)", res)
     ptx = c.asm["ptx"]
+    # local-memory loads and stores inside the MMA loops (from a warpgroup's first wgmma fence to
+    # its wait for every group)
+    loop_spills, inside = 0, False
+    for ln in sass:
+        if "WARPGROUP.ARRIVE" in ln:
+            inside = True
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ln:
+            inside = False
+        loop_spills += inside and ("STL" in ln or "LDL" in ln)
     out.append({"shared": int(c.metadata.shared), "stack": int(st.group(1)) if st else None,
+                "loop_spills": loop_spills,
                 "wgmma": ptx.count("wgmma.mma_async"), "fp8_wgmma": ptx.count(".e4m3.e4m3"),
                 "tma": ptx.count("cp.async.bulk.tensor"), "setmaxnreg": ptx.count("setmaxnreg")})
 print("@@" + json.dumps(out))
@@ -114,9 +125,11 @@ def test_kernel_compiles_for_sm90_without_spills():
     recs = json.loads(lines[-1][2:])
     assert len(recs) == len(CASES)
     for case, r in zip(CASES, recs):
-        # (the warp-specialized kernel's store warps, at 48 registers, keep one loop value on the
-        # stack where the table is 256 groups wide: one 4-byte load a tile)
-        assert r["stack"] in (0, None) or (case[7] and r["stack"] <= 16), (case, r)
+        # (the warp-specialized kernel keeps a few tile-loop scalars on the stack, the store warps
+        # at 48 registers and the MMA partitions with FP8's column scales: a few 4-byte loads and
+        # stores a tile, none in the MMA loops)
+        assert r["stack"] in (0, None) or (case[7] and r["stack"] <= 128), (case, r)
+        assert r["loop_spills"] == 0, (case, r)
         assert (r["setmaxnreg"] > 0) == case[7], (case, r)  # the partitions' register budgets
         assert (r["fp8_wgmma"] > 0) == (case[8] == "fp8"), (case, r)
         assert r["shared"] <= 227 * 1024, (case, r)

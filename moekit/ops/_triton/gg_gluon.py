@@ -399,9 +399,13 @@ def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr,
     mma: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, NW, dtype.primitive_bitwidth)
     zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
     acc = warpgroup_mma_init(zero)
+    TM: gl.constexpr = 2 * BLOCK_M if HALVES else BLOCK_M
     s = 0
+    # A tile's coordinates are looked up under the MMAs of the tile before (the lookup reduces
+    # over the group table: a few hundred cycles with the tensor cores idle at a tile's start).
+    g, m0, m_end, n0 = _tile_from(tab, pid, TM, BLOCK_N, NW)
     for j in range(_tiles_of(tab, NW)):
-        g, m0, m_end, n0 = _tile_from(tab, pid + j * progs, 2 * BLOCK_M if HALVES else BLOCK_M, BLOCK_N, NW)
+        ng, nm0, nm_end, nn0 = g, m0, m_end, n0
         m0 = m0 + H * BLOCK_M
         if m0 < m_end:
             for kk in range(k_steps):
@@ -416,6 +420,8 @@ def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr,
                 acc = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=1, deps=(acc,)))
                 # the step before is complete: its buffer goes back to the TMA warp (within the tile)
                 mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1, pred=kk > 0)
+                if kk == k_steps // 2:
+                    ng, nm0, nm_end, nn0 = _tile_from(tab, pid + (j + 1) * progs, TM, BLOCK_N, NW)
                 s += 1
             if HAS_RS or FP8:  # the epilogue's scales loaded under the last MMA group
                 offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
@@ -442,6 +448,7 @@ def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr,
             mbarrier.arrive(c_ready, count=1)
             acc = warpgroup_mma_init(zero)
         else:  # (HALVES only: no rows here) the buffers released as they fill, nothing staged
+            ng, nm0, nm_end, nn0 = _tile_from(tab, pid + (j + 1) * progs, TM, BLOCK_N, NW)
             for kk in range(k_steps):
                 buf = s % NUM_BUF
                 mbarrier.wait(ready.index(buf), (s // NUM_BUF) & 1)
@@ -449,6 +456,7 @@ def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr,
                 s += 1
             mbarrier.wait(c_empty, (j & 1) ^ 1)
             mbarrier.arrive(c_ready, count=1)
+        g, m0, m_end, n0 = ng, nm0, nm_end, nn0
 
 
 @gluon.jit
