@@ -291,8 +291,7 @@ def _tiles_of(tab, NW: gl.constexpr):
 
 
 @gluon.jit
-def _ws_load(x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, y_ptr, N, K,
-             stride_ym):  # fmt: skip
+def _ws_load(x_desc, w_desc, a_bufs, b_bufs, tab, ready, empty, N, K):
     """The TMA warps: every step's x and w tiles into the next free buffer (``empty`` waited, the
     copies landing on ``ready``)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -316,8 +315,7 @@ def _ws_load(x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready,
 
 
 @gluon.jit
-def _ws_store(x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, y_ptr, N, K,
-              stride_ym):  # fmt: skip
+def _ws_store(c_smem, tab, c_ready, c_empty, y_ptr, N, stride_ym):
     """The store warps: each finished tile from the staging buffer to its rows, masked at its
     group's end, 8 rows (one swizzle period) at a time; then the buffer is the MMA warps' again."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
@@ -509,19 +507,20 @@ def _gg_gluon_ws_kernel(
         gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, tend),
     )
     gl.thread_barrier()
-    worker = (x_desc, w_desc, a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, y_ptr, N, K, stride_ym)
+    worker = (x_desc, w_desc, a_bufs, b_bufs, tab, ready, empty, N, K)
     mma_args = (a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K)
+    store = (c_smem, tab, c_ready, c_empty, y_ptr, N, stride_ym)
     if HALVES:  # one warpgroup per 64-row half: this one (4 warps) and a worker of 4 at the same budget
         if HAS_RS:
             gl.warp_specialize([(_ws_lo_scaled, mma_args), (_ws_hi_scaled, mma_args), (_ws_load, worker),
-                                (_ws_store, worker)], [4, 2, 2], [232, 48, 48])  # fmt: skip
+                                (_ws_store, store)], [4, 2, 2], [232, 48, 48])  # fmt: skip
         else:
             gl.warp_specialize([(_ws_lo_plain, mma_args), (_ws_hi_plain, mma_args), (_ws_load, worker),
-                                (_ws_store, worker)], [4, 2, 2], [232, 48, 48])  # fmt: skip
+                                (_ws_store, store)], [4, 2, 2], [232, 48, 48])  # fmt: skip
     elif HAS_RS:
-        gl.warp_specialize([(_ws_mma_scaled, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2], [48, 48])
+        gl.warp_specialize([(_ws_mma_scaled, mma_args), (_ws_load, worker), (_ws_store, store)], [2, 2], [48, 48])
     else:
-        gl.warp_specialize([(_ws_mma_plain, mma_args), (_ws_load, worker), (_ws_store, worker)], [2, 2], [48, 48])
+        gl.warp_specialize([(_ws_mma_plain, mma_args), (_ws_load, worker), (_ws_store, store)], [2, 2], [48, 48])
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
