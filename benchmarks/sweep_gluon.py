@@ -5,7 +5,8 @@ layer's compute-bound GEMMs.
 
     python benchmarks/sweep_gluon.py [--cases qwen3-w2:8192,...] [--configs 128x256x64b4,128x256x64b3c]
 
-A case is ``name:T[:fp8]`` (the layer's GEMM at T tokens: ``M = T * top-k`` rows spread over the
+A case is ``name:T[:swiglu][:fp8]`` (``swiglu``, a ``-w13`` shape: the gate/up GEMM with its
+SwiGLU epilogue, rows read by index, against ``grouped_gemm_swiglu``; else the layer's GEMM at T tokens: ``M = T * top-k`` rows spread over the
 experts by a uniform random routing; ``fp8``: row-wise FP8 operands, twice the configs' K tile, cuBLAS
 ``torch._scaled_mm``); a config is ``BMxBNxBK`` ``b<buffers>`` (``c``: the epilogue's rows
 through shared memory; ``d0``: each MMA group waited for before the next is issued, default ``d1``:
@@ -54,10 +55,69 @@ def _config(text: str) -> tuple:
     return (int(m[1]), int(m[2]), int(m[3])), int(m[4]), bool(m[5]), int(m[6] or 1), bool(m[7]), bool(m[8])
 
 
+def _swiglu_case(case: str, name: str, T: int, fp8: bool, configs: str) -> dict:
+    """A ``name:T:swiglu[:fp8]`` case: the gate/up GEMM with its SwiGLU epilogue, rows read by
+    index (the layer's fused gate/up stage), ``grouped_gemm_swiglu`` (Triton, its default
+    configuration) against ``grouped_gemm_swiglu_gluon`` per config; cuBLAS: ``torch.mm`` of all
+    rows against one expert's ``[2F, K]`` weights."""
+    from moekit.benchmarking import bench_us
+    from moekit.ops import quantize_fp8_row
+    from moekit.ops._triton.gg_gluon_swiglu import grouped_gemm_swiglu_gluon
+    from moekit.ops._triton.gg_swiglu import grouped_gemm_swiglu
+    from moekit.testing.data import random_m_sizes
+
+    G, twoF, K, k = SHAPES[name]
+    F = twoF // 2
+    M = T * k
+    ms = random_m_sizes(M, G, k, device="cuda", seed=0)
+    gather = torch.randint(0, T, (M,), device="cuda", dtype=torch.int32)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G * twoF, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    xs = wsc = None
+    if fp8:
+        x, xs = quantize_fp8_row(x)
+        w, wsc = quantize_fp8_row(w)
+    flops = 2.0 * M * twoF * K
+    row = {"case": case, "M": M, "N": F, "K": K, "G": G}
+    want = grouped_gemm_swiglu(x, w, ms, gather, None, xs, wsc)
+    us = bench_us(lambda: grouped_gemm_swiglu(x, w, ms, gather, None, xs, wsc), replays=10)
+    row["triton"], row["triton_tf"] = round(us, 1), round(flops / us / 1e6)
+    worst = 0.0
+    for text in configs.split(","):
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)b(\d+)", text.strip())
+        block, nbuf = (int(m[1]), int(m[2]), int(m[3]) * (2 if fp8 else 1)), int(m[4])
+        tag = f"sw{text.strip()}"
+        try:
+            got = grouped_gemm_swiglu_gluon(x, w, ms, gather, x_scale=xs, w_scale=wsc, block=block, num_buf=nbuf)
+            torch.cuda.synchronize()
+            worst = max(worst, float((got.float() - want.float()).abs().max() / want.float().abs().max()))
+            us = bench_us(lambda b=block, n=nbuf: grouped_gemm_swiglu_gluon(x, w, ms, gather, x_scale=xs, w_scale=wsc,
+                          block=b, num_buf=n), replays=10)  # fmt: skip
+            row[tag], row[tag + "_tf"] = round(us, 1), round(flops / us / 1e6)
+        except Exception as exc:
+            row[tag] = f"{type(exc).__name__}: {str(exc)[:80]}"
+    xd = x[:M] if M <= T else x.repeat((M + T - 1) // T, 1)[:M]
+    wd = w[:twoF]
+    if fp8:
+        sa = torch.ones(M, 1, device="cuda")
+        sb = torch.ones(1, twoF, device="cuda")
+        us = bench_us(
+            lambda: torch._scaled_mm(xd, wd.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), replays=10
+        )
+    else:
+        us = bench_us(lambda: torch.mm(xd, wd.t()), replays=10)
+    row["cublas"], row["cublas_tf"] = round(us, 1), round(flops / us / 1e6)
+    row["rel_err"] = round(worst, 5)
+    print(row, flush=True)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS)
+    ap.add_argument("--swiglu-configs", default="128x128x64b3,128x128x32b7",
+                    help="the SwiGLU cases' Gluon tiles, BMxBNxBKb<buffers> (BN output columns)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
     configs = [_config(c) for c in a.configs.split(",") if c]
@@ -73,6 +133,10 @@ def main() -> int:
     rows = []
     for case in a.cases.split(","):
         name, T, *rest = case.split(":")
+        if "swiglu" in rest:
+            rows.append(_swiglu_case(case, name, int(T), "fp8" in rest, a.swiglu_configs))
+            torch.cuda.empty_cache()
+            continue
         fp8 = rest == ["fp8"]
         G, N, K, k = SHAPES[name]
         M = int(T) * k
@@ -119,7 +183,7 @@ def main() -> int:
         print(row, flush=True)
         rows.append(row)
         torch.cuda.empty_cache()
-    print(markdown_table(rows))
+    print(markdown_table(rows, list(dict.fromkeys(c for r in rows for c in r))))  # (the SwiGLU cases' columns too)
     save_rows("sweep_gluon", rows)
     return 0
 

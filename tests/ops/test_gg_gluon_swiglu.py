@@ -1,0 +1,159 @@
+"""The experimental Gluon gate/up GEMM with its SwiGLU epilogue (``gg_gluon_swiglu``): sm_90
+compile through ptxas on CPU (no wgmma serialized, cp.async rows and TMA weights), argument
+errors, and on a Hopper GPU the rows against the library's Triton ``grouped_gemm_swiglu``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from moekit.testing import assert_close
+
+_COMPILE = r"""
+import json, os, re, subprocess, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
+import moekit.ops._triton.gg_gluon_swiglu as S
+
+out = []
+nv = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+for (G, F, K, block, nbuf, dt) in json.loads(os.environ["CASES"]):
+    bm, bn, bk = block
+    tdt, gdt, xp = ((torch.float8_e4m3fn, gl.float8e4nv, "*fp8e4nv") if dt == "fp8"
+                    else (torch.bfloat16, gl.bfloat16, "*bf16"))
+    w = torch.empty((G * 2 * F, K), dtype=tdt, device="meta")
+    wd = TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk],
+                          gl.NVMMASharedLayout.get_default_for([bn, bk], gdt))
+    sig = {"x_ptr": xp, "w_desc": mangle_type(wd), "z_ptr": "*bf16", "gather_ptr": "*i32", "xs_ptr": "*fp32",
+           "ws_ptr": "*fp32", "rs_ptr": "*fp32", "m_sizes_ptr": "*i32", "M": "i32", "F": "i32", "K": "i32",
+           "G": "i32", "T_IN": "i32", "stride_xm": "i32", "stride_zm": "i32", "FLAGS": "i32"}
+    consts = {"G_BLOCK": max(32, triton.next_power_of_2(G)), "BLOCK_M": bm, "BLOCK_K": bk, "NUM_BUF": nbuf,
+              "num_warps": 4}
+    sig.update({k: "constexpr" for k in consts})
+    names = list(sig)
+    aligned = [n for n in names if n.endswith("_ptr") or n in ("F", "K", "stride_xm", "stride_zm")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    c = triton.compile(GluonASTSource(S._gg_swiglu_gluon_kernel, sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = c.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        open(src, "w").write(ptx)
+        info = subprocess.run([os.path.join(nv, "ptxas"), "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.o")],
+                              capture_output=True, text=True).stderr
+    out.append({"shared": int(c.metadata.shared), "serialized": "C7512" in info or "serialized" in info,
+                "wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
+                "cp_async": ptx.count("cp.async.cg.shared") + ptx.count("cp.async.ca.shared"),
+                "noinc": ptx.count("cp.async.mbarrier.arrive.noinc")})
+print("@@" + json.dumps(out))
+"""
+
+# (G, F, K, block, buffers, dtype): Qwen3-30B's and DeepSeek-V3 TP8's gate/up, bf16 and FP8
+CASES = [
+    (128, 768, 2048, (128, 128, 64), 3, "bf16"),
+    (128, 768, 2048, (128, 128, 32), 7, "bf16"),
+    (256, 256, 7168, (128, 128, 64), 3, "bf16"),
+    (128, 768, 2048, (128, 128, 128), 3, "fp8"),
+]
+
+
+@pytest.mark.reference
+def test_kernel_compiles_for_sm90_with_its_mmas_pipelined():
+    """Every benchmarked tile compiles through ptxas for sm_90 within one block's 227 KB of
+    shared memory, its wgmma not serialized (ptxas says so when the MMA partitions lack the
+    registers), rows through cp.async with counted arrivals on the stage barriers, weights
+    through TMA."""
+    try:
+        import triton
+    except ImportError:
+        pytest.skip("triton is not installed")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("triton's NVIDIA backend (ptxas) is not available")
+    env = dict(os.environ, TRITON_INTERPRET="0", CASES=json.dumps(CASES))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE)], capture_output=True, text=True,
+                          env=env, timeout=900)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    recs = json.loads(lines[-1][2:])
+    assert len(recs) == len(CASES)
+    for case, r in zip(CASES, recs):
+        assert not r["serialized"], (case, r)
+        assert r["shared"] <= 227 * 1024, (case, r)
+        assert r["wgmma"] > 0 and r["tma"] > 0 and r["cp_async"] > 0 and r["noinc"] > 0, (case, r)
+
+
+@pytest.mark.reference
+def test_errors_name_what_was_expected():
+    from moekit.ops._triton.gg_gluon_swiglu import grouped_gemm_swiglu_gluon
+
+    ms = torch.tensor([2, 2], dtype=torch.int32)
+    x = torch.zeros(4, 16).bfloat16()
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        grouped_gemm_swiglu_gluon(torch.zeros(4, 16), torch.zeros(8, 16), ms)
+    with pytest.raises(ValueError, match=r"\[G, 2F, K\]"):
+        grouped_gemm_swiglu_gluon(x, torch.zeros(6, 16).bfloat16(), ms)
+    with pytest.raises(TypeError, match="int32"):
+        grouped_gemm_swiglu_gluon(x, torch.zeros(8, 16).bfloat16(), ms, gather=torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="128-row"):
+        grouped_gemm_swiglu_gluon(x, torch.zeros(8, 16).bfloat16(), ms, block=(64, 128, 64))
+    x8 = x.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="x_scale"):
+        grouped_gemm_swiglu_gluon(x8, torch.zeros(8, 16).to(torch.float8_e4m3fn), ms)
+
+
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("gathered", [True, False])
+def test_gpu_matches_the_triton_kernel(fp8, gathered):
+    """Rows read by index (or in place) through the warp-specialized Gluon SwiGLU kernel against
+    the library's Triton ``grouped_gemm_swiglu`` on the same operands: Qwen3-30B's gate/up at
+    T=2048 (16384 rows over 128 experts) and a ragged case (F and K off the tile, empty groups,
+    a group of 5 rows: one MMA half idle), rows past the groups untouched; also two 128 x 128 x 32
+    tiles with seven stages."""
+    _hopper()
+    from moekit.ops._triton.gg_gluon_swiglu import grouped_gemm_swiglu_gluon
+    from moekit.ops._triton.gg_swiglu import grouped_gemm_swiglu
+    from moekit.reference.quantize import quantize_fp8_row
+    from moekit.testing.data import random_m_sizes
+
+    torch.manual_seed(0)
+    for G, F, K, T, ms in [
+        (128, 768, 2048, 2048, random_m_sizes(16384, 128, 8, seed=3)),
+        (6, 200, 272, 300, torch.tensor([0, 300, 5, 0, 129, 64], dtype=torch.int32)),
+    ]:
+        M = int(ms.sum())
+        ms = ms.cuda()
+        x = torch.randn(T if gathered else M, K)
+        w = torch.randn(G * 2 * F, K) / K**0.5
+        xs = wsc = None
+        if fp8:
+            x, xs = quantize_fp8_row(x)
+            w, wsc = quantize_fp8_row(w)
+            xs, wsc = xs.cuda(), wsc.cuda()
+        else:
+            x, w = x.bfloat16(), w.bfloat16()
+        x, w = x.cuda(), w.cuda()
+        gather = torch.randint(0, T, (M,), dtype=torch.int32, device="cuda") if gathered else None
+        rs = torch.rand(M + 7, device="cuda") + 0.5
+        want = grouped_gemm_swiglu(x, w, ms, gather, rs, xs, wsc)
+        for block, nbuf in [(None, 3), ((128, 128, 64 if fp8 else 32), 7)]:
+            z = torch.full((M + 7, F), 7.0, device="cuda", dtype=torch.bfloat16)
+            grouped_gemm_swiglu_gluon(x, w, ms, gather, rs, out=z, x_scale=xs, w_scale=wsc, block=block, num_buf=nbuf)
+            assert_close(z[:M].float(), want[:M].float(), tol=2e-2, msg=f"G={G} F={F} K={K} block={block}")
+            assert (z[M:] == 7.0).all()
