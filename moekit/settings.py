@@ -128,7 +128,7 @@ class Settings:
     #   SWIGLU_SMALL_MAX_ROWS             gg_swiglu (64-row tiles below this many rows/expert)   192
     #   GLUON_DOWN                        experts (the stored down rows through the experimental
     #                                     warp-specialized Gluon kernel on Hopper; 2: its
-    #                                     one-partition-per-half form)                          off
+    #                                     one-partition-per-half form)              FP8 rows (-1)
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8

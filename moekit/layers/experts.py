@@ -24,6 +24,8 @@ the GEMV kernels only; FP8 weights on the GEMV kernels only (weight-only FP8 the
 
 from __future__ import annotations
 
+import functools
+
 from typing import Optional
 
 import torch
@@ -174,16 +176,48 @@ def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[
 DOWN_SUM_MIN_ROWS = 32768
 
 
+# Knob GLUON_DOWN: the stored down rows through the warp-specialized Gluon kernel (Hopper): 0
+# never, 1 always, 2 its halves form, -1 (default) for FP8 rows. H100, session 33 runs 2-3 (layer
+# from logits, two lanes each way in one machine, µs, Triton -> Gluon): FP8 Qwen3-30B T = 8192 /
+# 16384 899.1 / 1708.7 and 902.1 / 1687.8 -> 883.6 / 1678.5 and 881.8 / 1679.6, DeepSeek-V3 TP8
+# 1667.5 / 2994.1 and 1662.9 / 2983.0 -> 1642.7 / 2901.7 and 1642.7 / 2900.6 (the kernel alone:
+# Qwen3-30B's FP8 down GEMM at T=8192 269.5 -> 250.3, run 1). 16-bit rows stay on the Triton
+# kernel: Qwen3-30B bf16 T=16384 2343.3 / 2382.2 -> 2380.2 / 2421.7 (T=8192 and DeepSeek gained
+# 0.5-3.4%).
+GLUON_DOWN = -1
+# The Triton release whose Gluon API (experimental, changing between releases) the kernel was
+# written and validated with: the default takes it there only.
+_GLUON_TRITON = "3.6."
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_triton() -> bool:
+    try:
+        import triton
+        from triton.experimental import gluon  # noqa: F401
+    except ImportError:
+        return False
+    return triton.__version__.startswith(_GLUON_TRITON)
+
+
+def _gluon_mode(fp8: bool) -> int:
+    """Knob ``GLUON_DOWN`` resolved for 16-bit or FP8 rows: 0 off, 1 the kernel, 2 its halves
+    form; the default (-1) 1 for FP8 rows where ``_gluon_triton()``, else 0."""
+    mode = int(settings.get().knob("GLUON_DOWN", GLUON_DOWN))
+    if mode < 0:
+        return 1 if fp8 and _gluon_triton() else 0
+    return mode
+
+
 def _gluon_rows(z, w2, m_sizes, rows_w, zs=None, ws2=None):
     """The down projection's stored rows through the experimental warp-specialized Gluon kernel
-    (``moekit.ops._triton.gg_gluon``) where knob ``GLUON_DOWN`` asks for it (default off) and it
-    runs: a Hopper (sm_90) GPU, outside any trace (Gluon kernels are not traceable), rows TMA can
-    read (16-byte aligned), float32 router weights, 16-bit or FP8 rows (with fast accumulation:
-    the caller's to check). ``None`` elsewhere: the Triton kernel runs. H100, session 32: the
-    kernel alone level with the Triton one, 4.4% faster on DeepSeek-V3 TP8's down projection at
-    T=8192 (``benchmarks/sweep_gluon.py``); the layer with it not yet measured. ``GLUON_DOWN=2``:
-    the kernel's ``halves`` form (one MMA partition per 64-row half of a tile)."""
-    mode = int(settings.get().knob("GLUON_DOWN", 0))
+    (``moekit.ops._triton.gg_gluon``) where knob ``GLUON_DOWN`` asks for it (default: FP8 rows,
+    on the Triton release the kernel was validated with, ``_GLUON_TRITON``) and it runs: a Hopper
+    (sm_90) GPU, outside any trace (Gluon kernels are not traceable), rows TMA can read (16-byte
+    aligned), float32 router weights, 16-bit or FP8 rows (with fast accumulation: the caller's to
+    check). ``None`` elsewhere: the Triton kernel runs. ``GLUON_DOWN=2``: the kernel's ``halves``
+    form (one MMA partition per 64-row half of a tile)."""
+    mode = _gluon_mode(zs is not None)
     if not mode or not z.is_cuda or torch.version.hip is not None:
         return None
     from moekit.ops._common import _capability_major, _tracing

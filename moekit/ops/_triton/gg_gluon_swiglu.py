@@ -41,6 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from moekit.ops._common import next_pow2, num_sms
 from moekit.ops._triton.gg_gluon import _GL_DTYPES, _acc_layout, _table, _tile_from, _tiles_of, _ws_store
 
+
 @gluon.jit
 def _sw_load(x_ptr, gather_ptr, w_desc, a_bufs, b_bufs, tab, ready, empty, F, K, T_IN, stride_xm, GATHER):
     """The loader warps: per step the row tile (by index with ``GATHER``, else rows in place)
