@@ -21,10 +21,14 @@ schedules every step by hand:
 - the warp-specialized kernel (``ws=True``, the default) splits those roles: TMA warps fill a
   ring of operand stages, the two MMA warpgroups leave each finished tile in a staging buffer,
   store warps write it out while the next tile's MMAs run. It also takes FP8 e4m3 rows and
-  weights with row-wise scales (applied in the epilogue).
+  weights with row-wise scales (applied in the epilogue). Its ``halves`` form (session 33) gives
+  each MMA warpgroup a partition of its own with 64 rows of the 128-row tile, so a group's last
+  row tile with at most 64 rows runs half its MMAs.
 
-GPU only (Gluon has no interpreter): ``moekit.ops._triton.grouped_gemm`` stays the library's path;
-this one is reached only through ``grouped_gemm_gluon`` (benchmarks, GPU tests).
+GPU only (Gluon has no interpreter): ``moekit.ops._triton.grouped_gemm`` stays the library's path
+for everything but the layer's stored FP8 down rows on Hopper, which take this kernel by default
+since session 33 (``moekit.layers.experts._gluon_rows``, knob ``GLUON_DOWN``); otherwise it is
+reached through ``grouped_gemm_gluon`` (benchmarks, GPU tests).
 
 Where it stands (H100, session 32 runs 5-8, ``benchmarks/sweep_gluon.py``, µs; rows bit-identical
 to the Triton kernel's): the single-partition kernel, its epilogue not overlapped, ran 4-15% behind
@@ -34,6 +38,10 @@ warpgroups, store warps writing a finished tile while the next one's MMAs run) i
 GEMM 744.0 against 733.3) and 4.4% faster on DeepSeek-V3 TP8's down projection (713.8 against
 746.4). cuBLAS stays 22-40% ahead of both on the same FLOPs (297.9, 565.1, 473.3): the next
 candidate is the operands' traffic, clusters of two CTAs sharing one operand by TMA multicast.
+Session 33 (H100, HISTORY run 1): FP8 rows 7.1% ahead of the Triton kernel (Qwen3-30B's FP8 down
+projection at T=8192: 250.3 against 269.5 µs; cuBLAS 213.9); the halves form 1.4% ahead of the
+cooperative one on Qwen3's bf16 down GEMM (364.2 against 369.2) but 3.8% behind on DeepSeek's
+(K = 256: 743.9 against 716.5), so it stays a choice (``halves=True``, knob ``GLUON_DOWN=2``).
 """
 
 from __future__ import annotations
