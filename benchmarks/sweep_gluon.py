@@ -84,15 +84,18 @@ def _swiglu_case(case: str, name: str, T: int, fp8: bool, configs: str) -> dict:
     row["triton"], row["triton_tf"] = round(us, 1), round(flops / us / 1e6)
     worst = 0.0
     for text in configs.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)b(\d+)", text.strip())
-        block, nbuf = (int(m[1]), int(m[2]), int(m[3]) * (2 if fp8 else 1)), int(m[4])
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)b(\d+)(p?)", text.strip())
+        if m is None:
+            raise SystemExit(f"--swiglu-configs: expected entries like 128x128x64b3 or 128x128x64b3p, got {text!r}")
+        block, nbuf, pair = (int(m[1]), int(m[2]), int(m[3]) * (2 if fp8 else 1)), int(m[4]), bool(m[5])
         tag = f"sw{text.strip()}"
         try:
-            got = grouped_gemm_swiglu_gluon(x, w, ms, gather, x_scale=xs, w_scale=wsc, block=block, num_buf=nbuf)
+            got = grouped_gemm_swiglu_gluon(x, w, ms, gather, x_scale=xs, w_scale=wsc, block=block, num_buf=nbuf,
+                                            pair=pair)  # fmt: skip
             torch.cuda.synchronize()
             worst = max(worst, float((got.float() - want.float()).abs().max() / want.float().abs().max()))
-            us = bench_us(lambda b=block, n=nbuf: grouped_gemm_swiglu_gluon(x, w, ms, gather, x_scale=xs, w_scale=wsc,
-                          block=b, num_buf=n), replays=10)  # fmt: skip
+            us = bench_us(lambda b=block, n=nbuf, p=pair: grouped_gemm_swiglu_gluon(x, w, ms, gather, x_scale=xs,
+                          w_scale=wsc, block=b, num_buf=n, pair=p), replays=10)  # fmt: skip
             row[tag], row[tag + "_tf"] = round(us, 1), round(flops / us / 1e6)
         except Exception as exc:
             row[tag] = f"{type(exc).__name__}: {str(exc)[:80]}"
@@ -116,8 +119,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS)
-    ap.add_argument("--swiglu-configs", default="128x128x64b3,128x128x32b7",
-                    help="the SwiGLU cases' Gluon tiles, BMxBNxBKb<buffers> (BN output columns)")  # fmt: skip
+    ap.add_argument("--swiglu-configs", default="128x128x64b3,128x128x64b3p",
+                    help="the SwiGLU cases' Gluon tiles, BMxBNxBKb<buffers>[p] (BN output columns; p: one "
+                         "N = 2 BN MMA a step)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
     configs = [_config(c) for c in a.configs.split(",") if c]

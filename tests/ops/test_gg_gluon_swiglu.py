@@ -27,7 +27,7 @@ import moekit.ops._triton.gg_gluon_swiglu as S
 
 out = []
 nv = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-for (G, F, K, block, nbuf, dt) in json.loads(os.environ["CASES"]):
+for (G, F, K, block, nbuf, dt, pair) in json.loads(os.environ["CASES"]):
     bm, bn, bk = block
     tdt, gdt, xp = ((torch.float8_e4m3fn, gl.float8e4nv, "*fp8e4nv") if dt == "fp8"
                     else (torch.bfloat16, gl.bfloat16, "*bf16"))
@@ -38,7 +38,7 @@ for (G, F, K, block, nbuf, dt) in json.loads(os.environ["CASES"]):
            "ws_ptr": "*fp32", "rs_ptr": "*fp32", "m_sizes_ptr": "*i32", "M": "i32", "F": "i32", "K": "i32",
            "G": "i32", "T_IN": "i32", "stride_xm": "i32", "stride_zm": "i32", "FLAGS": "i32"}
     consts = {"G_BLOCK": max(32, triton.next_power_of_2(G)), "BLOCK_M": bm, "BLOCK_K": bk, "NUM_BUF": nbuf,
-              "num_warps": 4}
+              "PAIR": pair, "num_warps": 4}
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr") or n in ("F", "K", "stride_xm", "stride_zm")]
@@ -58,12 +58,16 @@ for (G, F, K, block, nbuf, dt) in json.loads(os.environ["CASES"]):
 print("@@" + json.dumps(out))
 """
 
-# (G, F, K, block, buffers, dtype): Qwen3-30B's and DeepSeek-V3 TP8's gate/up, bf16 and FP8
+# (G, F, K, block, buffers, dtype, one N = 2 BN MMA a step): Qwen3-30B's and DeepSeek-V3 TP8's
+# gate/up, bf16 and FP8
 CASES = [
-    (128, 768, 2048, (128, 128, 64), 3, "bf16"),
-    (128, 768, 2048, (128, 128, 32), 7, "bf16"),
-    (256, 256, 7168, (128, 128, 64), 3, "bf16"),
-    (128, 768, 2048, (128, 128, 128), 3, "fp8"),
+    (128, 768, 2048, (128, 128, 64), 3, "bf16", False),
+    (128, 768, 2048, (128, 128, 32), 7, "bf16", False),
+    (256, 256, 7168, (128, 128, 64), 3, "bf16", False),
+    (128, 768, 2048, (128, 128, 128), 3, "fp8", False),
+    (128, 768, 2048, (128, 128, 64), 3, "bf16", True),
+    (256, 256, 7168, (128, 128, 64), 3, "bf16", True),
+    (128, 768, 2048, (128, 128, 128), 3, "fp8", True),
 ]
 
 
@@ -124,8 +128,8 @@ def test_gpu_matches_the_triton_kernel(fp8, gathered):
     """Rows read by index (or in place) through the warp-specialized Gluon SwiGLU kernel against
     the library's Triton ``grouped_gemm_swiglu`` on the same operands: Qwen3-30B's gate/up at
     T=2048 (16384 rows over 128 experts) and a ragged case (F and K off the tile, empty groups,
-    a group of 5 rows: one MMA half idle), rows past the groups untouched; also two 128 x 128 x 32
-    tiles with seven stages."""
+    a group of 5 rows: one MMA half idle), rows past the groups untouched; also 128 x 128 x 32
+    tiles with seven stages, and one N = 256 MMA a step split into gate and up (``pair``)."""
     _hopper()
     from moekit.ops._triton.gg_gluon_swiglu import grouped_gemm_swiglu_gluon
     from moekit.ops._triton.gg_swiglu import grouped_gemm_swiglu
@@ -152,8 +156,9 @@ def test_gpu_matches_the_triton_kernel(fp8, gathered):
         gather = torch.randint(0, T, (M,), dtype=torch.int32, device="cuda") if gathered else None
         rs = torch.rand(M + 7, device="cuda") + 0.5
         want = grouped_gemm_swiglu(x, w, ms, gather, rs, xs, wsc)
-        for block, nbuf in [(None, 3), ((128, 128, 64 if fp8 else 32), 7)]:
+        for block, nbuf, pair in [(None, 3, False), ((128, 128, 64 if fp8 else 32), 7, False), (None, 3, True)]:
             z = torch.full((M + 7, F), 7.0, device="cuda", dtype=torch.bfloat16)
-            grouped_gemm_swiglu_gluon(x, w, ms, gather, rs, out=z, x_scale=xs, w_scale=wsc, block=block, num_buf=nbuf)
-            assert_close(z[:M].float(), want[:M].float(), tol=2e-2, msg=f"G={G} F={F} K={K} block={block}")
+            grouped_gemm_swiglu_gluon(x, w, ms, gather, rs, out=z, x_scale=xs, w_scale=wsc, block=block, num_buf=nbuf,
+                                      pair=pair)  # fmt: skip
+            assert_close(z[:M].float(), want[:M].float(), tol=2e-2, msg=f"G={G} F={F} K={K} block={block} pair={pair}")
             assert (z[M:] == 7.0).all()

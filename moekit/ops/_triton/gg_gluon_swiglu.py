@@ -105,8 +105,22 @@ def _sw_hi(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_p
 
 
 @gluon.jit
+def _sw_lo_pair(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_ptr, xs_ptr, ws_ptr, rs_ptr, F,
+                K, FLAGS):  # fmt: skip
+    _sw_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_ptr, xs_ptr, ws_ptr, rs_ptr, F, K,
+            FLAGS, 0, True)  # fmt: skip
+
+
+@gluon.jit
+def _sw_hi_pair(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_ptr, xs_ptr, ws_ptr, rs_ptr, F,
+                K, FLAGS):  # fmt: skip
+    _sw_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_ptr, xs_ptr, ws_ptr, rs_ptr, F, K,
+            FLAGS, 1, True)  # fmt: skip
+
+
+@gluon.jit
 def _sw_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_ptr, xs_ptr, ws_ptr, rs_ptr, F, K,
-            FLAGS, H: gl.constexpr):  # fmt: skip
+            FLAGS, H: gl.constexpr, PAIR: gl.constexpr = False):  # fmt: skip
     """One MMA warpgroup: rows ``[64 H, 64 H + 64)`` of each 128-row tile, gate and up
     accumulators; the epilogue scales them (FP8: the rows' ``xs`` by source row, the weight rows'
     ``ws``; ``rs`` by routed row where given), ``z = silu(gate) * up`` into its half of the
@@ -122,10 +136,14 @@ def _sw_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_
     pid = gl.program_id(0)
     progs = gl.num_programs(0)
     k_steps = gl.cdiv(K, BLOCK_K)
-    mma: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, NW, dtype.primitive_bitwidth)
-    zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+    # PAIR: one accumulator over the stage's gate | up columns (one N = 2 BN MMA a step, the row
+    # tile read once), split into gate and up in the epilogue; else one accumulator each.
+    WIDTH: gl.constexpr = 2 * BLOCK_N if PAIR else BLOCK_N
+    mma: gl.constexpr = _acc_layout(BLOCK_M, WIDTH, NW, dtype.primitive_bitwidth)
+    zero = gl.zeros((BLOCK_M, WIDTH), dtype=gl.float32, layout=mma)
     acc_g = warpgroup_mma_init(zero)
-    acc_u = warpgroup_mma_init(zero)
+    if not PAIR:
+        acc_u = warpgroup_mma_init(zero)
     s = 0
     g, m0, m_end, n0 = _tile_from(tab, pid, 2 * BLOCK_M, BLOCK_N, NW)
     for j in range(_tiles_of(tab, NW)):
@@ -138,15 +156,20 @@ def _sw_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_
                 fence_async_shared()  # the rows came by cp.async (generic proxy); wgmma reads async
                 a = a_bufs.index(buf).slice(H * BLOCK_M, BLOCK_M)
                 b = b_bufs.index(buf)
-                acc_g = warpgroup_mma(a, b.slice(0, BLOCK_N).permute((1, 0)), acc_g, is_async=True)
-                acc_u = warpgroup_mma(a, b.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u, is_async=True)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-                acc_g = warpgroup_mma_init(acc_g)
-                acc_u = warpgroup_mma_init(acc_u)
+                if PAIR:
+                    acc_g = warpgroup_mma(a, b.permute((1, 0)), acc_g, is_async=True)
+                    acc_g = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=1, deps=(acc_g,)))
+                else:
+                    acc_g = warpgroup_mma(a, b.slice(0, BLOCK_N).permute((1, 0)), acc_g, is_async=True)
+                    acc_u = warpgroup_mma(a, b.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u, is_async=True)
+                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                    acc_g = warpgroup_mma_init(acc_g)
+                    acc_u = warpgroup_mma_init(acc_u)
                 mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1, pred=kk > 0)
                 if kk == k_steps // 2:  # the next tile's coordinates under this tile's MMAs
                     ng, nm0, nm_end, nn0 = _tile_from(tab, pid + (j + 1) * progs, 2 * BLOCK_M, BLOCK_N, NW)
                 s += 1
+            # the epilogue's scales under the last MMA group
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
             m_ok = offs_m < m_end
             row_s = gl.full((BLOCK_M,), 1.0, gl.float32, layout=gl.SliceLayout(1, mma))
@@ -157,23 +180,35 @@ def _sw_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_
                 if (FLAGS & 1) != 0:
                     src = gl.load(gather_ptr + offs_m, mask=m_ok, other=0)
                 row_s = row_s * gl.load(xs_ptr + src, mask=m_ok & (src >= 0), other=0.0)
-                offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-                gate = g.to(gl.int64) * 2 * F + offs_n
-                ws_g = gl.load(ws_ptr + gate, mask=offs_n < F, other=0.0)
-                ws_u = gl.load(ws_ptr + gate + F, mask=offs_n < F, other=0.0)
-            gv, uv = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+                cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, mma))
+                col = n0 + cols % BLOCK_N  # (PAIR: columns [gate | up])
+                w_row = g.to(gl.int64) * 2 * F + col + gl.where(cols >= BLOCK_N, F, 0)
+                ws_g = gl.load(ws_ptr + w_row, mask=col < F, other=0.0)
+                if not PAIR:
+                    ws_u = gl.load(ws_ptr + w_row + F, mask=col < F, other=0.0)
+            if PAIR:
+                res = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+            else:
+                gv, uv = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
             mbarrier.arrive(empty.index((s + NUM_BUF - 1) % NUM_BUF), count=1)
-            if FP8:
-                gv = gv * ws_g[None, :]
-                uv = uv * ws_u[None, :]
-            gv = gv * row_s[:, None]
-            uv = uv * row_s[:, None]
+            if PAIR:
+                if FP8:
+                    res = res * ws_g[None, :]
+                res = res * row_s[:, None]
+                gv, uv = gl.split(gl.permute(gl.reshape(res, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+            else:
+                if FP8:
+                    gv = gv * ws_g[None, :]
+                    uv = uv * ws_u[None, :]
+                gv = gv * row_s[:, None]
+                uv = uv * row_s[:, None]
             out = (gv / (1.0 + gl.exp(-gv)) * uv).to(c_smem.dtype)
             mbarrier.wait(c_empty, (j & 1) ^ 1)
             c_smem.slice(H * BLOCK_M, BLOCK_M).store(out)
             mbarrier.arrive(c_ready, count=1)
             acc_g = warpgroup_mma_init(zero)
-            acc_u = warpgroup_mma_init(zero)
+            if not PAIR:
+                acc_u = warpgroup_mma_init(zero)
         else:  # no rows in this half: the buffers released as they fill, nothing staged
             ng, nm0, nm_end, nn0 = _tile_from(tab, pid + (j + 1) * progs, 2 * BLOCK_M, BLOCK_N, NW)
             for kk in range(k_steps):
@@ -208,6 +243,7 @@ def _gg_swiglu_gluon_kernel(
     BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr,
     NUM_BUF: gl.constexpr,
+    PAIR: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -243,8 +279,12 @@ def _gg_swiglu_gluon_kernel(
                 FLAGS)  # fmt: skip
     load = (x_ptr, gather_ptr, w_desc, a_bufs, b_bufs, tab, ready, empty, F, K, T_IN, stride_xm, FLAGS & 1)
     store = (c_smem, tab, c_ready, c_empty, z_ptr, F, stride_zm)
-    gl.warp_specialize([(_sw_lo, mma_args), (_sw_hi, mma_args), (_sw_load, load), (_ws_store, store)],
-                       [4, 2, 2], [232, 80, 48])  # fmt: skip
+    if PAIR:
+        gl.warp_specialize([(_sw_lo_pair, mma_args), (_sw_hi_pair, mma_args), (_sw_load, load), (_ws_store, store)],
+                           [4, 2, 2], [232, 80, 48])  # fmt: skip
+    else:
+        gl.warp_specialize([(_sw_lo, mma_args), (_sw_hi, mma_args), (_sw_load, load), (_ws_store, store)],
+                           [4, 2, 2], [232, 80, 48])  # fmt: skip
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -263,6 +303,7 @@ def grouped_gemm_swiglu_gluon(
     w_scale: Optional[torch.Tensor] = None,
     block: Optional[tuple[int, int, int]] = None,
     num_buf: int = 3,
+    pair: bool = False,
 ) -> torch.Tensor:
     """``z [M, F]`` (``out`` when given): ``z[m] = silu(x[src] @ wg.T) * (x[src] @ wu.T) *
     row_scales[m]`` for the rows ``m`` of group ``g`` (``m_sizes [G]`` int32, rows in group order;
@@ -271,7 +312,9 @@ def grouped_gemm_swiglu_gluon(
     Rows past ``sum(m_sizes)`` are left unwritten. CUDA sm_90. 16-bit ``x`` and ``w13`` of one
     dtype (``z`` in it), or FP8 e4m3 both with row-wise scales ``x_scale [T]`` (by token row)
     and ``w_scale [G * 2F]`` (``z`` bf16). ``block``: ``(128, BN, BK)``, default 128 x 128 x 64
-    (16-bit) or x 128 (FP8): ``BN`` output columns (a ``2 BN``-row weight stage)."""
+    (16-bit) or x 128 (FP8): ``BN`` output columns (a ``2 BN``-row weight stage). ``pair``: one
+    MMA of N = 2 BN a step over the stage's gate and up rows (the row tile read from shared memory
+    once), the accumulator split in the epilogue; else two of N = BN."""
     fp8 = x.dtype == torch.float8_e4m3fn
     if fp8:
         if w13.dtype != x.dtype:
@@ -317,7 +360,7 @@ def grouped_gemm_swiglu_gluon(
         x, w_desc, z, gather if gather is not None else iph, x_scale if fp8 else ph,
         w_scale.reshape(-1) if fp8 else ph, row_scales if row_scales is not None else ph, m_sizes, M, F, K, G, T_IN,
         x.stride(0), z.stride(0), flags, G_BLOCK=max(32, next_pow2(G)), BLOCK_M=bm, BLOCK_K=bk, NUM_BUF=num_buf,
-        num_warps=4,
+        PAIR=bool(pair), num_warps=4,
     )  # fmt: skip
     return z
 
