@@ -25,7 +25,6 @@ the GEMV kernels only; FP8 weights on the GEMV kernels only (weight-only FP8 the
 from __future__ import annotations
 
 import functools
-
 from typing import Optional
 
 import torch
