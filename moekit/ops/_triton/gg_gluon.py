@@ -269,6 +269,40 @@ def _gg_gluon_kernel(
 
 
 @gluon.jit
+def _idle_half(ready, empty, c_ready, c_empty, s, k_steps, j):
+    """An MMA partition whose half of tile ``j`` holds no rows: each of its ``k_steps`` stages
+    released as it fills (keeping the buffers' phases: every stage waits for both halves), nothing
+    staged for the store warps. Returns the step counter past the tile."""
+    NUM_BUF: gl.constexpr = ready.type.shape[0]
+    for kk in range(k_steps):
+        buf = s % NUM_BUF
+        mbarrier.wait(ready.index(buf), (s // NUM_BUF) & 1)
+        mbarrier.arrive(empty.index(buf), count=1)
+        s += 1
+    mbarrier.wait(c_empty, (j & 1) ^ 1)
+    mbarrier.arrive(c_ready, count=1)
+    return s
+
+
+@gluon.jit
+def _table_smem(m_sizes_ptr, M, N, G, G_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                NW: gl.constexpr):  # fmt: skip
+    """The group table (``_table``) left in shared memory for every partition of a
+    warp-specialized kernel (worker partitions take no tensors): starts, sizes, first tiles, tile
+    ends, ``[G_BLOCK]`` each, written and fenced by all the kernel's warps."""
+    gi, starts, sizes, tbeg, tend, total = _table(m_sizes_ptr, M, N, G, G_BLOCK, BLOCK_M, BLOCK_N, NW)
+    tab_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    tab = (
+        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, starts),
+        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, sizes),
+        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, tbeg),
+        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, tend),
+    )
+    gl.thread_barrier()
+    return tab
+
+
+@gluon.jit
 def _read_table(tab, NW: gl.constexpr):
     """The group table the kernel left in shared memory (``tab``: four ``[G_BLOCK]`` buffers,
     starts, sizes, first tiles, tile ends), read by a partition of ``NW`` warps (worker partitions take no
@@ -455,13 +489,7 @@ def _ws_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr,
             acc = warpgroup_mma_init(zero)
         else:  # (HALVES only: no rows here) the buffers released as they fill, nothing staged
             ng, nm0, nm_end, nn0 = _tile_from(tab, pid + (j + 1) * progs, TM, BLOCK_N, NW)
-            for kk in range(k_steps):
-                buf = s % NUM_BUF
-                mbarrier.wait(ready.index(buf), (s // NUM_BUF) & 1)
-                mbarrier.arrive(empty.index(buf), count=1)
-                s += 1
-            mbarrier.wait(c_empty, (j & 1) ^ 1)
-            mbarrier.arrive(c_ready, count=1)
+            s = _idle_half(ready, empty, c_ready, c_empty, s, k_steps, j)
         g, m0, m_end, n0 = ng, nm0, nm_end, nn0
 
 
@@ -506,15 +534,7 @@ def _gg_gluon_ws_kernel(
     mbarrier.init(c_ready, count=halves)
     mbarrier.init(c_empty, count=1)
     # The group table, once, for every partition.
-    gi, starts, sizes, tbeg, tend, total = _table(m_sizes_ptr, M, N, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
-    tab_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    tab = (
-        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, starts),
-        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, sizes),
-        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, tbeg),
-        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, tend),
-    )
-    gl.thread_barrier()
+    tab = _table_smem(m_sizes_ptr, M, N, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
     worker = (x_desc, w_desc, a_bufs, b_bufs, tab, ready, empty, N, K)
     mma_args = (a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K)
     store = (c_smem, tab, c_ready, c_empty, y_ptr, N, stride_ym)

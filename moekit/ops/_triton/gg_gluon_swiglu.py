@@ -44,7 +44,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moekit.ops._common import next_pow2, num_sms
-from moekit.ops._triton.gg_gluon import _GL_DTYPES, _acc_layout, _table, _tile_from, _tiles_of, _ws_store
+from moekit.ops._triton.gg_gluon import (
+    _GL_DTYPES,
+    _acc_layout,
+    _idle_half,
+    _table_smem,
+    _tile_from,
+    _tiles_of,
+    _ws_store,
+)
 
 
 @gluon.jit
@@ -211,13 +219,7 @@ def _sw_mma(a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_
                 acc_u = warpgroup_mma_init(zero)
         else:  # no rows in this half: the buffers released as they fill, nothing staged
             ng, nm0, nm_end, nn0 = _tile_from(tab, pid + (j + 1) * progs, 2 * BLOCK_M, BLOCK_N, NW)
-            for kk in range(k_steps):
-                buf = s % NUM_BUF
-                mbarrier.wait(ready.index(buf), (s // NUM_BUF) & 1)
-                mbarrier.arrive(empty.index(buf), count=1)
-                s += 1
-            mbarrier.wait(c_empty, (j & 1) ^ 1)
-            mbarrier.arrive(c_ready, count=1)
+            s = _idle_half(ready, empty, c_ready, c_empty, s, k_steps, j)
         g, m0, m_end, n0 = ng, nm0, nm_end, nn0
 
 
@@ -266,15 +268,7 @@ def _gg_swiglu_gluon_kernel(
         mbarrier.init(empty.index(i), count=2)  # both MMA warpgroups
     mbarrier.init(c_ready, count=2)
     mbarrier.init(c_empty, count=1)
-    gi, starts, sizes, tbeg, tend, total = _table(m_sizes_ptr, M, F, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
-    tab_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    tab = (
-        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, starts),
-        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, sizes),
-        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, tbeg),
-        gl.allocate_shared_memory(gl.int32, [G_BLOCK], tab_l, tend),
-    )
-    gl.thread_barrier()
+    tab = _table_smem(m_sizes_ptr, M, F, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
     mma_args = (a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_ptr, xs_ptr, ws_ptr, rs_ptr, F, K,
                 FLAGS)  # fmt: skip
     load = (x_ptr, gather_ptr, w_desc, a_bufs, b_bufs, tab, ready, empty, F, K, T_IN, stride_xm, FLAGS & 1)
