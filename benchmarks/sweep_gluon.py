@@ -40,9 +40,10 @@ SHAPES = {
     "gptoss-w13": (128, 5760, 2880, 4),
 }
 DEFAULT_CASES = (
-    "qwen3-w2:8192,qwen3-w13:8192,qwen3-w2:2048,gptoss-w2:8192,gptoss-w13:8192,deepseek-w13:8192,deepseek-w2:8192"
+    "qwen3-w2:8192,qwen3-w13:8192,qwen3-w2:2048,gptoss-w2:8192,deepseek-w2:8192,qwen3-w2:8192:fp8,"
+    "gptoss-w2:8192:fp8,deepseek-w2:8192:fp8,qwen3-w13:8192:swiglu,deepseek-w13:8192:swiglu,qwen3-w13:8192:swiglu:fp8"
 )
-DEFAULT_CONFIGS = "128x256x64b3c,128x256x64b3w,128x256x64b2w"
+DEFAULT_CONFIGS = "128x256x64b3w,128x256x64b3wh"
 
 
 def _config(text: str) -> tuple:
