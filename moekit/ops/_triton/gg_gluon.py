@@ -269,6 +269,33 @@ def _gg_gluon_kernel(
 
 
 @gluon.jit
+def _ws_barriers(NUM_BUF: gl.constexpr, READY: gl.constexpr, PARTS: gl.constexpr):
+    """The warp-specialized kernels' barriers: per operand stage ``ready`` (``READY`` arrivals
+    with the TMA's bytes) and ``empty`` (one release from each of the ``PARTS`` MMA partitions),
+    and the staging buffer's ``c_ready`` (``PARTS`` arrivals) and ``c_empty`` (the store warps)."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=READY)
+        mbarrier.init(empty.index(i), count=PARTS)
+    mbarrier.init(c_ready, count=PARTS)
+    mbarrier.init(c_empty, count=1)
+    return ready, empty, c_ready, c_empty
+
+
+@gluon.jit
+def _ws_invalidate(ready, empty, c_ready, c_empty):
+    NUM_BUF: gl.constexpr = ready.type.shape[0]
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+    mbarrier.invalidate(c_ready)
+    mbarrier.invalidate(c_empty)
+
+
+@gluon.jit
 def _idle_half(ready, empty, c_ready, c_empty, s, k_steps, j):
     """An MMA partition whose half of tile ``j`` holds no rows: each of its ``k_steps`` stages
     released as it fills (keeping the buffers' phases: every stage waits for both halves), nothing
@@ -523,16 +550,8 @@ def _gg_gluon_ws_kernel(
     c_smem = gl.allocate_shared_memory(
         y_dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], y_dtype)
     )
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    halves: gl.constexpr = 2 if HALVES else 1  # (the MMA partitions: each releases buffers and stages rows)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=halves)
-    mbarrier.init(c_ready, count=halves)
-    mbarrier.init(c_empty, count=1)
+    # (the MMA partitions, one or two: each releases buffers and stages rows)
+    ready, empty, c_ready, c_empty = _ws_barriers(NUM_BUF, 1, 2 if HALVES else 1)
     # The group table, once, for every partition.
     tab = _table_smem(m_sizes_ptr, M, N, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
     worker = (x_desc, w_desc, a_bufs, b_bufs, tab, ready, empty, N, K)
@@ -549,11 +568,7 @@ def _gg_gluon_ws_kernel(
         gl.warp_specialize([(_ws_mma_scaled, mma_args), (_ws_load, worker), (_ws_store, store)], [2, 2], [48, 48])
     else:
         gl.warp_specialize([(_ws_mma_plain, mma_args), (_ws_load, worker), (_ws_store, store)], [2, 2], [48, 48])
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
-    mbarrier.invalidate(c_ready)
-    mbarrier.invalidate(c_empty)
+    _ws_invalidate(ready, empty, c_ready, c_empty)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}

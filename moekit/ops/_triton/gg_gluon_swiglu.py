@@ -49,6 +49,8 @@ from moekit.ops._triton.gg_gluon import (
     _acc_layout,
     _idle_half,
     _table_smem,
+    _ws_barriers,
+    _ws_invalidate,
     _tile_from,
     _tiles_of,
     _ws_store,
@@ -258,16 +260,9 @@ def _gg_swiglu_gluon_kernel(
     c_smem = gl.allocate_shared_memory(
         z_dtype, [BLOCK_M, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], z_dtype)
     )
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUF):
-        # the TMA's arrival (with its bytes) and every loader thread's cp.async arrival
-        mbarrier.init(ready.index(i), count=1 + 32 * 2)
-        mbarrier.init(empty.index(i), count=2)  # both MMA warpgroups
-    mbarrier.init(c_ready, count=2)
-    mbarrier.init(c_empty, count=1)
+    # ready: the TMA's arrival (with its bytes) and every loader thread's cp.async arrival; both
+    # MMA warpgroups release each stage and stage their rows
+    ready, empty, c_ready, c_empty = _ws_barriers(NUM_BUF, 1 + 32 * 2, 2)
     tab = _table_smem(m_sizes_ptr, M, F, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
     mma_args = (a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, gather_ptr, xs_ptr, ws_ptr, rs_ptr, F, K,
                 FLAGS)  # fmt: skip
@@ -279,11 +274,7 @@ def _gg_swiglu_gluon_kernel(
     else:
         gl.warp_specialize([(_sw_lo, mma_args), (_sw_hi, mma_args), (_sw_load, load), (_ws_store, store)],
                            [4, 2, 2], [232, 80, 48])  # fmt: skip
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
-    mbarrier.invalidate(c_ready)
-    mbarrier.invalidate(c_empty)
+    _ws_invalidate(ready, empty, c_ready, c_empty)
 
 
 def grouped_gemm_swiglu_gluon(
