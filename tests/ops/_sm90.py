@@ -162,6 +162,22 @@ def compile_launches(snippet: str, modules: list[str], timeout: int = 600, pdl: 
     return json.loads(out[-1][len("@@RECORDS@@") :])
 
 
+def run_compile_script(script: str, cases: list, timeout: int = 900) -> list[dict]:
+    """A Gluon compile script (its own ``GluonASTSource`` compiles, one ``@@``-prefixed JSON list
+    of records printed last) run in a subprocess with ``TRITON_INTERPRET=0`` and ``CASES`` (JSON)
+    in its environment; skips where ptxas is not available. Returns one record per case."""
+    if not _ptxas_available():
+        pytest.skip("triton's NVIDIA backend (ptxas) is not available")
+    env = dict(os.environ, TRITON_INTERPRET="0", CASES=json.dumps(cases))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env,
+                          timeout=timeout)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    recs = json.loads(lines[-1][2:])
+    assert len(recs) == len(cases)
+    return recs
+
+
 def assert_all_compiled(records: list[dict], at_least: int) -> None:
     errors = [f"{r['kernel']} {r['constants']}: {r['error']}" for r in records if r["error"]]
     assert not errors, "kernels that do not compile for sm_90:\n" + "\n".join(errors)

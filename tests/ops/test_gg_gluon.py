@@ -4,11 +4,6 @@ interpreter)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -115,20 +110,9 @@ def test_kernel_compiles_for_sm90_without_spills():
     """Every benchmarked tile compiles through ptxas for sm_90 with no stack, within one block's
     227 KB of shared memory, its MMAs as wgmma and its loads as TMA copies; the warp-specialized
     kernel's partitions with their own register budgets."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("triton is not installed")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("triton's NVIDIA backend (ptxas) is not available")
-    env = dict(os.environ, TRITON_INTERPRET="0", CASES=json.dumps(CASES))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE)], capture_output=True, text=True,
-                          env=env, timeout=900)  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    recs = json.loads(lines[-1][2:])
-    assert len(recs) == len(CASES)
+    from tests.ops._sm90 import run_compile_script
+
+    recs = run_compile_script(_COMPILE, CASES)
     for case, r in zip(CASES, recs):
         # (the warp-specialized kernel keeps a few tile-loop scalars on the stack, the store warps
         # at 48 registers and the MMA partitions with FP8's column scales: a few 4-byte loads and

@@ -4,11 +4,6 @@ errors, and on a Hopper GPU the rows against the library's Triton ``grouped_gemm
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -77,20 +72,9 @@ def test_kernel_compiles_for_sm90_with_its_mmas_pipelined():
     shared memory, its wgmma not serialized (ptxas says so when the MMA partitions lack the
     registers), rows through cp.async with counted arrivals on the stage barriers, weights
     through TMA."""
-    try:
-        import triton
-    except ImportError:
-        pytest.skip("triton is not installed")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("triton's NVIDIA backend (ptxas) is not available")
-    env = dict(os.environ, TRITON_INTERPRET="0", CASES=json.dumps(CASES))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE)], capture_output=True, text=True,
-                          env=env, timeout=900)  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    recs = json.loads(lines[-1][2:])
-    assert len(recs) == len(CASES)
+    from tests.ops._sm90 import run_compile_script
+
+    recs = run_compile_script(_COMPILE, CASES)
     for case, r in zip(CASES, recs):
         assert not r["serialized"], (case, r)
         assert r["shared"] <= 227 * 1024, (case, r)
