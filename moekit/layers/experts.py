@@ -208,6 +208,19 @@ def _gluon_mode(fp8: bool) -> int:
     return mode
 
 
+def _gluon_device(t: torch.Tensor) -> bool:
+    """Whether the experimental Gluon kernels can run on ``t``'s device now: a CUDA Hopper
+    (sm_90) GPU, outside any trace (Gluon kernels are not traceable)."""
+    if not t.is_cuda or torch.version.hip is not None:
+        return False
+    from moekit.ops._common import _capability_major, _tracing
+
+    return (
+        not _tracing()
+        and _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) == 9
+    )
+
+
 def _gluon_rows(z, w2, m_sizes, rows_w, zs=None, ws2=None):
     """The down projection's stored rows through the experimental warp-specialized Gluon kernel
     (``moekit.ops._triton.gg_gluon``) where knob ``GLUON_DOWN`` asks for it (default: FP8 rows,
@@ -217,14 +230,7 @@ def _gluon_rows(z, w2, m_sizes, rows_w, zs=None, ws2=None):
     check). ``None`` elsewhere: the Triton kernel runs. ``GLUON_DOWN=2``: the kernel's ``halves``
     form (one MMA partition per 64-row half of a tile)."""
     mode = _gluon_mode(zs is not None)
-    if not mode or not z.is_cuda or torch.version.hip is not None:
-        return None
-    from moekit.ops._common import _capability_major, _tracing
-
-    if (
-        _tracing()
-        or _capability_major(z.device.index if z.device.index is not None else torch.cuda.current_device()) != 9
-    ):
+    if not mode or not _gluon_device(z):
         return None
     w = w2.reshape(-1, w2.shape[-1])
     if z.dim() != 2 or z.stride(-1) != 1 or (z.stride(0) * z.element_size()) % 16 or not w.is_contiguous():
@@ -236,6 +242,40 @@ def _gluon_rows(z, w2, m_sizes, rows_w, zs=None, ws2=None):
     if zs is None:
         return grouped_gemm_gluon(z, w, m_sizes, rows_w, halves=mode == 2)
     return grouped_gemm_gluon(z, w, m_sizes, rows_w, x_scale=zs.reshape(-1), w_scale=ws2.reshape(-1), halves=mode == 2)
+
+
+# Knob GLUON_SWIGLU: the sorted pipeline's gate/up GEMM with its SwiGLU epilogue (rows by index or
+# in place) through the experimental warp-specialized Gluon kernel on Hopper
+# (``moekit.ops._triton.gg_gluon_swiglu``): 0 (default) never; 1 two N = 128 MMAs a step (gate,
+# up); 2 one N = 256 MMA a step over gate | up, the accumulator split in registers (``pair``); 3
+# the pair form with four operand stages. H100, session 33 run 1, the kernel alone (T=8192, rows
+# by index, µs, Triton -> form 1): Qwen3-30B bf16 775.2 -> 923.2, DeepSeek-V3 TP8 bf16 1045.8 ->
+# 1630.2, Qwen3-30B FP8 445.2 -> 446.8.
+GLUON_SWIGLU = 0
+
+
+def _gluon_swiglu(x, w13, m_sizes, token_ids, in_w, xs=None, ws13=None):
+    """``z`` of the fused (rows by ``token_ids``) or gathered (rows in place) gate/up GEMM through
+    ``grouped_gemm_swiglu_gluon`` where knob ``GLUON_SWIGLU`` asks for it and it runs: a Hopper
+    GPU outside any trace, the Triton release it was validated with, rows ``cp.async`` can read
+    in 16-byte pieces, weights TMA can read, float32 ``in_w`` (FP8: ``xs`` by row of ``x``, the
+    weights' ``ws13``). ``None`` elsewhere: the Triton kernel runs."""
+    mode = int(settings.get().knob("GLUON_SWIGLU", GLUON_SWIGLU))
+    if mode <= 0 or not _gluon_triton() or not _gluon_device(x):
+        return None
+    if x.dim() != 2 or x.stride(-1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+        return None
+    if (x.shape[1] * x.element_size()) % 16 or not w13.is_contiguous() or w13.data_ptr() % 16:
+        return None
+    if (in_w is not None and in_w.dtype != torch.float32) or (token_ids is not None and token_ids.dtype != torch.int32):
+        return None
+    from moekit.ops._triton.gg_gluon_swiglu import grouped_gemm_swiglu_gluon
+
+    # four 48 KB stages, the 32 KB staging buffer and the group table (16 bytes a group) fit one
+    # block's 227 KB up to 128 groups
+    nbuf = 4 if mode == 3 and m_sizes.shape[0] <= 128 else 3
+    return grouped_gemm_swiglu_gluon(x, w13, m_sizes, token_ids, in_w, x_scale=xs, w_scale=ws13, pair=mode >= 2,
+                                     num_buf=nbuf)  # fmt: skip
 
 
 def down_sums_rows(deterministic: bool = False, rows: int = 0, top_k: int = 1) -> bool:
@@ -494,12 +534,16 @@ def run_experts(
         check_tensor("x_fp8[1]", x_fp8[1], shape=(x.shape[0],), dtype=torch.float32, device=x.device)
     if not fp8_w:
         if fused:
-            z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w)
+            z = _gluon_swiglu(x, w13, m_sizes, token_ids, in_w)
+            if z is None:
+                z = grouped_gemm_swiglu(x, w13, m_sizes, gather_indices=token_ids, row_scales=in_w)
         else:
             # Rows copied (no scores: no ones tensor to fill, one launch fewer).
             xg = gather_scale_dense_tokens(x, token_ids, expert_ids, None) if token_ids is not None else x
             if _gathered_swiglu(N, e, F, D, False, x.element_size(), x.device, top_k):
-                z = grouped_gemm_swiglu(xg, w13, m_sizes, row_scales=in_w)
+                z = _gluon_swiglu(xg, w13, m_sizes, None, in_w)
+                if z is None:
+                    z = grouped_gemm_swiglu(xg, w13, m_sizes, row_scales=in_w)
             else:
                 h = grouped_gemm(xg, w13, m_sizes, token_weights=in_w)
                 z = silu_mul(h[:, :F], h[:, F:])
@@ -522,12 +566,16 @@ def run_experts(
     else:  # the token rows quantized once (the fused GEMM reads them by index), or the rows given
         xq, xs = quantize_fp8_row(x)
     if fused:
-        z = grouped_gemm_swiglu(xq, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=xs,
-                                w_scale=ws13, use_fast_accum=use_fast_accum)  # fmt: skip
+        z = _gluon_swiglu(xq, w13, m_sizes, token_ids, in_w, xs, ws13) if use_fast_accum else None
+        if z is None:
+            z = grouped_gemm_swiglu(xq, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=xs,
+                                    w_scale=ws13, use_fast_accum=use_fast_accum)  # fmt: skip
         zq, zs = quantize_fp8_row(z)
     elif _gathered_swiglu(N, e, F, D, True, 1, x.device, top_k):
-        z = grouped_gemm_swiglu(xq, w13, m_sizes, row_scales=in_w, x_scale=xs, w_scale=ws13,
-                                use_fast_accum=use_fast_accum)  # fmt: skip
+        z = _gluon_swiglu(xq, w13, m_sizes, None, in_w, xs, ws13) if use_fast_accum else None
+        if z is None:
+            z = grouped_gemm_swiglu(xq, w13, m_sizes, row_scales=in_w, x_scale=xs, w_scale=ws13,
+                                    use_fast_accum=use_fast_accum)  # fmt: skip
         zq, zs = quantize_fp8_row(z)
     else:
         h = grouped_gemm_fp8_rowwise(xq, w13, m_sizes, xs, ws13, use_fast_accum, token_weights=in_w)

@@ -63,6 +63,8 @@ CASES = [
     (128, 768, 2048, (128, 128, 64), 3, "bf16", True),
     (256, 256, 7168, (128, 128, 64), 3, "bf16", True),
     (128, 768, 2048, (128, 128, 128), 3, "fp8", True),
+    (128, 768, 2048, (128, 128, 64), 4, "bf16", True),
+    (128, 768, 2048, (128, 128, 128), 4, "fp8", True),
 ]
 
 
@@ -146,3 +148,67 @@ def test_gpu_matches_the_triton_kernel(fp8, gathered):
                                       pair=pair)  # fmt: skip
             assert_close(z[:M].float(), want[:M].float(), tol=2e-2, msg=f"G={G} F={F} K={K} block={block} pair={pair}")
             assert (z[M:] == 7.0).all()
+
+
+@pytest.mark.reference
+def test_layer_takes_the_gluon_swiglu_only_where_asked_and_able():
+    """``experts._gluon_swiglu``: None with knob ``GLUON_SWIGLU`` off (the default) and on CPU
+    tensors with it on (the Triton or CPU path runs)."""
+    from moekit import settings
+    from moekit.layers import experts
+
+    x = torch.zeros(8, 32).bfloat16()
+    w = torch.zeros(2 * 2 * 16, 32).bfloat16()
+    ms = torch.tensor([4, 4], dtype=torch.int32)
+    ids = torch.arange(8, dtype=torch.int32)
+    assert experts.GLUON_SWIGLU == 0
+    assert experts._gluon_swiglu(x, w, ms, ids, None) is None
+    for mode in (1, 2, 3):
+        with settings.override(knobs={"GLUON_SWIGLU": mode}):
+            assert experts._gluon_swiglu(x, w, ms, ids, None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_layer_with_the_gluon_swiglu(fp8, monkeypatch):
+    """``moe_forward`` with knob ``GLUON_SWIGLU`` 1 / 2 / 3 (the gate/up GEMM and SwiGLU through
+    the Gluon kernel: two MMAs a step, one N = 256 MMA, that with four stages) against the same
+    layer on the Triton kernel and the float32 reference; the Gluon kernel must have run."""
+    _hopper()
+    from moekit import reference as ref
+    from moekit import settings
+    from moekit.layers.functional import RoutingConfig, moe_forward, quantize_expert_weights
+    import moekit.ops._triton.gg_gluon_swiglu as S
+
+    calls = []
+    real = S.grouped_gemm_swiglu_gluon
+
+    def spy(*a, **kw):
+        calls.append((kw.get("pair"), kw.get("num_buf")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(S, "grouped_gemm_swiglu_gluon", spy)
+    torch.manual_seed(0)
+    T, E, D, F, k = 2048, 16, 512, 256, 8
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    logits = torch.randn(T, E, device="cuda")
+    w13 = (torch.randn(E, 2 * F, D, device="cuda") / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, F, device="cuda") / F**0.5).bfloat16()
+    kw = {}
+    if fp8:
+        w13, s13 = quantize_expert_weights(w13)
+        w2, s2 = quantize_expert_weights(w2)
+        kw = dict(w13_scale_e2F=s13, w2_scale_eD=s2)
+    cfg = RoutingConfig(top_k=k, score_func="softmax", renormalize=True, apply_router_weight_on_input=False)
+    with settings.override(decode_fused="off", knobs={"GLUON_SWIGLU": 0}):
+        base = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
+    assert not calls
+    want = ref.moe_decode(x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), torch.zeros(T, D).bfloat16(), top_k=k,
+                          score_func="softmax", renormalize=True, **{n: v.cpu() for n, v in kw.items()})  # fmt: skip
+    for mode, form in ((1, (False, 3)), (2, (True, 3)), (3, (True, 4))):
+        calls.clear()
+        with settings.override(decode_fused="off", knobs={"GLUON_SWIGLU": mode}):
+            got = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
+        assert calls == [form], (mode, calls)
+        assert_close(got.float(), base.float(), tol=1e-2, msg=f"fp8={fp8} mode={mode}")
+        assert_close(got.cpu().float(), want.float(), tol=6e-2 if fp8 else 3e-2, msg=f"fp8={fp8} mode={mode}")
