@@ -132,6 +132,8 @@ class Settings:
     #   GLUON_SWIGLU                      experts (the gate/up GEMM + SwiGLU through the
     #                                     experimental Gluon kernel on Hopper; 2: one N=256
     #                                     MMA a step, 3: that with four stages)                 0
+    #   SWIGLU_QUANT                      experts (the FP8 gate/up GEMM quantizes its SwiGLU rows
+    #                                     in the same launch: grouped_gemm_swiglu_quant)        0
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -158,7 +160,7 @@ KNOBS = (
     "GG_EARLY_DST", "EARLY_EPI_MAX_K", "SWIGLU_SMALL_TILES", "BF16_STREAM_SWIGLU", "TILED_MIN_ROWS",
     "TILED_SHORT_K", "GG_N_SLAB", "GATHERED_SWIGLU",
     "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS", "SWIGLU_TILED_STAGES", "SWIGLU_SMALL_MAX_ROWS",
-    "GLUON_DOWN", "GLUON_SWIGLU",
+    "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT",
 )  # fmt: skip
 
 

@@ -244,6 +244,28 @@ def _gluon_rows(z, w2, m_sizes, rows_w, zs=None, ws2=None):
     return grouped_gemm_gluon(z, w, m_sizes, rows_w, x_scale=zs.reshape(-1), w_scale=ws2.reshape(-1), halves=mode == 2)
 
 
+# Knob SWIGLU_QUANT: the FP8 pipeline's fused gate/up GEMM quantizes its SwiGLU rows in the same
+# launch (``gg_swiglu.grouped_gemm_swiglu_quant``: each program sweeps whole row tiles, the 16-bit
+# rows kept in its own L2-resident scratch until the row's max is known) instead of writing them
+# and running ``quantize_fp8_row`` over them: 0 (default) off, 1 on where the tiled kernel runs.
+SWIGLU_QUANT = 0
+
+
+def _swiglu_quant(xq, w13, m_sizes, token_ids, in_w, xs, ws13, fast_accum):
+    """``(zq, zs)``: ``quantize_fp8_row`` of the fused gate/up GEMM's rows from one launch, where
+    knob ``SWIGLU_QUANT`` asks for it and it runs (CUDA, outside any trace, the tiled kernel's
+    sizes, float32 ``in_w``); ``None`` elsewhere."""
+    if not int(settings.get().knob("SWIGLU_QUANT", SWIGLU_QUANT)) or not xq.is_cuda:
+        return None
+    from moekit.ops._common import _tracing
+
+    if _tracing() or (in_w is not None and in_w.dtype != torch.float32):
+        return None
+    from moekit.ops._triton.gg_swiglu import grouped_gemm_swiglu_quant
+
+    return grouped_gemm_swiglu_quant(xq, w13, m_sizes, token_ids, in_w, xs, ws13, fast_accum)
+
+
 # Knob GLUON_SWIGLU: the sorted pipeline's gate/up GEMM with its SwiGLU epilogue (rows by index or
 # in place) through the experimental warp-specialized Gluon kernel on Hopper
 # (``moekit.ops._triton.gg_gluon_swiglu``): 0 (default) never; 1 two N = 128 MMAs a step (gate,
@@ -565,7 +587,10 @@ def run_experts(
         xq, xs = x_fp8
     else:  # the token rows quantized once (the fused GEMM reads them by index), or the rows given
         xq, xs = quantize_fp8_row(x)
-    if fused:
+    zqs = _swiglu_quant(xq, w13, m_sizes, token_ids, in_w, xs, ws13, use_fast_accum) if fused else None
+    if zqs is not None:
+        zq, zs = zqs
+    elif fused:
         z = _gluon_swiglu(xq, w13, m_sizes, token_ids, in_w, xs, ws13) if use_fast_accum else None
         if z is None:
             z = grouped_gemm_swiglu(xq, w13, m_sizes, gather_indices=token_ids, row_scales=in_w, x_scale=xs,

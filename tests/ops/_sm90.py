@@ -7,8 +7,9 @@ The snippet calls private launchers on ``meta`` tensors; every recorded launch i
 the real Triton compiler (through ptxas) for ``GPUTarget("cuda", 90, 32)``. Python float
 arguments are typed ``fp64``, as torch.compile (inductor) passes them to user-defined Triton
 kernels; ints equal to 1 are specialized as Triton's launcher does. Returns one dict per launch
-(``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``regs`` per thread and ``stack``
-frame bytes (spills; None when ``cuobjdump`` is missing), ``error`` or None). With
+(``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``regs`` per thread, ``stack``
+frame bytes (spills; None when ``cuobjdump`` is missing), ``loop_spills`` (local-memory accesses
+inside the MMA loops), ``error`` or None). With
 ``SM90_DUMP_DIR=<folder>`` each launch's TTGIR, PTX and cubin are written there (for
 ``cuobjdump -sass``).
 """
@@ -36,17 +37,27 @@ RECORDS = []
 
 
 def registers(cubin):
-    # (registers per thread, stack frame bytes) of the compiled kernel (cuobjdump -res-usage).
+    # (registers per thread, stack frame bytes, local-memory accesses inside the MMA loops) of the
+    # compiled kernel (cuobjdump -res-usage and -sass; the loops: from a warpgroup MMA fence to
+    # the wait for every MMA group, ``DEPBAR.LE gsb0, 0x0``, as the Gluon compile tests count).
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return None, None
+        return None, None, None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout.splitlines()
     m = re.search(r"REG:(\d+)", out)
     st = re.search(r"STACK:(\d+)", out)
-    return (int(m.group(1)) if m else None), (int(st.group(1)) if st else None)
+    loop_spills, inside = 0, False
+    for ln in sass:
+        if "WARPGROUP.ARRIVE" in ln:
+            inside = True
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ln:
+            inside = False
+        loop_spills += inside and ("STL" in ln or "LDL" in ln)
+    return (int(m.group(1)) if m else None), (int(st.group(1)) if st else None), loop_spills
 
 
 def compile_one(kernel, args, kwargs):
@@ -81,13 +92,14 @@ def compile_one(kernel, args, kwargs):
         else:
             raise TypeError(f"{kernel.__name__}: unsupported argument {name}={v!r}")
     rec = {"kernel": kernel.__name__, "num_warps": opts.get("num_warps", 4), "launch_pdl": opts.get("launch_pdl", False),
-           "constants": {k: repr(v) for k, v in consts.items()}, "shared": None, "regs": None, "stack": None, "error": None}
+           "constants": {k: repr(v) for k, v in consts.items()}, "shared": None, "regs": None, "stack": None, "loop_spills": None,
+           "error": None}
     try:
         k = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=opts)
         assert k.asm.get("cubin"), "no cubin"
         rec["shared"] = int(k.metadata.shared)
-        rec["regs"], rec["stack"] = registers(k.asm["cubin"])
+        rec["regs"], rec["stack"], rec["loop_spills"] = registers(k.asm["cubin"])
         dump = os.environ.get("SM90_DUMP_DIR")  # a folder: each launch's TTGIR, PTX and cubin
         if dump:
             base = os.path.join(dump, "%s_%d" % (kernel.__name__, len(RECORDS)))

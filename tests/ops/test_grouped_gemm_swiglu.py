@@ -167,6 +167,39 @@ def test_interp_swiglu_pair(pin_knobs, w_kind, gather):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("pair", [False, True], ids=["two_mmas", "pair"])
+@pytest.mark.parametrize("gather", [True, False], ids=["by_index", "in_order"])
+def test_interp_swiglu_quantized_rows(pin_knobs, pair, gather):
+    """``grouped_gemm_swiglu_quant``: the tiled tiles with their rows quantized to FP8 in the same
+    launch are bit for bit ``quantize_fp8_row`` of the 16-bit rows the plain kernel writes (the
+    float32 reference's scales), row tiles of ragged groups (an empty one, F past the last
+    column tile, rows -1 / out of range skipped), fewer programs than row tiles (each reuses its
+    scratch)."""
+    from moekit.ops._triton import gg_swiglu as SW
+    from moekit.ops._triton.gg_config import GemmConfig
+
+    T, k, G, F, K = 24, 3, 4, 40, 48
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, K, None, "fp8x", seed=5)
+    ms = torch.tensor([30, 0, 17, 25], dtype=torch.int32)
+    cfg = GemmConfig("tiled", 16, 16, 16, 2, 4, group_m=2, use_tma=pair)
+    pin_knobs(SWIGLU_PAIR=pair)
+    if not gather:
+        gi = gi.clamp(0, T - 1)
+        x, xs = x[gi.long()].contiguous(), xs[gi.long()].contiguous()
+    idx = gi if gather else None
+    z = SW.grouped_gemm_swiglu(x, w, ms, idx, rs, xs, ws, config=cfg)
+    zq, zs = SW.grouped_gemm_swiglu_quant(x, w, ms, idx, rs, xs, ws, config=cfg)
+    ok = _valid_rows(gi, T) if gather else torch.ones(T * k, dtype=torch.bool)
+    ok &= torch.arange(T * k) < int(ms.sum())
+    want_q, want_s = quantize_fp8_row(z[ok])
+    assert torch.equal(zs[ok], want_s)
+    assert torch.equal(zq[ok].view(torch.uint8), want_q.view(torch.uint8))
+    # the plain SwiGLU against the reference still (the quantized rows' 16-bit values)
+    want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=idx, row_scales=rs, x_scale=xs, w_scale=ws)
+    assert_close((zq[ok].float() * zs[ok, None]), want[ok].float(), tol=7e-2)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["gemv", "stream", "tiled"])
 def test_interp_swiglu_poisoned_output(kind):
     """Exactly the rows with a valid index are written."""
@@ -758,3 +791,107 @@ def test_gpu_private_launcher_keeps_no_reference_to_its_rows():
     gc.collect()
     assert sys.getrefcount(x) == refs
     assert len(kernel_side_table.constant_args) == table
+
+
+@pytest.mark.reference
+def test_quantized_rows_kernel_compiles_for_sm90():
+    """``grouped_gemm_swiglu_quant``'s kernel at the FP8 layer's prefill sizes (Qwen3-30B,
+    DeepSeek-V3 TP8, gpt-oss-120b at T=8192, rows by index; Qwen3-30B rows in order), compiled for
+    sm_90: the tiles the plain kernel takes there, shared memory in bounds, no local memory
+    inside the MMA loops (the 128 x 256 paired FP8 tiles keep an 8-byte stack frame: the row
+    tile's running max, spilled around the K loop, not inside it)."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import gg_swiglu as SW
+        from moekit.ops._triton import grouped_gemm as GG
+        GG._tma_ok = lambda t, block: t.stride(-1) == 1  # descriptors for meta tensors too
+        m = "meta"
+        f8 = torch.float8_e4m3fn
+        for T, F, K, G, k in ((8192, 768, 2048, 128, 8), (8192, 256, 7168, 256, 8), (8192, 2880, 2880, 128, 4)):
+            M = T * k
+            w = torch.empty(G * 2 * F, K, dtype=f8, device=m)
+            ms = torch.empty(G, dtype=torch.int32, device=m)
+            ws = torch.empty(G * 2 * F, device=m)
+            x = torch.empty(T, K, dtype=f8, device=m)
+            SW.grouped_gemm_swiglu_quant(x, w, ms, torch.empty(M, dtype=torch.int32, device=m), None,
+                                         torch.empty(T, device=m), ws)
+            if F == 768:
+                SW.grouped_gemm_swiglu_quant(torch.empty(M, K, dtype=f8, device=m), w, ms, None, None,
+                                             torch.empty(M, device=m), ws)
+        """,
+        ["moekit.ops._triton.gg_swiglu"],
+        pdl=True,
+    )
+    assert_all_compiled(records, 4)
+    got = [(r["kernel"], r["constants"]["BLOCK_M"], r["stack"], r["loop_spills"]) for r in records]
+    assert all(k == "_swiglu_tiled_quant_kernel" for k, *_ in got), got
+    assert all(st <= 8 and ls == 0 for *_, st, ls in got), got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gather", [True, False], ids=["by_index", "in_order"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2048, 8, 128, 768, 2048), (8192, 8, 128, 768, 2048), (512, 8, 64, 256, 7168), (1024, 4, 16, 2880, 2880)],
+    ids=["qwen3-2048", "qwen3-8192", "deepseek-512", "gptoss-1024"],
+)
+def test_gpu_swiglu_quantized_rows_same_bits(shape, gather, cuda):
+    """``grouped_gemm_swiglu_quant`` on the GPU at the layer's sizes (64- and 128-row tiles,
+    paired): bit for bit ``quantize_fp8_row`` (the layer's pass) of ``grouped_gemm_swiglu``'s
+    rows."""
+    from moekit.ops import quantize_fp8_row as quantize_op
+    from moekit.ops._triton import gg_swiglu as SW
+
+    T, k, G, F, D = shape
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, D, None, "fp8x", seed=T + 11, device=cuda)
+    ok = _valid_rows(gi, T)
+    if not gather:
+        gi = gi.clamp(0, T - 1)
+        x, xs = x[gi.long()].contiguous(), xs[gi.long()].contiguous()
+        ok = torch.ones_like(ok)
+    idx = gi if gather else None
+    z = SW.grouped_gemm_swiglu(x, w, ms, idx, rs, xs, ws)
+    got = SW.grouped_gemm_swiglu_quant(x, w, ms, idx, rs, xs, ws)
+    assert got is not None
+    want_q, want_s = quantize_op(z)
+    assert torch.equal(got[1][ok], want_s[ok])
+    assert torch.equal(got[0][ok].view(torch.uint8), want_q[ok].view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_layer_with_the_quantized_swiglu_rows(monkeypatch, cuda):
+    """``moe_forward`` (FP8 experts) with knob ``SWIGLU_QUANT`` (the gate/up GEMM quantizes its
+    rows in the same launch): the launcher ran, and the layer's output is bit for bit the one
+    with the separate quantization pass; CUDA-graph replay too."""
+    from moekit.layers.functional import RoutingConfig, moe_forward, quantize_expert_weights
+    from moekit.ops._triton import gg_swiglu as SW
+
+    calls = []
+    real = SW.grouped_gemm_swiglu_quant
+    monkeypatch.setattr(SW, "grouped_gemm_swiglu_quant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    torch.manual_seed(0)
+    T, E, D, F, k = 2048, 16, 512, 256, 8
+    x = torch.randn(T, D, device=cuda).bfloat16()
+    logits = torch.randn(T, E, device=cuda)
+    w13, s13 = quantize_expert_weights((torch.randn(E, 2 * F, D, device=cuda) / D**0.5).bfloat16())
+    w2, s2 = quantize_expert_weights((torch.randn(E, D, F, device=cuda) / F**0.5).bfloat16())
+    cfg = RoutingConfig(top_k=k, score_func="softmax", renormalize=True, apply_router_weight_on_input=False)
+    kw = dict(logits_TE=logits, w13_scale_e2F=s13, w2_scale_eD=s2)
+    with settings.override(knobs={"SWIGLU_QUANT": 0}):
+        base = moe_forward(x, None, w13, w2, cfg, **kw)
+    assert not calls
+    with settings.override(knobs={"SWIGLU_QUANT": 1}):
+        got = moe_forward(x, None, w13, w2, cfg, **kw)
+        assert calls
+        assert torch.equal(got, base)
+        xg = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gout = moe_forward(xg, None, w13, w2, cfg, **kw)
+        xg.copy_(x.flip(0))
+        graph.replay()
+    with settings.override(knobs={"SWIGLU_QUANT": 0}):
+        want = moe_forward(x.flip(0), None, w13, w2, cfg, **kw)
+    assert torch.equal(gout, want)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from moekit import settings
-from moekit._validate import FP8_DTYPE
+from moekit._validate import FP8_DTYPE, FP8_MAX
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_config import (
@@ -46,12 +46,22 @@ from moekit.ops._triton.gg_config import (
     widest_slice,
 )
 from moekit.ops._triton.gg_kernels import _group_table, _pick, _tile_at, _tile_table
+from moekit.ops._triton.quantize import _store_fp8, max_nan, row_amax, row_scales
 
 
 @triton.jit
 def _swiglu_store(g_acc, u_acc, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
                   HAS_XS: tl.constexpr, HAS_WS: tl.constexpr, HAS_RS: tl.constexpr):  # fmt: skip
     """Scale the [BM, BN] float32 gate / up accumulators, z = silu(gate) * up, store."""
+    z = _swiglu_value(g_acc, u_acc, xs, ws_g, ws_u, rs, HAS_XS, HAS_WS, HAS_RS)
+    ptrs = z_ptr + offs_m.to(tl.int64)[:, None] * stride_zm + offs_n[None, :]
+    tl.store(ptrs, z.to(z_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _swiglu_value(g_acc, u_acc, xs, ws_g, ws_u, rs, HAS_XS: tl.constexpr, HAS_WS: tl.constexpr,
+                  HAS_RS: tl.constexpr):  # fmt: skip
+    """``silu(gate) * up`` in float32 of the scaled ``[BM, BN]`` gate / up accumulators."""
     if HAS_XS:
         g_acc = g_acc * xs[:, None]
         u_acc = u_acc * xs[:, None]
@@ -61,9 +71,7 @@ def _swiglu_store(g_acc, u_acc, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm
     if HAS_RS:
         g_acc = g_acc * rs[:, None]
         u_acc = u_acc * rs[:, None]
-    z = g_acc / (1.0 + tl.exp(-g_acc)) * u_acc
-    ptrs = z_ptr + offs_m.to(tl.int64)[:, None] * stride_zm + offs_n[None, :]
-    tl.store(ptrs, z.to(z_ptr.dtype.element_ty), mask=row_ok[:, None] & n_mask[None, :])
+    return g_acc / (1.0 + tl.exp(-g_acc)) * u_acc
 
 
 @triton.jit
@@ -263,6 +271,52 @@ def _swiglu_stream_kernel(
 
 
 @triton.jit
+def _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate, gate_row0, up_row0, n_mask,
+                 W_CAST: tl.constexpr, USE_TMA: tl.constexpr, FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, X_TMA: tl.constexpr,
+                 PAIR: tl.constexpr):  # fmt: skip
+    """A tiled tile's float32 gate and up accumulators ``[BLOCK_M, BLOCK_N]`` over the whole K:
+    the row tile (``x_rows`` pointers, or rows from ``m0`` through the descriptor ``x_ptr`` with
+    ``X_TMA``) against the gate and up weight tiles (one ``[2 BN, BK]`` descriptor load and one
+    MMA with ``PAIR``, split at the end)."""
+    if PAIR:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if X_TMA:
+            a = x_ptr.load([m0, k0])
+        else:
+            a = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
+        if PAIR:  # gate and up rows in one tile, one MMA
+            wgu = tl.reshape(w_ptr.load([g, 0, n0, k0]), [2 * BLOCK_N, BLOCK_K])
+            if W_CAST:
+                wgu = wgu.to(a.dtype)
+            if FAST_ACCUM:
+                acc = tl.dot(a, tl.trans(wgu), acc)
+            else:
+                acc = tl.dot(a, tl.trans(wgu), acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            wg, wu = _gate_up_tiles(w_ptr, gate, F, gate_row0, up_row0, n_mask, offs_k, k_mask, k0, stride_wn,
+                                    USE_TMA)  # fmt: skip
+            if W_CAST:  # weight-only FP8: the weights in x's dtype, in registers
+                wg = wg.to(a.dtype)
+                wu = wu.to(a.dtype)
+            if FAST_ACCUM:
+                acc_g = tl.dot(a, tl.trans(wg), acc_g)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u)
+            else:
+                acc_g = tl.dot(a, tl.trans(wg), acc_g, max_num_imprecise_acc=BLOCK_K)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, max_num_imprecise_acc=BLOCK_K)
+    if PAIR:  # columns [gate | up] of the one accumulator
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+    return acc_g, acc_u
+
+
+@triton.jit
 def _swiglu_tiled_kernel(
     x_ptr,
     w_ptr,
@@ -325,45 +379,15 @@ def _swiglu_tiled_kernel(
         if GATHER:
             src = tl.load(gather_ptr + offs_m, mask=m_mask, other=-1)
         row_ok = m_mask & (src >= 0) & (src < T_IN)
+        x_rows = x_ptr  # (X_TMA: x_ptr is the rows' descriptor)
         if not X_TMA:
             x_rows = x_ptr + tl.where(row_ok, src, 0).to(tl.int64)[:, None] * stride_xm
         gate_row0 = g * 2 * F + n0  # < G * 2F < 2**31 (checked by the launcher)
         up_row0 = gate_row0 + F
         gate = gate_row0.to(tl.int64) + tl.arange(0, BLOCK_N)
-        if PAIR:
-            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        else:
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            if X_TMA:
-                a = x_ptr.load([m0, k0])
-            else:
-                a = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
-            if PAIR:  # gate and up rows in one tile, one MMA
-                wgu = tl.reshape(w_ptr.load([g, 0, n0, k0]), [2 * BLOCK_N, BLOCK_K])
-                if W_CAST:
-                    wgu = wgu.to(a.dtype)
-                if FAST_ACCUM:
-                    acc = tl.dot(a, tl.trans(wgu), acc)
-                else:
-                    acc = tl.dot(a, tl.trans(wgu), acc, max_num_imprecise_acc=BLOCK_K)
-            else:
-                wg, wu = _gate_up_tiles(w_ptr, gate, F, gate_row0, up_row0, n_mask, offs_k, k_mask, k0, stride_wn,
-                                        USE_TMA)  # fmt: skip
-                if W_CAST:  # weight-only FP8: the weights in x's dtype, in registers
-                    wg = wg.to(a.dtype)
-                    wu = wu.to(a.dtype)
-                if FAST_ACCUM:
-                    acc_g = tl.dot(a, tl.trans(wg), acc_g)
-                    acc_u = tl.dot(a, tl.trans(wu), acc_u)
-                else:
-                    acc_g = tl.dot(a, tl.trans(wg), acc_g, max_num_imprecise_acc=BLOCK_K)
-                    acc_u = tl.dot(a, tl.trans(wu), acc_u, max_num_imprecise_acc=BLOCK_K)
-        if PAIR:  # columns [gate | up] of the one accumulator
-            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+        acc_g, acc_u = _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate, gate_row0, up_row0,
+                                    n_mask, W_CAST, USE_TMA, FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, X_TMA,
+                                    PAIR)  # fmt: skip
         xs = tl.full((BLOCK_M,), 1.0, tl.float32)
         if HAS_XS:
             xs = tl.load(xs_ptr + src, mask=row_ok, other=0.0)
@@ -373,6 +397,105 @@ def _swiglu_tiled_kernel(
             rs = tl.load(rs_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
         _swiglu_store(acc_g, acc_u, offs_m, row_ok, offs_n, n_mask, z_ptr, stride_zm, xs, ws_g, ws_u, rs,
                       HAS_XS, HAS_WS, HAS_RS)  # fmt: skip
+
+
+@triton.jit
+def _swiglu_tiled_quant_kernel(
+    x_ptr,
+    w_ptr,
+    zq_ptr,
+    zs_ptr,
+    scr_ptr,
+    m_sizes_ptr,
+    gather_ptr,
+    xs_ptr,
+    ws_ptr,
+    rs_ptr,
+    M,
+    F,
+    K,
+    G,
+    T_IN,
+    stride_xm,
+    stride_wn,
+    eps,
+    GATHER: tl.constexpr,
+    HAS_XS: tl.constexpr,
+    HAS_WS: tl.constexpr,
+    HAS_RS: tl.constexpr,
+    W_CAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    X_TMA: tl.constexpr = False,
+    PAIR: tl.constexpr = False,
+    MAX_FP8: tl.constexpr = 448.0,
+    EMULATE: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
+):
+    """``_swiglu_tiled_kernel``'s tiles with the SwiGLU rows quantized to FP8 row-wise in the same
+    launch (``zq [M, F]`` e4m3, ``zs [M]``: exactly ``quantize_fp8_row`` of the 16-bit rows the
+    plain kernel writes). A program owns whole row tiles (``pid, pid + P, ...``) and sweeps their
+    column tiles in order, keeping each row's running max of its 16-bit values; the tiles wait in
+    the program's own ``[BLOCK_M, F]`` bf16 scratch (``scr_ptr``: written and read back by the
+    same SM while it is in L2) until the row tile's last column is done, then go out as FP8. The
+    16-bit rows never reach DRAM and are not read back by a quantization pass."""
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    eps32 = tl.cast(eps, tl.float32)
+    gi, starts, rows = _group_table(m_sizes_ptr, G, M, True, G_BLOCK)
+    pack_gt, pack_sr, tiles_begin, tiles_end, total = _tile_table(gi, starts, rows, 1, BLOCK_M)  # row tiles
+    offs_r = tl.arange(0, BLOCK_M)
+    for t in tl.range(pid, total, n_progs):
+        g, m0, m_end, _n = _tile_at(t, pack_gt, pack_sr, tiles_begin, tiles_end, 1, 1, BLOCK_M, BLOCK_N)
+        offs_m = m0 + offs_r
+        m_mask = offs_m < m_end
+        src = offs_m
+        if GATHER:
+            src = tl.load(gather_ptr + offs_m, mask=m_mask, other=-1)
+        row_ok = m_mask & (src >= 0) & (src < T_IN)
+        x_rows = x_ptr  # (X_TMA: x_ptr is the rows' descriptor)
+        if not X_TMA:
+            x_rows = x_ptr + tl.where(row_ok, src, 0).to(tl.int64)[:, None] * stride_xm
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for n0 in range(0, F, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < F
+            gate_row0 = g * 2 * F + n0  # < G * 2F < 2**31 (checked by the launcher)
+            up_row0 = gate_row0 + F
+            gate = gate_row0.to(tl.int64) + tl.arange(0, BLOCK_N)
+            acc_g, acc_u = _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate, gate_row0,
+                                        up_row0, n_mask, W_CAST, USE_TMA, FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K,
+                                        STAGES, X_TMA, PAIR)  # fmt: skip
+            # (the rows' scales loaded per column tile, from L1: nothing but the running max held
+            # across the sweep, which keeps the 128 x 256 FP8 tiles free of spills)
+            xs = tl.full((BLOCK_M,), 1.0, tl.float32)
+            if HAS_XS:
+                xs = tl.load(xs_ptr + src, mask=row_ok, other=0.0)
+            rs = tl.full((BLOCK_M,), 1.0, tl.float32)
+            if HAS_RS:
+                rs = tl.load(rs_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
+            ws_g, ws_u = _gate_up_scales(ws_ptr, gate, gate + F, n_mask, HAS_WS, BLOCK_N)
+            z = _swiglu_value(acc_g, acc_u, xs, ws_g, ws_u, rs, HAS_XS, HAS_WS, HAS_RS).to(tl.bfloat16)
+            live = row_ok[:, None] & n_mask[None, :]
+            amax = max_nan(amax, row_amax(tl.where(live, z.to(tl.float32), 0.0)))
+            scr_rows = scr_ptr + (pid * BLOCK_M + offs_r).to(tl.int64)[:, None] * F
+            tl.store(scr_rows + offs_n[None, :], z, mask=n_mask[None, :])
+        tl.debug_barrier()  # the tile's scratch rows, written by every thread, read back by others
+        inv, scale = row_scales(amax, eps32, eps32, False, MAX_FP8)
+        tl.store(zs_ptr + offs_m, scale, mask=row_ok)
+        q_rows = zq_ptr + offs_m.to(tl.int64) * F
+        scr_rows = scr_ptr + (pid * BLOCK_M + offs_r).to(tl.int64)[:, None] * F
+        for n0 in range(0, F, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            v = tl.load(scr_rows + cols[None, :], mask=(cols < F)[None, :], other=0.0).to(tl.float32)
+            _store_fp8(q_rows, cols, row_ok, F, v * inv[:, None], MAX_FP8, EMULATE)
+        tl.debug_barrier()  # read before the next row tile overwrites the scratch
 
 
 # Rows per expert from which the tiled kernel loads a column block's gate and up rows as one pair
@@ -573,6 +696,63 @@ def grouped_gemm_swiglu(
         BLOCK_K=cfg.block_k, STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
     )  # fmt: skip
     return z
+
+
+def grouped_gemm_swiglu_quant(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    m_sizes: torch.Tensor,
+    gather_indices: Optional[torch.Tensor],
+    row_scales: Optional[torch.Tensor],
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    fast_accum: bool = True,
+    eps: float = 1.0 / 512.0,
+    config: Optional[GemmConfig] = None,
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Launcher (validated FP8 operands, as ``grouped_gemm_swiglu``'s): ``quantize_fp8_row`` of
+    the ``z`` that ``grouped_gemm_swiglu`` returns, ``(zq [M, F] e4m3, zs [M])``, in one launch
+    (``_swiglu_tiled_quant_kernel``), where the rules pick its tiled kernel; ``None`` elsewhere
+    (the caller quantizes ``z`` itself). Rows not computed are left unwritten in both."""
+    from moekit.ops._triton._fp8 import EMULATE_FP8
+    from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok, _unit_last
+
+    T_IN, K = (int(d) for d in x.shape)
+    M = int(gather_indices.shape[0]) if gather_indices is not None else T_IN
+    G = int(m_sizes.shape[0])
+    F = int(w13.shape[0]) // (2 * G)
+    if x.dtype != FP8_DTYPE or M == 0 or F == 0 or G * 2 * F >= 2**31 or M >= 2**31:
+        return None
+    x = _unit_last(x)
+    w13 = _unit_last(w13)
+    sms = num_sms(x.device)
+    cfg = config or swiglu_config(M, F, K, G, True, 1, sms, w_elem=1, by_index=gather_indices is not None)
+    if cfg.kind != "tiled":
+        return None
+    w_block = [cfg.block_n, cfg.block_k]
+    use_tma = cfg.use_tma and _tma_ok(w13, tuple(w_block))
+    w_arg = _descriptor(w13, w_block) if use_tma else w13
+    x_block = [cfg.block_m, cfg.block_k]
+    x_tma = use_tma and gather_indices is None and _tma_ok(x, tuple(x_block))
+    x_arg = _descriptor(x, x_block) if x_tma else x
+    pair = use_tma and w13.is_contiguous() and swiglu_pair(M, G, cfg.block_m == 64)
+    if pair:
+        w_arg = _descriptor(w13.view(G, 2, F, K), [1, 2, cfg.block_n, cfg.block_k])
+    units = cdiv(M, cfg.block_m) + min(G, M)  # row tiles, at most, over any m_sizes
+    progs = max(1, min(units, sms))
+    zq = torch.empty((M, F), dtype=FP8_DTYPE, device=x.device)
+    zs = torch.empty((M,), dtype=torch.float32, device=x.device)
+    scratch = torch.empty((progs * cfg.block_m, F), dtype=torch.bfloat16, device=x.device)
+    ph = torch.empty((1,), dtype=torch.int32, device=x.device)
+    optional = [t if t is not None else ph for t in (gather_indices, x_scale, w_scale, row_scales)]
+    launch(_swiglu_tiled_quant_kernel)[(progs,)](
+        x_arg, w_arg, zq, zs, scratch, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), float(eps),
+        GATHER=gather_indices is not None, HAS_XS=True, HAS_WS=True, HAS_RS=row_scales is not None, W_CAST=False,
+        USE_TMA=use_tma, FAST_ACCUM=fast_accum, G_BLOCK=max(16, next_pow2(G)), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, X_TMA=x_tma, PAIR=pair, MAX_FP8=FP8_MAX,
+        EMULATE=EMULATE_FP8, num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    return zq, zs
 
 
 # Settings (GEMV bounds, knobs) feed swiglu_config: a change drops its cached choices.
