@@ -157,6 +157,9 @@ def test_pdl_kernels_compile_for_sm90():
             RS.shuffle_top_k(e(T, 8, dtype=torch.int64), e(T, 8), 128, 0, 128, e(T, 2048))
         for M in (8, 512, 16384):  # GEMV, streaming, tiled
             SW.grouped_gemm_swiglu(e(64, 2048), e(128 * 1536, 2048), e(128, dtype=i32), e(M, dtype=i32), None, None, None)
+        f8 = torch.float8_e4m3fn
+        SW.grouped_gemm_swiglu_quant(e(2048, 2048, dtype=f8), e(128 * 1536, 2048, dtype=f8), e(128, dtype=i32),
+                                     e(16384, dtype=i32), None, e(2048, dtype=torch.float32), e(128 * 1536, dtype=torch.float32))
         CB.grouped_gemm_combine(e(8, 768), e(128 * 2048, 768), e(8, dtype=i32), e(8, dtype=i32), e(1, 2048), None, None)
         CR.combine_rows(e(64, 2048), e(512, 2048), e(512, dtype=i32))
         from moekit.ops._triton import decode as DC
