@@ -291,12 +291,13 @@ def test_gpu_layer_with_the_gluon_down_rows(fp8):
         w2, s2 = quantize_expert_weights(w2)
         kw = dict(w13_scale_e2F=s13, w2_scale_eD=s2)
     cfg = RoutingConfig(top_k=k, score_func="softmax", renormalize=True, apply_router_weight_on_input=False)
+    # (one override per run: nested ones merge their knobs into the outer ones)
     with settings.override(decode_fused="off", knobs={"DOWN_SUM_MIN_ROWS": 1, "GLUON_DOWN": 0}):
         base = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
-        with settings.override(knobs={"DOWN_SUM_MIN_ROWS": 1, "GLUON_DOWN": 1}):
-            got = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
-        with settings.override(knobs={"DOWN_SUM_MIN_ROWS": 1}):  # the default: the Gluon rows for FP8 only
-            dflt = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
+    with settings.override(decode_fused="off", knobs={"DOWN_SUM_MIN_ROWS": 1, "GLUON_DOWN": 1}):
+        got = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
+    with settings.override(decode_fused="off", knobs={"DOWN_SUM_MIN_ROWS": 1}):  # the default: Gluon rows for FP8 only
+        dflt = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
     assert torch.equal(dflt, got if fp8 else base)
     assert_close(got.float(), base.float(), tol=1e-2, msg=f"fp8={fp8}")
     want = ref.moe_decode(x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), torch.zeros(T, D).bfloat16(), top_k=k,

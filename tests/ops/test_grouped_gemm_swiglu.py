@@ -834,8 +834,8 @@ def test_quantized_rows_kernel_compiles_for_sm90():
 @pytest.mark.parametrize("gather", [True, False], ids=["by_index", "in_order"])
 @pytest.mark.parametrize(
     "shape",
-    [(2048, 8, 128, 768, 2048), (8192, 8, 128, 768, 2048), (512, 8, 64, 256, 7168), (1024, 4, 16, 2880, 2880)],
-    ids=["qwen3-2048", "qwen3-8192", "deepseek-512", "gptoss-1024"],
+    [(2048, 8, 128, 768, 2048), (8192, 8, 128, 768, 2048), (2048, 8, 64, 256, 7168), (1024, 4, 16, 2880, 2880)],
+    ids=["qwen3-2048", "qwen3-8192", "deepseek-2048", "gptoss-1024"],
 )
 def test_gpu_swiglu_quantized_rows_same_bits(shape, gather, cuda):
     """``grouped_gemm_swiglu_quant`` on the GPU at the layer's sizes (64- and 128-row tiles,
@@ -864,7 +864,8 @@ def test_gpu_swiglu_quantized_rows_same_bits(shape, gather, cuda):
 def test_gpu_layer_with_the_quantized_swiglu_rows(monkeypatch, cuda):
     """``moe_forward`` (FP8 experts) with knob ``SWIGLU_QUANT`` (the gate/up GEMM quantizes its
     rows in the same launch): the launcher ran, and the layer's output is bit for bit the one
-    with the separate quantization pass; CUDA-graph replay too."""
+    with the separate quantization pass (the down rows stored and combined: no atomics); CUDA-graph
+    replay too."""
     from moekit.layers.functional import RoutingConfig, moe_forward, quantize_expert_weights
     from moekit.ops._triton import gg_swiglu as SW
 
@@ -879,10 +880,10 @@ def test_gpu_layer_with_the_quantized_swiglu_rows(monkeypatch, cuda):
     w2, s2 = quantize_expert_weights((torch.randn(E, D, F, device=cuda) / F**0.5).bfloat16())
     cfg = RoutingConfig(top_k=k, score_func="softmax", renormalize=True, apply_router_weight_on_input=False)
     kw = dict(logits_TE=logits, w13_scale_e2F=s13, w2_scale_eD=s2)
-    with settings.override(knobs={"SWIGLU_QUANT": 0}):
+    with settings.override(knobs={"SWIGLU_QUANT": 0, "DOWN_SUM_MIN_ROWS": 1}):
         base = moe_forward(x, None, w13, w2, cfg, **kw)
     assert not calls
-    with settings.override(knobs={"SWIGLU_QUANT": 1}):
+    with settings.override(knobs={"SWIGLU_QUANT": 1, "DOWN_SUM_MIN_ROWS": 1}):
         got = moe_forward(x, None, w13, w2, cfg, **kw)
         assert calls
         assert torch.equal(got, base)
@@ -892,6 +893,6 @@ def test_gpu_layer_with_the_quantized_swiglu_rows(monkeypatch, cuda):
             gout = moe_forward(xg, None, w13, w2, cfg, **kw)
         xg.copy_(x.flip(0))
         graph.replay()
-    with settings.override(knobs={"SWIGLU_QUANT": 0}):
+    with settings.override(knobs={"SWIGLU_QUANT": 0, "DOWN_SUM_MIN_ROWS": 1}):
         want = moe_forward(x.flip(0), None, w13, w2, cfg, **kw)
     assert torch.equal(gout, want)
