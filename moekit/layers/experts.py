@@ -182,7 +182,7 @@ DOWN_SUM_MIN_ROWS = 32768
 # 1667.5 / 2994.1 and 1662.9 / 2983.0 -> 1642.7 / 2901.7 and 1642.7 / 2900.6 (the kernel alone:
 # Qwen3-30B's FP8 down GEMM at T=8192 269.5 -> 250.3, run 1). 16-bit rows stay on the Triton
 # kernel: Qwen3-30B bf16 T=16384 2343.3 / 2382.2 -> 2380.2 / 2421.7 (T=8192 and DeepSeek gained
-# 0.5-3.4%).
+# 0.5-3.4%). Widths off the kernel's 256-column tiles stay on Triton too (``_GLUON_DOWN_N``).
 GLUON_DOWN = -1
 # The Triton release whose Gluon API (experimental, changing between releases) the kernel was
 # written and validated with: the default takes it there only.
@@ -199,12 +199,20 @@ def _gluon_triton() -> bool:
     return triton.__version__.startswith(_GLUON_TRITON)
 
 
-def _gluon_mode(fp8: bool) -> int:
-    """Knob ``GLUON_DOWN`` resolved for 16-bit or FP8 rows: 0 off, 1 the kernel, 2 its halves
-    form; the default (-1) 1 for FP8 rows where ``_gluon_triton()``, else 0."""
+# The default's output widths: whole 256-column tiles of the FP8 kernel (Qwen3-30B's 2048,
+# DeepSeek-V3's 7168). gpt-oss-120b's 2880 (eleven tiles and a quarter: the twelfth runs 64 of its
+# 256 columns) was slower on it: H100, session 34 run 1, layer from logits, FP8, Triton -> Gluon
+# down, T = 8192 / 16384 2193.6 / 3853.3 -> 2218.3 / 3927.3 µs (one lane each).
+_GLUON_DOWN_N = 256
+
+
+def _gluon_mode(fp8: bool, n: int = 0) -> int:
+    """Knob ``GLUON_DOWN`` resolved for 16-bit or FP8 rows of ``n`` output columns: 0 off, 1 the
+    kernel, 2 its halves form; the default (-1) 1 for FP8 rows where ``_gluon_triton()`` and ``n``
+    fills whole ``_GLUON_DOWN_N``-column tiles, else 0."""
     mode = int(settings.get().knob("GLUON_DOWN", GLUON_DOWN))
     if mode < 0:
-        return 1 if fp8 and _gluon_triton() else 0
+        return 1 if fp8 and _gluon_triton() and n % _GLUON_DOWN_N == 0 else 0
     return mode
 
 
@@ -229,10 +237,10 @@ def _gluon_rows(z, w2, m_sizes, rows_w, zs=None, ws2=None):
     aligned), float32 router weights, 16-bit or FP8 rows (with fast accumulation: the caller's to
     check). ``None`` elsewhere: the Triton kernel runs. ``GLUON_DOWN=2``: the kernel's ``halves``
     form (one MMA partition per 64-row half of a tile)."""
-    mode = _gluon_mode(zs is not None)
+    w = w2.reshape(-1, w2.shape[-1])
+    mode = _gluon_mode(zs is not None, w.shape[0] // max(1, m_sizes.shape[0]))
     if not mode or not _gluon_device(z):
         return None
-    w = w2.reshape(-1, w2.shape[-1])
     if z.dim() != 2 or z.stride(-1) != 1 or (z.stride(0) * z.element_size()) % 16 or not w.is_contiguous():
         return None
     if (w.shape[1] * w.element_size()) % 16 or (rows_w is not None and rows_w.dtype != torch.float32):
@@ -248,6 +256,11 @@ def _gluon_rows(z, w2, m_sizes, rows_w, zs=None, ws2=None):
 # launch (``gg_swiglu.grouped_gemm_swiglu_quant``: each program sweeps whole row tiles, the 16-bit
 # rows kept in its own L2-resident scratch until the row's max is known) instead of writing them
 # and running ``quantize_fp8_row`` over them: 0 (default) off, 1 on where the tiled kernel runs.
+# Slower: H100, session 34 run 1, layer from logits, FP8 T=8192, default -> on (µs, one lane
+# each): Qwen3-30B 883.8 -> 1020.1, gpt-oss-120b 2218.3 -> 2208.4. A program owns its row tile
+# through every column tile, so 132 different row tiles (35 MB of FP8 rows at Qwen3's K = 2048)
+# and their scratch compete for L2 at once where the plain kernel's bands share theirs: the rows
+# come again from DRAM for each column tile, more than the quantization pass saved.
 SWIGLU_QUANT = 0
 
 
@@ -272,7 +285,12 @@ def _swiglu_quant(xq, w13, m_sizes, token_ids, in_w, xs, ws13, fast_accum):
 # up); 2 one N = 256 MMA a step over gate | up, the accumulator split in registers (``pair``); 3
 # the pair form with four operand stages. H100, session 33 run 1, the kernel alone (T=8192, rows
 # by index, µs, Triton -> form 1): Qwen3-30B bf16 775.2 -> 923.2, DeepSeek-V3 TP8 bf16 1045.8 ->
-# 1630.2, Qwen3-30B FP8 445.2 -> 446.8.
+# 1630.2, Qwen3-30B FP8 445.2 -> 446.8. Session 34 run 1, the kernel alone (rows by index, µs,
+# Triton / form 1 / 2 / 3): Qwen3-30B T=8192 bf16 766.5 / 934.3 / 816.5 / 838.3, FP8 446.5 /
+# 449.0 / 436.1 / 424.3; T=2048 bf16 327.2 / 429.2 / 398.8 / 391.9; DeepSeek-V3 TP8 T=8192 bf16
+# 1048.7 / 1626.0 / 1410.9 / - (four stages do not fit above 128 groups). The layer from logits
+# (Qwen3-30B T=8192, one lane each, form 0 / 2 / 3): bf16 1222.2 / 1283.4 / 1295.7, FP8 883.8 /
+# 882.4 / 866.4.
 GLUON_SWIGLU = 0
 
 

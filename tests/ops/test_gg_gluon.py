@@ -257,6 +257,8 @@ def test_layer_takes_the_gluon_rows_only_where_asked_and_able(monkeypatch):
     # the default: FP8 rows only, and only on the Triton release the kernel was validated with
     assert experts._gluon_mode(False) == 0
     assert experts._gluon_mode(True) == (1 if experts._gluon_triton() else 0)
+    assert experts._gluon_mode(True, 2048) == experts._gluon_mode(True, 7168) == experts._gluon_mode(True)
+    assert experts._gluon_mode(True, 2880) == 0  # (gpt-oss-120b: the last 256-column tile a quarter full)
     for knob, want in ((0, 0), (1, 1), (2, 2)):
         with settings.override(knobs={"GLUON_DOWN": knob}):
             assert experts._gluon_mode(True) == want and experts._gluon_mode(False) == want

@@ -21,8 +21,11 @@ path. H100, session 33 (HISTORY run 1; rows by index, T=8192, µs, Triton -> thi
 Qwen3-30B bf16 775.2 -> 923.2, DeepSeek-V3 TP8 bf16 1045.8 -> 1630.2, Qwen3-30B FP8 445.2 ->
 446.8 (433.1 with 128 x 128 x 64 x 7 stages). In bf16 the two N = 128 MMAs a step read the row
 tile from shared memory twice, past what shared memory feeds at the full MMA rate (FP8 does
-twice the FLOPs per byte); the next form issues one N = 256 MMA over the stage's gate and up
-halves and splits the accumulator in registers.
+twice the FLOPs per byte). The ``pair`` form (session 34 run 1) issues one N = 256 MMA over the
+stage's gate and up halves and splits the accumulator in registers: Qwen3-30B bf16 T=8192 934.3
+-> 816.5 µs (Triton 766.5), DeepSeek-V3 TP8 1626.0 -> 1410.9 (Triton 1048.7), Qwen3-30B FP8
+449.0 -> 436.1 and 424.3 with four stages (Triton 446.5). The layer reaches it through knob
+``GLUON_SWIGLU`` (``moekit.layers.experts``).
 """
 
 from __future__ import annotations

@@ -443,7 +443,9 @@ def _swiglu_tiled_quant_kernel(
     column tiles in order, keeping each row's running max of its 16-bit values; the tiles wait in
     the program's own ``[BLOCK_M, F]`` bf16 scratch (``scr_ptr``: written and read back by the
     same SM while it is in L2) until the row tile's last column is done, then go out as FP8. The
-    16-bit rows never reach DRAM and are not read back by a quantization pass."""
+    16-bit rows are not read back from DRAM by a quantization pass. Off the layer's path (knob
+    ``SWIGLU_QUANT``): H100, session 34, Qwen3-30B FP8 T=8192 883.8 -> 1020.1 µs, the row tiles of
+    132 programs at once (35 MB of rows) no longer share L2 as the plain kernel's bands do."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
