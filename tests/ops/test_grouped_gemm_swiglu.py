@@ -880,7 +880,7 @@ def test_gpu_layer_with_the_quantized_swiglu_rows(monkeypatch, cuda):
     w2, s2 = quantize_expert_weights((torch.randn(E, D, F, device=cuda) / F**0.5).bfloat16())
     cfg = RoutingConfig(top_k=k, score_func="softmax", renormalize=True, apply_router_weight_on_input=False)
     kw = dict(logits_TE=logits, w13_scale_e2F=s13, w2_scale_eD=s2)
-    with settings.override(knobs={"SWIGLU_QUANT": 0, "DOWN_SUM_MIN_ROWS": 1}):
+    with settings.override(knobs={"SWIGLU_QUANT": 0, "DOWN_SUM_MIN_ROWS": 1, "GLUON_SWIGLU": 0}):
         base = moe_forward(x, None, w13, w2, cfg, **kw)
     assert not calls
     with settings.override(knobs={"SWIGLU_QUANT": 1, "DOWN_SUM_MIN_ROWS": 1}):
@@ -893,6 +893,6 @@ def test_gpu_layer_with_the_quantized_swiglu_rows(monkeypatch, cuda):
             gout = moe_forward(xg, None, w13, w2, cfg, **kw)
         xg.copy_(x.flip(0))
         graph.replay()
-    with settings.override(knobs={"SWIGLU_QUANT": 0, "DOWN_SUM_MIN_ROWS": 1}):
+    with settings.override(knobs={"SWIGLU_QUANT": 0, "DOWN_SUM_MIN_ROWS": 1, "GLUON_SWIGLU": 0}):
         want = moe_forward(x.flip(0), None, w13, w2, cfg, **kw)
     assert torch.equal(gout, want)
