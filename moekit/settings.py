@@ -131,8 +131,7 @@ class Settings:
     #                                     one-partition-per-half form)              FP8 rows (-1)
     #   GLUON_SWIGLU                      experts (the gate/up GEMM + SwiGLU through the
     #                                     experimental Gluon kernel on Hopper; 2: one N=256
-    #                                     MMA a step, 3: that with four stages)
-    #                                                          FP8 rows, <= 128 experts: 3 (-1)
+    #                                     MMA a step, 3: that with four stages)                 0
     #   SWIGLU_QUANT                      experts (the FP8 gate/up GEMM quantizes its SwiGLU rows
     #                                     in the same launch: grouped_gemm_swiglu_quant)        0
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8

@@ -201,8 +201,9 @@ def _gluon_triton() -> bool:
 
 # The default's output widths: whole 256-column tiles of the FP8 kernel (Qwen3-30B's 2048,
 # DeepSeek-V3's 7168). gpt-oss-120b's 2880 (eleven tiles and a quarter: the twelfth runs 64 of its
-# 256 columns) was slower on it: H100, session 34 run 1, layer from logits, FP8, Triton -> Gluon
-# down, T = 8192 / 16384 2193.6 / 3853.3 -> 2218.3 / 3927.3 µs (one lane each).
+# 256 columns) was slower on it: H100, session 34, layer from logits, FP8, Triton -> Gluon down,
+# T = 8192 / 16384 2193.6 / 3853.3 -> 2218.3 / 3927.3 µs (run 1), 2222.3 / 3806.1 -> 2225.0 /
+# 3844.2 (run 2).
 _GLUON_DOWN_N = 256
 
 
@@ -281,7 +282,7 @@ def _swiglu_quant(xq, w13, m_sizes, token_ids, in_w, xs, ws13, fast_accum):
 
 # Knob GLUON_SWIGLU: the sorted pipeline's gate/up GEMM with its SwiGLU epilogue (rows by index or
 # in place) through the experimental warp-specialized Gluon kernel on Hopper
-# (``moekit.ops._triton.gg_gluon_swiglu``): 0 never; 1 two N = 128 MMAs a step (gate,
+# (``moekit.ops._triton.gg_gluon_swiglu``): 0 (default) never; 1 two N = 128 MMAs a step (gate,
 # up); 2 one N = 256 MMA a step over gate | up, the accumulator split in registers (``pair``); 3
 # the pair form with four operand stages. H100, session 33 run 1, the kernel alone (T=8192, rows
 # by index, µs, Triton -> form 1): Qwen3-30B bf16 775.2 -> 923.2, DeepSeek-V3 TP8 bf16 1045.8 ->
@@ -290,18 +291,11 @@ def _swiglu_quant(xq, w13, m_sizes, token_ids, in_w, xs, ws13, fast_accum):
 # 449.0 / 436.1 / 424.3; T=2048 bf16 327.2 / 429.2 / 398.8 / 391.9; DeepSeek-V3 TP8 T=8192 bf16
 # 1048.7 / 1626.0 / 1410.9 / - (four stages do not fit above 128 groups). The layer from logits
 # (Qwen3-30B T=8192, one lane each, form 0 / 2 / 3): bf16 1222.2 / 1283.4 / 1295.7, FP8 883.8 /
-# 882.4 / 866.4. The default (-1): form 3 for FP8 rows of at most 128 groups (_gluon_swiglu_mode).
-GLUON_SWIGLU = -1
-
-
-def _gluon_swiglu_mode(fp8: bool, groups: int) -> int:
-    """Knob ``GLUON_SWIGLU`` resolved: the default (-1) the pair form with four stages (3) for FP8
-    rows of at most 128 groups (where four stages fit), else 0 (16-bit rows: the Triton kernel is
-    faster)."""
-    mode = int(settings.get().knob("GLUON_SWIGLU", GLUON_SWIGLU))
-    if mode < 0:
-        return 3 if fp8 and groups <= 128 else 0
-    return mode
+# 882.4 / 866.4. Run 2 (FP8, µs, two lanes each in the order off, 3, 3, off): Qwen3-30B T = 8192
+# / 16384 888.7 / 1719.1 and 888.2 / 1641.7 -> 861.9 / 1675.3 and 861.9 / 1701.1 (-3.0%, level),
+# gpt-oss-120b 2240.3 / 3833.3 and 2222.8 / 3774.0 -> 2248.7 / 3962.7 and 2241.2 / 3796.8 (0.6% /
+# 2.0% slower): not the default.
+GLUON_SWIGLU = 0
 
 
 def _gluon_swiglu(x, w13, m_sizes, token_ids, in_w, xs=None, ws13=None):
@@ -310,7 +304,7 @@ def _gluon_swiglu(x, w13, m_sizes, token_ids, in_w, xs=None, ws13=None):
     GPU outside any trace, the Triton release it was validated with, rows ``cp.async`` can read
     in 16-byte pieces, weights TMA can read, float32 ``in_w`` (FP8: ``xs`` by row of ``x``, the
     weights' ``ws13``). ``None`` elsewhere: the Triton kernel runs."""
-    mode = _gluon_swiglu_mode(x.dtype == FP8_DTYPE, m_sizes.shape[0])
+    mode = int(settings.get().knob("GLUON_SWIGLU", GLUON_SWIGLU))
     if mode <= 0 or not _gluon_triton() or not _gluon_device(x):
         return None
     if x.dim() != 2 or x.stride(-1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
