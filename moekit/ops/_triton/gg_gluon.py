@@ -27,7 +27,8 @@ schedules every step by hand:
 
 GPU only (Gluon has no interpreter): ``moekit.ops._triton.grouped_gemm`` stays the library's path
 for everything but the layer's stored FP8 down rows on Hopper, which take this kernel by default
-since session 33 (``moekit.layers.experts._gluon_rows``, knob ``GLUON_DOWN``); otherwise it is
+since session 33 where the output fills whole 256-column tiles (session 34: gpt-oss-120b's 2880
+columns were slower on it; ``moekit.layers.experts._gluon_rows``, knob ``GLUON_DOWN``); otherwise it is
 reached through ``grouped_gemm_gluon`` (benchmarks, GPU tests).
 
 Where it stands (H100, session 32 runs 5-8, ``benchmarks/sweep_gluon.py``, µs; rows bit-identical
