@@ -16,6 +16,7 @@ inside the MMA loops), ``error`` or None). With
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -50,14 +51,7 @@ def registers(cubin):
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout.splitlines()
     m = re.search(r"REG:(\d+)", out)
     st = re.search(r"STACK:(\d+)", out)
-    loop_spills, inside = 0, False
-    for ln in sass:
-        if "WARPGROUP.ARRIVE" in ln:
-            inside = True
-        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ln:
-            inside = False
-        loop_spills += inside and ("STL" in ln or "LDL" in ln)
-    return (int(m.group(1)) if m else None), (int(st.group(1)) if st else None), loop_spills
+    return (int(m.group(1)) if m else None), (int(st.group(1)) if st else None), sass_loop_spills(sass)
 
 
 def compile_one(kernel, args, kwargs):
@@ -143,6 +137,24 @@ print("@@RECORDS@@" + json.dumps(RECORDS))
 """
 
 
+def sass_loop_spills(sass: list[str]) -> int:
+    """Local-memory loads and stores inside the MMA loops of a kernel's SASS lines: from a
+    warpgroup's first wgmma fence (``WARPGROUP.ARRIVE``) to its wait for every MMA group."""
+    loop_spills, inside = 0, False
+    for ln in sass:
+        if "WARPGROUP.ARRIVE" in ln:
+            inside = True
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ln:
+            inside = False
+        loop_spills += inside and ("STL" in ln or "LDL" in ln)
+    return loop_spills
+
+
+def _with_helpers(script: str) -> str:
+    """A compile script with this module's SASS helpers defined ahead of it (``sass_loop_spills``)."""
+    return inspect.getsource(sass_loop_spills) + "\n\n" + script
+
+
 def _ptxas_available() -> bool:
     try:
         import triton
@@ -160,7 +172,7 @@ def compile_launches(snippet: str, modules: list[str], timeout: int = 600, pdl: 
         pytest.skip("triton's NVIDIA backend (ptxas) is not available")
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run(
-        [sys.executable, "-c", _DRIVER, json.dumps(modules), json.dumps(pdl)],
+        [sys.executable, "-c", _with_helpers(_DRIVER), json.dumps(modules), json.dumps(pdl)],
         input="import torch\n" + textwrap.dedent(snippet),
         capture_output=True,
         text=True,
@@ -181,7 +193,7 @@ def run_compile_script(script: str, cases: list, timeout: int = 900) -> list[dic
     if not _ptxas_available():
         pytest.skip("triton's NVIDIA backend (ptxas) is not available")
     env = dict(os.environ, TRITON_INTERPRET="0", CASES=json.dumps(cases))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", _with_helpers(textwrap.dedent(script))], capture_output=True, text=True, env=env,
                           timeout=timeout)  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]

@@ -56,17 +56,8 @@ for (G, N, K, block, nbuf, co, dp, ws, dt, hv) in json.loads(os.environ["CASES"]
         open(src, "w").write(ptx)
         info = subprocess.run([os.path.join(os.path.dirname(tool), "ptxas"), "-arch=sm_90a", "-v", src, "-o",
                                os.path.join(d, "k.o")], capture_output=True, text=True).stderr
-    # local-memory loads and stores inside the MMA loops (from a warpgroup's first wgmma fence to
-    # its wait for every group)
-    loop_spills, inside = 0, False
-    for ln in sass:
-        if "WARPGROUP.ARRIVE" in ln:
-            inside = True
-        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ln:
-            inside = False
-        loop_spills += inside and ("STL" in ln or "LDL" in ln)
     out.append({"shared": int(c.metadata.shared), "stack": int(st.group(1)) if st else None,
-                "loop_spills": loop_spills, "serialized": "C7512" in info,
+                "loop_spills": sass_loop_spills(sass), "serialized": "C7512" in info,
                 "wgmma": ptx.count("wgmma.mma_async"), "fp8_wgmma": ptx.count(".e4m3.e4m3"),
                 "tma": ptx.count("cp.async.bulk.tensor"), "setmaxnreg": ptx.count("setmaxnreg")})
 print("@@" + json.dumps(out))

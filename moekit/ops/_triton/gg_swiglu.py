@@ -625,6 +625,27 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     return replace(cfg, stages=max(2, min(cfg.stages, budget // stage)))
 
 
+def _tiled_operands(x, w13, cfg: GemmConfig, gathered: bool, M: int, G: int):
+    """The tiled kernels' operands: ``(x_arg, w_arg, use_tma, x_tma, pair)``. The weights through
+    a TMA descriptor where the strides allow (``[G, 2, F, K]``: a tile's gate and up rows in one
+    load, ``swiglu_pair``); rows given in order (not gathered) whole row tiles through one too, as
+    the grouped GEMM's tiled kernel reads them."""
+    from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok
+
+    K = int(x.shape[1])
+    F = int(w13.shape[0]) // (2 * G)
+    w_block = [cfg.block_n, cfg.block_k]
+    use_tma = cfg.use_tma and _tma_ok(w13, tuple(w_block))
+    w_arg = _descriptor(w13, w_block) if use_tma else w13
+    x_block = [cfg.block_m, cfg.block_k]
+    x_tma = use_tma and not gathered and _tma_ok(x, tuple(x_block))
+    x_arg = _descriptor(x, x_block) if x_tma else x
+    pair = use_tma and w13.is_contiguous() and swiglu_pair(M, G, cfg.block_m == 64)
+    if pair:
+        w_arg = _descriptor(w13.view(G, 2, F, K), [1, 2, cfg.block_n, cfg.block_k])
+    return x_arg, w_arg, use_tma, x_tma, pair
+
+
 def grouped_gemm_swiglu(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -676,14 +697,7 @@ def grouped_gemm_swiglu(
     w_arg = _descriptor(w13, w_block) if use_tma else w13
     if cfg.kind == "tiled":
         tiles = (cdiv(M, cfg.block_m) + min(G, M)) * cdiv(F, cfg.block_n)  # at most, over any m_sizes
-        # Rows given in order (not gathered): whole row tiles through a TMA descriptor, as the
-        # grouped GEMM's tiled kernel reads them (the weights' descriptor is there already).
-        x_block = [cfg.block_m, cfg.block_k]
-        x_tma = use_tma and gather_indices is None and _tma_ok(x, tuple(x_block))
-        x_arg = _descriptor(x, x_block) if x_tma else x
-        pair = use_tma and w13.is_contiguous() and swiglu_pair(M, G, cfg.block_m == 64)
-        if pair:
-            w_arg = _descriptor(w13.view(G, 2, F, K), [1, 2, cfg.block_n, cfg.block_k])
+        x_arg, w_arg, use_tma, x_tma, pair = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G)
         launch(_swiglu_tiled_kernel)[(max(1, min(tiles, sms)),)](
             x_arg, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
             W_CAST=w13.dtype != x.dtype, USE_TMA=use_tma, FAST_ACCUM=fast_accum, BLOCK_M=cfg.block_m,
@@ -717,7 +731,7 @@ def grouped_gemm_swiglu_quant(
     (``_swiglu_tiled_quant_kernel``), where the rules pick its tiled kernel; ``None`` elsewhere
     (the caller quantizes ``z`` itself). Rows not computed are left unwritten in both."""
     from moekit.ops._triton._fp8 import EMULATE_FP8
-    from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok, _unit_last
+    from moekit.ops._triton.grouped_gemm import _unit_last
 
     T_IN, K = (int(d) for d in x.shape)
     M = int(gather_indices.shape[0]) if gather_indices is not None else T_IN
@@ -731,15 +745,7 @@ def grouped_gemm_swiglu_quant(
     cfg = config or swiglu_config(M, F, K, G, True, 1, sms, w_elem=1, by_index=gather_indices is not None)
     if cfg.kind != "tiled":
         return None
-    w_block = [cfg.block_n, cfg.block_k]
-    use_tma = cfg.use_tma and _tma_ok(w13, tuple(w_block))
-    w_arg = _descriptor(w13, w_block) if use_tma else w13
-    x_block = [cfg.block_m, cfg.block_k]
-    x_tma = use_tma and gather_indices is None and _tma_ok(x, tuple(x_block))
-    x_arg = _descriptor(x, x_block) if x_tma else x
-    pair = use_tma and w13.is_contiguous() and swiglu_pair(M, G, cfg.block_m == 64)
-    if pair:
-        w_arg = _descriptor(w13.view(G, 2, F, K), [1, 2, cfg.block_n, cfg.block_k])
+    x_arg, w_arg, use_tma, x_tma, pair = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G)
     units = cdiv(M, cfg.block_m) + min(G, M)  # row tiles, at most, over any m_sizes
     progs = max(1, min(units, sms))
     zq = torch.empty((M, F), dtype=FP8_DTYPE, device=x.device)
