@@ -268,12 +268,29 @@ def test_gpu_layer_with_the_gluon_down_rows(fp8):
     """``moe_forward`` with knob ``GLUON_DOWN`` (the stored down rows through the warp-specialized
     Gluon kernel; rows stored from 1 routed row here) against the same layer without it, and the
     float32 reference (``moe_decode``'s: the dense layer from logits, any T)."""
-    from moekit import reference as ref
     from moekit import settings
-    from moekit.layers.functional import RoutingConfig, moe_forward, quantize_expert_weights
+    from moekit.layers.functional import moe_forward
+
+    x, logits, w13, w2, kw, cfg = layer_case(512, fp8)
+    # (one override per run: nested ones merge their knobs into the outer ones)
+    with settings.override(decode_fused="off", knobs={"DOWN_SUM_MIN_ROWS": 1, "GLUON_DOWN": 0}):
+        base = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
+    with settings.override(decode_fused="off", knobs={"DOWN_SUM_MIN_ROWS": 1, "GLUON_DOWN": 1}):
+        got = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
+    with settings.override(decode_fused="off", knobs={"DOWN_SUM_MIN_ROWS": 1}):  # the default: Gluon rows for FP8 only
+        dflt = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
+    assert torch.equal(dflt, got if fp8 else base)
+    assert_close(got.float(), base.float(), tol=1e-2, msg=f"fp8={fp8}")
+    want = layer_reference(x, logits, w13, w2, kw)
+    assert_close(got.cpu().float(), want.float(), tol=6e-2 if fp8 else 3e-2, msg=f"fp8={fp8}")
+
+
+def layer_case(T: int, fp8: bool, E: int = 16, D: int = 512, F: int = 256, k: int = 8):
+    """A small layer on the GPU for the Gluon paths' layer tests (seeded): ``(x, logits, w13, w2,
+    kw, cfg)``, ``kw`` the FP8 weights' scales for ``moe_forward`` (empty for bf16)."""
+    from moekit.layers.functional import RoutingConfig, quantize_expert_weights
 
     torch.manual_seed(0)
-    T, E, D, F, k = 512, 16, 512, 256, 8
     x = torch.randn(T, D, device="cuda").bfloat16()
     logits = torch.randn(T, E, device="cuda")
     w13 = (torch.randn(E, 2 * F, D, device="cuda") / D**0.5).bfloat16()
@@ -284,15 +301,13 @@ def test_gpu_layer_with_the_gluon_down_rows(fp8):
         w2, s2 = quantize_expert_weights(w2)
         kw = dict(w13_scale_e2F=s13, w2_scale_eD=s2)
     cfg = RoutingConfig(top_k=k, score_func="softmax", renormalize=True, apply_router_weight_on_input=False)
-    # (one override per run: nested ones merge their knobs into the outer ones)
-    with settings.override(decode_fused="off", knobs={"DOWN_SUM_MIN_ROWS": 1, "GLUON_DOWN": 0}):
-        base = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
-    with settings.override(decode_fused="off", knobs={"DOWN_SUM_MIN_ROWS": 1, "GLUON_DOWN": 1}):
-        got = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
-    with settings.override(decode_fused="off", knobs={"DOWN_SUM_MIN_ROWS": 1}):  # the default: Gluon rows for FP8 only
-        dflt = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
-    assert torch.equal(dflt, got if fp8 else base)
-    assert_close(got.float(), base.float(), tol=1e-2, msg=f"fp8={fp8}")
-    want = ref.moe_decode(x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), torch.zeros(T, D).bfloat16(), top_k=k,
+    return x, logits, w13, w2, kw, cfg
+
+
+def layer_reference(x, logits, w13, w2, kw, k: int = 8):
+    """The float32 reference of ``layer_case``'s layer (``moe_decode``'s: the dense layer from
+    logits, any T), on the CPU."""
+    from moekit import reference as ref
+
+    return ref.moe_decode(x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), torch.zeros(x.shape).bfloat16(), top_k=k,
                           score_func="softmax", renormalize=True, **{n: v.cpu() for n, v in kw.items()})  # fmt: skip
-    assert_close(got.cpu().float(), want.float(), tol=6e-2 if fp8 else 3e-2, msg=f"fp8={fp8}")

@@ -175,10 +175,10 @@ def test_gpu_layer_with_the_gluon_swiglu(fp8, monkeypatch):
     the Gluon kernel: two MMAs a step, one N = 256 MMA, that with four stages) against the same
     layer on the Triton kernel and the float32 reference; the Gluon kernel must have run."""
     _hopper()
-    from moekit import reference as ref
     from moekit import settings
-    from moekit.layers.functional import RoutingConfig, moe_forward, quantize_expert_weights
+    from moekit.layers.functional import moe_forward
     import moekit.ops._triton.gg_gluon_swiglu as S
+    from tests.ops.test_gg_gluon import layer_case, layer_reference
 
     calls = []
     real = S.grouped_gemm_swiglu_gluon
@@ -188,23 +188,11 @@ def test_gpu_layer_with_the_gluon_swiglu(fp8, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(S, "grouped_gemm_swiglu_gluon", spy)
-    torch.manual_seed(0)
-    T, E, D, F, k = 2048, 16, 512, 256, 8
-    x = torch.randn(T, D, device="cuda").bfloat16()
-    logits = torch.randn(T, E, device="cuda")
-    w13 = (torch.randn(E, 2 * F, D, device="cuda") / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, F, device="cuda") / F**0.5).bfloat16()
-    kw = {}
-    if fp8:
-        w13, s13 = quantize_expert_weights(w13)
-        w2, s2 = quantize_expert_weights(w2)
-        kw = dict(w13_scale_e2F=s13, w2_scale_eD=s2)
-    cfg = RoutingConfig(top_k=k, score_func="softmax", renormalize=True, apply_router_weight_on_input=False)
+    x, logits, w13, w2, kw, cfg = layer_case(2048, fp8)
     with settings.override(decode_fused="off", knobs={"GLUON_SWIGLU": 0}):
         base = moe_forward(x, None, w13, w2, cfg, logits_TE=logits, **kw)
     assert not calls
-    want = ref.moe_decode(x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), torch.zeros(T, D).bfloat16(), top_k=k,
-                          score_func="softmax", renormalize=True, **{n: v.cpu() for n, v in kw.items()})  # fmt: skip
+    want = layer_reference(x, logits, w13, w2, kw)
     for mode, form in ((1, (False, 3)), (2, (True, 3)), (3, (True, 4))):
         calls.clear()
         with settings.override(decode_fused="off", knobs={"GLUON_SWIGLU": mode}):
