@@ -134,6 +134,8 @@ class Settings:
     #                                     MMA a step, 3: that with four stages)                 0
     #   SWIGLU_QUANT                      experts (the FP8 gate/up GEMM quantizes its SwiGLU rows
     #                                     in the same launch: grouped_gemm_swiglu_quant)        0
+    #   FP8_TALL_TILES                    gg_config (FP8 GEMMs storing their rows: 128 x 128 x
+    #                                     256 tiles from 48 to 95 rows/group)                   1
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -160,7 +162,7 @@ KNOBS = (
     "GG_EARLY_DST", "EARLY_EPI_MAX_K", "SWIGLU_SMALL_TILES", "BF16_STREAM_SWIGLU", "TILED_MIN_ROWS",
     "TILED_SHORT_K", "GG_N_SLAB", "GATHERED_SWIGLU",
     "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS", "SWIGLU_TILED_STAGES", "SWIGLU_SMALL_MAX_ROWS",
-    "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT",
+    "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES",
 )  # fmt: skip
 
 

@@ -733,6 +733,66 @@ def test_prefill_tiles_compile_without_spills_for_sm90():
 
 
 @pytest.mark.reference
+def test_fp8_tall_tiles_rule():
+    """Knob ``FP8_TALL_TILES`` (on by default): FP8 grouped GEMMs that store their rows take 128 x
+    128 x 256 tiles, three stages, from 48 to under 96 rows per group; scatter-added ones, 16-bit
+    ones, the tiled kernel's 32-47 rows of deep or short-K weights and 96+ rows keep their tiles;
+    off restores the stored GEMM's old tiles."""
+    from moekit import settings
+
+    sel = _tri().heuristic_config
+    tall = ("tiled", 128, 128, 256, 3)
+
+    def key(c):
+        return (c.kind, c.block_m, c.block_n, c.block_k, c.stages)
+
+    # gpt-oss-120b gate|up and down at T=2048 (64 rows per expert), DeepSeek-V3 TP8's down at
+    # T=2048, Llama 4 Scout's gate|up at T=1024
+    for M, N, K, G in ((8192, 5760, 2880, 128), (8192, 2880, 2880, 128), (16384, 7168, 256, 256),
+                       (1024, 16384, 5120, 16), (12160, 5760, 2880, 128)):  # fmt: skip
+        assert key(sel(M, N, K, G, True, 1, 132, stored=True)) == tall, (M, N, K, G)
+        assert key(sel(M, N, K, G, True, 1, 132)) != tall  # scatter-add epilogue
+        assert key(sel(M, N, K, G, False, 2, 132, stored=True)) != tall  # 16-bit
+        with settings.override(knobs={"FP8_TALL_TILES": 0}):
+            assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132)
+    # 32 rows per group (tiled for K = 256) and 96 / 128 rows per group: unchanged
+    for M, N, K, G in ((8192, 7168, 256, 256), (12288, 5760, 2880, 128), (16384, 2048, 768, 128)):
+        assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132), (M, N, K, G)
+
+
+@pytest.mark.reference
+def test_fp8_tall_tiles_compile_without_spills_for_sm90():
+    """The FP8 128 x 128 x 256 tiles of ``FP8_TALL_TILES`` (rows stored, the fused tile loop, three
+    64 KB stages) compile for sm_90 with no stack frame, with and without router weights on the
+    rows."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import grouped_gemm as GG
+        from moekit.ops._triton.gg_config import heuristic_config
+        GG._tma_ok = lambda t, block: t.stride(-1) == 1  # descriptors for meta tensors too
+        m = "meta"
+        dt = torch.float8_e4m3fn
+        for M, N, K, G in ((8192, 5760, 2880, 128), (16384, 7168, 256, 256)):
+            x, w = torch.empty(M, K, dtype=dt, device=m), torch.empty(G * N, K, dtype=dt, device=m)
+            ms = torch.empty(G, dtype=torch.int32, device=m)
+            xs, ws = torch.empty(M, device=m), torch.empty(G * N, device=m)
+            cfg = heuristic_config(M, N, K, G, True, 1, 132, stored=True)
+            assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages) == (128, 128, 256, 3), cfg
+            GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=torch.empty(M, device=m))
+            GG.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws)
+        """,
+        ["moekit.ops._triton.grouped_gemm"],
+    )
+    assert_all_compiled(records, 4)
+    got = [(r["kernel"], r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["constants"]["BLOCK_K"],
+            r["constants"]["FLATTEN"], r["stack"]) for r in records]  # fmt: skip
+    assert all(g[:5] == ("_gg_tiled_kernel", "128", "128", "256", "True") for g in got), got
+    assert all(not g[5] for g in got), got
+
+
+@pytest.mark.reference
 def test_early_epilogue_tiles_compile_without_spills_for_sm90():
     """Knobs ``GG_EARLY_EPI=2`` and ``GG_EARLY_DST``: the mid-size tiled tiles they take (64 x 256:
     Qwen3-30B's down projection at T = 1024, DeepSeek-V3 TP8's at 2048; 128 x 128), bf16 and FP8,
@@ -1205,6 +1265,35 @@ def test_gpu_every_config(shape, dtype, cuda):
         y = tri.grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw, fast_accum=False,
                              config=tri.GemmConfig("tiled", 128, 256, 128, 3, 8))  # fmt: skip
         assert_close(y[:n].float(), want[:n], tol=_tol(dtype), msg="precise accumulation")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["routing", "zeros", "short"])
+@pytest.mark.parametrize("G,M,N,K", [(32, 2048, 1440, 2880), (64, 4096, 7168, 256)])
+def test_gpu_fp8_tall_tiles(G, M, N, K, kind, cuda):
+    """The heuristic's FP8 128 x 128 x 256 tiles for stored rows (knob ``FP8_TALL_TILES``; 64 rows
+    per group: gpt-oss-120b's K = 2880, whose last K step is masked, and DeepSeek-V3 TP8's K =
+    256) against the float32 oracle on ragged, empty and short groups, with and without router
+    weights; the scatter-add of the same call keeps its own tiles and matches too."""
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    cfg = heuristic_config(M, N, K, G, True, 1, 132, stored=True)
+    assert (cfg.kind, cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages) == ("tiled", 128, 128, 256, 3), cfg
+    x, w, xs, ws = _inputs(M, G, N, K, FP8, seed=G + K, device=cuda)
+    ms_cpu = _sizes(kind, M, G, seed=M)
+    ms = ms_cpu.to(cuda)
+    n = _valid_rows(ms_cpu, M)
+    for tw in (None, torch.rand(M, device=cuda) + 0.5):
+        want = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+        y = grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw)
+        assert_close(y[:n].float(), want[:n], tol=_tol(FP8), msg=f"{kind} tw={tw is not None}")
+    T = M // 4
+    idx = torch.randint(-1, T, (M,), device=cuda)
+    out = torch.zeros(T, N, device=cuda, dtype=torch.bfloat16)
+    grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw, _output_tensor=out, _scatter_add_indices=idx)
+    want_out = torch.zeros(T, N, device=cuda).index_add(0, idx.clamp(min=0)[:n],
+                                                        torch.where(idx[:n, None] >= 0, want[:n], 0.0))  # fmt: skip
+    assert_close(out.float(), want_out, tol=_tol(FP8), msg="scatter")
 
 
 @pytest.mark.gpu

@@ -85,14 +85,16 @@ def config_key(M: int, N: int, K: int, G: int, fp8: bool, elem: int) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def select_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_only: bool = False) -> GemmConfig:
+def select_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int, w_only: bool = False,
+                  stored: bool = False) -> GemmConfig:  # fmt: skip
     """The launch configuration for a shape: a tuned entry when $MOEKIT_GG_TUNED names a table
     holding this shape bucket, else the heuristic below. Cheap (cached per shape). ``w_only``:
-    FP8 weights with 16-bit rows (``elem`` is the rows'), never on the persistent stream loop."""
+    FP8 weights with 16-bit rows (``elem`` is the rows'), never on the persistent stream loop.
+    ``stored``: the GEMM stores its rows (no scatter-add epilogue; ``heuristic_config``)."""
     tuned = _tuned_table().get(config_key(M, N, K, G, fp8, elem))
     if tuned and not (w_only and tuned.get("persist")):
         return GemmConfig(**tuned)
-    return heuristic_config(M, N, K, G, fp8, elem, sms, persist=False if w_only else None)
+    return heuristic_config(M, N, K, G, fp8, elem, sms, persist=False if w_only else None, stored=stored)
 
 
 def use_gemv(M: int, hits: float) -> bool:
@@ -145,13 +147,39 @@ def gemv_config(M: int, N: int, K: int, elem: int, sms: int) -> GemmConfig:
 # K up to which the tiled kernel takes 32-47 rows per group too (``heuristic_config``).
 TILED_SHORT_K = 256
 
+# Knob FP8_TALL_TILES (``heuristic_config``): FP8 grouped GEMMs that store their rows (no scatter-add
+# epilogue) take 128 x 128 x 256 tiles, three stages, from 48 to under 96 rows per group, where
+# one 128-row tile holds most groups whole: each group's weights stream through one tile per
+# column slice instead of through one or two 64-row tiles, in half as many K steps. H100,
+# session 35 run 3 (``sweep_gemm.py``, the GEMM alone, rows stored, µs, 64 x 256 x 128 s4 ->
+# 128 x 128 x 256 s3): 64 rows per group, gpt-oss-120b gate|up (M=8192, N=5760, K=2880) 852.1 ->
+# 795.9, DeepSeek-V3 TP8 down (M=16384, N=7168, K=256) 298.7 -> 254.0, gpt-oss-120b down (N=2880,
+# K=2880) 408.5 -> 411.4. With a scatter-add epilogue the same tiles were slower (the layer's
+# down GEMMs below 32768 rows: Qwen3-30B FP8 T=2048 356.6 -> 386.3 µs with a tuned table
+# holding them). The layer from logits (runs 4-5, FP8, off -> on, two lanes in opposite
+# orders, µs): gpt-oss-120b T=2048 1458.9 / 1459.8 -> 1358.4 / 1356.8 (its gate|up), Llama 4
+# Scout T=1024 796.6 / 796.5 -> 779.3 / 778.6, Mixtral-8x7B T=256 572.3 / 572.3 -> 562.7 /
+# 563.6, Llama 4 Maverick T=8192 6279.3 / 6268.2 -> 6102.7 / 6103.0; the cells it does not
+# touch level. 0: off.
+FP8_TALL_TILES = 1
+
 
 def heuristic_config(
-    M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int, persist: Optional[bool] = None
+    M: int,
+    N: int,
+    K: int,
+    G: int,
+    fp8: bool,
+    elem: int,
+    sms: int,
+    persist: Optional[bool] = None,
+    stored: bool = False,
 ) -> GemmConfig:
     """The launch configuration by size rules. ``persist``: whether short-K streaming tiles may run
     on the persistent tile loop (default ``settings.gg_stream_persist``); False for kernels
-    without that loop."""
+    without that loop. ``stored``: the grouped GEMM stores its rows (no scatter-add epilogue):
+    FP8 tiles from 48 to under 96 rows per group are then 128 x 128 x 256 (knob
+    ``FP8_TALL_TILES``)."""
     # Problems of at most ``settings.gg_gemv_max_m`` rows in all run the GEMV kernel (0: never).
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     # The GEMV kernel also when the rows rarely share an expert (top-k decode: one token's k rows
@@ -230,6 +258,11 @@ def heuristic_config(
     # their last row tile with 64-row tiles; 64 x 256 with four stages was the measured best from
     # 64 to 128 rows per group (DeepSeek w2 FP8 at M = 16384: 999 µs vs 1113 for 128 x 256 and
     # 1211 for the streaming kernel; Llama 4 w13 / w2 at M = 1024: 652 / 341 µs vs 683 / 373).
+    if stored and fp8 and 48 <= rows_per_group < 96 and K >= 256 and s.knob("FP8_TALL_TILES", FP8_TALL_TILES):
+        # (the fused tile loop: three 64 KB stages and the 32 KB epilogue tile take 224 KB, over
+        # the 220 KB bound below but inside a block's 227 KB; it compiles and runs on sm_90, and
+        # ran 104.8 µs against 147.5 unfused on Qwen3-30B's down GEMM at M = 16384, run 2)
+        return GemmConfig("tiled", 128, 128, 256, 3, 8, flatten=settings.get().gg_flatten)
     block_m = 64 if rows_per_group < 192 else 128
     block_k = 128 if elem == 1 else (64 if elem == 2 else 32)
     block_n = 256 if N >= 256 else max(16, next_pow2(N))

@@ -167,7 +167,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
     w_only = not fp8 and w.dtype == FP8_DTYPE
     # Weight-only FP8 (bf16 rows) stays off the persistent stream loop: its swap-AB tiles there
     # ran slower than one program per tile (session 21, DeepSeek TP8 decode path T=16: 292 us vs 261).
-    cfg = config or select_config(M, N, K, G, fp8, x.element_size(), sms, w_only)
+    cfg = config or select_config(M, N, K, G, fp8, x.element_size(), sms, w_only, stored=not scatter)
     if w_only and cfg.kind == "gemv" and config is None:
         cfg = gemv_config(M, N, K, 1, sms)  # K tiles sized by the 1-byte weights it streams
     if fp8 and not fast_accum and cfg.kind == "tiled" and cfg.block_n > 128:
