@@ -47,12 +47,13 @@ DEFAULT = (
 
 
 def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> list[GemmConfig]:
-    """A dozen configurations around the heuristic's choice (same kind first, then the other)."""
-    h = heuristic_config(M, N, K, G, fp8, elem, sms)
+    """A dozen configurations around the heuristic's choice (same kind first, then the other).
+    The heuristic's choice for rows stored (``stored=True``): what ``tune`` times."""
+    h = heuristic_config(M, N, K, G, fp8, elem, sms, stored=True)
     kpow = max(16, next_pow2(K))
     out = [h]
     if h.persist:  # the same tiles one program per tile (MOEKIT_GG_STREAM_PERSIST=0)
-        h = heuristic_config(M, N, K, G, fp8, elem, sms, persist=False)
+        h = heuristic_config(M, N, K, G, fp8, elem, sms, persist=False, stored=True)
         out.append(h)
     if h.kind == "gemv":
         for bn in sorted({max(1, h.block_n // 2), h.block_n, min(16, h.block_n * 2)}):

@@ -87,7 +87,7 @@ def test_ncu_table_splits_cases_at_the_marker_launch():
 
 @pytest.mark.reference
 def test_sweep_gemm_candidates_hold_both_streaming_loops():
-    """``sweep_gemm.candidate_configs``: the heuristic's choice first, then (short K, where it takes
+    """``sweep_gemm.candidate_configs``: the heuristic's choice for rows stored first, then (short K, where it takes
     the persistent tile loop) the same tiles one program per tile, so a sweep times both; the
     persist variants and the tiled configurations follow, each once."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -99,12 +99,15 @@ def test_sweep_gemm_candidates_hold_both_streaming_loops():
 
     for M, N, K, G, fp8, elem in ((128, 7168, 256, 256, True, 1), (64, 2880, 2880, 128, False, 2)):
         c = sweep_gemm.candidate_configs(M, N, K, G, fp8, elem, 132)
-        h = heuristic_config(M, N, K, G, fp8, elem, 132)
+        h = heuristic_config(M, N, K, G, fp8, elem, 132, stored=True)
         assert c[0] == h and len(c) == len(set(c))
-        assert heuristic_config(M, N, K, G, fp8, elem, 132, persist=False) in c
+        assert heuristic_config(M, N, K, G, fp8, elem, 132, persist=False, stored=True) in c
         assert any(x.persist for x in c) and any(x.kind == "stream" and not x.persist for x in c)
         assert any(x.kind == "tiled" for x in c)
         assert h.persist == (K == 256)  # short K only
+    # rows stored at 64 rows per group, FP8: the tall tiles first (FP8_TALL_TILES), listed once
+    c = sweep_gemm.candidate_configs(8192, 5760, 2880, 128, True, 1, 132)
+    assert (c[0].block_m, c[0].block_n, c[0].block_k, c[0].stages) == (128, 128, 256, 3) and len(c) == len(set(c))
 
 
 @pytest.mark.reference
