@@ -5,7 +5,10 @@ the swap-AB tiles on the persistent tile loop) for the shapes given, and
 writes the winners as a JSON table (the format ``$MOEKIT_GG_TUNED`` / ``grouped_gemm_tuned.json``
 reads).
 
-    python benchmarks/sweep_gemm.py [--shapes deepseek-w2:16384:bf16,...] [--out table.json]
+    python benchmarks/sweep_gemm.py [--shapes deepseek-w2:16384:bf16,...] [--out table.json] [--scatter 8]
+
+``--scatter K``: the rows scatter-added into ``M / K`` token rows (the layer's down GEMM below
+``DOWN_SUM_MIN_ROWS``), whose epilogue wants other tiles than stored rows (session 35).
 
 A shape is ``name:M:dtype`` with ``name`` one of the benchmark's (``bench_grouped_gemm.SHAPES``),
 or ``N:K:G:M:dtype``.
@@ -46,14 +49,17 @@ DEFAULT = (
 )
 
 
-def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int) -> list[GemmConfig]:
+def candidate_configs(
+    M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int, stored: bool = True
+) -> list[GemmConfig]:
     """A dozen configurations around the heuristic's choice (same kind first, then the other).
-    The heuristic's choice for rows stored (``stored=True``): what ``tune`` times."""
-    h = heuristic_config(M, N, K, G, fp8, elem, sms, stored=True)
+    ``stored``: the heuristic's choice for rows stored (default) or scatter-added, as ``tune``
+    times them."""
+    h = heuristic_config(M, N, K, G, fp8, elem, sms, stored=stored)
     kpow = max(16, next_pow2(K))
     out = [h]
     if h.persist:  # the same tiles one program per tile (MOEKIT_GG_STREAM_PERSIST=0)
-        h = heuristic_config(M, N, K, G, fp8, elem, sms, persist=False, stored=True)
+        h = heuristic_config(M, N, K, G, fp8, elem, sms, persist=False, stored=stored)
         out.append(h)
     if h.kind == "gemv":
         for bn in sorted({max(1, h.block_n // 2), h.block_n, min(16, h.block_n * 2)}):
@@ -101,10 +107,14 @@ def candidate_configs(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms:
     return uniq
 
 
-def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "cuda", log=print) -> dict:
+def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "cuda", log=print,
+         scatter: int = 0) -> dict:  # fmt: skip
     """Time ``candidate_configs`` for each ``(M, N, K, G, dtype)`` in ``shapes`` (rows spread by
     a random routing) and return {config_key: best config}; written as JSON to ``path`` when
-    given (point $MOEKIT_GG_TUNED at it, or save it as ``moekit/ops/_triton/grouped_gemm_tuned.json``)."""
+    given (point $MOEKIT_GG_TUNED at it, or save it as ``moekit/ops/_triton/grouped_gemm_tuned.json``).
+    ``scatter``: the rows scatter-added into ``M // scatter`` token rows (each token ``scatter``
+    rows, placed at random: the layer's down GEMM below ``DOWN_SUM_MIN_ROWS``) instead of stored;
+    such a table describes the scatter-add epilogue, not the stored rows the keys also name."""
     from moekit.benchmarking import bench_us, rotations
     from moekit.testing import random_m_sizes
 
@@ -119,9 +129,14 @@ def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "c
         ms_sets = [random_m_sizes(M, G, top_k=1, device=device, seed=i) for i in range(rotations(touched))]
         xs = torch.rand(M, device=device) if fp8 else None
         ws = torch.rand(G * N, device=device) if fp8 else None
+        out = idx = None
+        if scatter:
+            out = torch.zeros(max(1, M // scatter), N, device=device, dtype=torch.bfloat16)
+            idx = (torch.randperm(M, device=device) % out.shape[0]).to(torch.int32)
         best = None
-        for cfg in candidate_configs(M, N, K, G, fp8, x.element_size(), sms):
-            calls = [lambda ms=ms: grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, config=cfg) for ms in ms_sets]
+        for cfg in candidate_configs(M, N, K, G, fp8, x.element_size(), sms, stored=not scatter):
+            calls = [lambda ms=ms: grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, config=cfg, out=out,
+                                                scatter_indices=idx) for ms in ms_sets]  # fmt: skip
             try:
                 t = bench_us(calls, replays=10)
             except Exception as e:  # a config that does not compile or launch is skipped
@@ -160,6 +175,9 @@ def main() -> int:
     ap.add_argument("--shapes", default=DEFAULT)
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh (QUICK=1); no effect")
     ap.add_argument("--out", default=os.path.join(settings.get().bench_dir or ".", "gg_tuned.json"))
+    ap.add_argument("--scatter", type=int, default=0,
+                    help="top-k: scatter-add the rows into M / top-k token rows (the layer's down GEMM "
+                    "below DOWN_SUM_MIN_ROWS) instead of storing them")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("sweep_gemm: needs a CUDA GPU; nothing to do on this machine.")
@@ -168,7 +186,7 @@ def main() -> int:
     table = {}
     for shape in parse(args.shapes):
         print(f"#### {shape} ({time.time() - t0:.0f} s)", flush=True)
-        table.update(tune([shape], log=lambda s: print(s, flush=True)))
+        table.update(tune([shape], log=lambda s: print(s, flush=True), scatter=args.scatter))
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)

@@ -105,9 +105,12 @@ def test_sweep_gemm_candidates_hold_both_streaming_loops():
         assert any(x.persist for x in c) and any(x.kind == "stream" and not x.persist for x in c)
         assert any(x.kind == "tiled" for x in c)
         assert h.persist == (K == 256)  # short K only
-    # rows stored at 64 rows per group, FP8: the tall tiles first (FP8_TALL_TILES), listed once
+    # rows stored at 64 rows per group, FP8: the tall tiles first (FP8_TALL_TILES), listed once;
+    # scatter-added (``--scatter``): the scatter-add epilogue's own first
     c = sweep_gemm.candidate_configs(8192, 5760, 2880, 128, True, 1, 132)
     assert (c[0].block_m, c[0].block_n, c[0].block_k, c[0].stages) == (128, 128, 256, 3) and len(c) == len(set(c))
+    c = sweep_gemm.candidate_configs(8192, 5760, 2880, 128, True, 1, 132, stored=False)
+    assert c[0] == heuristic_config(8192, 5760, 2880, 128, True, 1, 132) and c[0].block_m == 64
 
 
 @pytest.mark.reference
