@@ -7,8 +7,9 @@ reads).
 
     python benchmarks/sweep_gemm.py [--shapes deepseek-w2:16384:bf16,...] [--out table.json] [--scatter 8]
 
-``--scatter K``: the rows scatter-added into ``M / K`` token rows (the layer's down GEMM below
-``DOWN_SUM_MIN_ROWS``), whose epilogue wants other tiles than stored rows (session 35).
+``--scatter K``: the rows scatter-added into ``M / K`` token rows, laid out as the layer's down
+GEMM below ``DOWN_SUM_MIN_ROWS`` has them (``tune``), whose epilogue wants other tiles than stored
+rows (session 35).
 
 A shape is ``name:M:dtype`` with ``name`` one of the benchmark's (``bench_grouped_gemm.SHAPES``),
 or ``N:K:G:M:dtype``.
@@ -112,11 +113,13 @@ def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "c
     """Time ``candidate_configs`` for each ``(M, N, K, G, dtype)`` in ``shapes`` (rows spread by
     a random routing) and return {config_key: best config}; written as JSON to ``path`` when
     given (point $MOEKIT_GG_TUNED at it, or save it as ``moekit/ops/_triton/grouped_gemm_tuned.json``).
-    ``scatter``: the rows scatter-added into ``M // scatter`` token rows (each token ``scatter``
-    rows, placed at random: the layer's down GEMM below ``DOWN_SUM_MIN_ROWS``) instead of stored;
-    such a table describes the scatter-add epilogue, not the stored rows the keys also name."""
+    ``scatter``: the rows scatter-added into ``M // scatter`` token rows, laid out as the layer's
+    down GEMM below ``DOWN_SUM_MIN_ROWS`` has them (a random top-``scatter`` routing of the tokens,
+    rows sorted by expert and by token within an expert, router weights on the rows) instead of
+    stored; such a table describes the scatter-add epilogue, not the stored rows the keys also
+    name."""
     from moekit.benchmarking import bench_us, rotations
-    from moekit.testing import random_m_sizes
+    from moekit.testing import random_m_sizes, random_routing
 
     table = {}
     sms = num_sms(torch.device(device))
@@ -126,17 +129,20 @@ def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "c
         w = (torch.randn(G * N, K, device=device) / K**0.5).to(dtype)
         # Several routings, cycled: the weights one call touches must not all sit in the L2.
         touched = expected_groups_hit(M, G) * N * K * x.element_size()
-        ms_sets = [random_m_sizes(M, G, top_k=1, device=device, seed=i) for i in range(rotations(touched))]
+        n_sets = rotations(touched)
         xs = torch.rand(M, device=device) if fp8 else None
         ws = torch.rand(G * N, device=device) if fp8 else None
-        out = idx = None
         if scatter:
-            out = torch.zeros(max(1, M // scatter), N, device=device, dtype=torch.bfloat16)
-            idx = (torch.randperm(M, device=device) % out.shape[0]).to(torch.int32)
+            sets = [_scatter_layout(M, G, scatter, i, device, random_routing) for i in range(n_sets)]
+            out = torch.zeros(M // scatter, N, device=device, dtype=torch.bfloat16)
+        else:
+            sets = [(random_m_sizes(M, G, top_k=1, device=device, seed=i), None, None) for i in range(n_sets)]
+            out = None
         best = None
         for cfg in candidate_configs(M, N, K, G, fp8, x.element_size(), sms, stored=not scatter):
-            calls = [lambda ms=ms: grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, config=cfg, out=out,
-                                                scatter_indices=idx) for ms in ms_sets]  # fmt: skip
+            calls = [lambda ms=ms, tok=tok, tw=tw: grouped_gemm(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw,
+                                                                out=out, scatter_indices=tok, config=cfg)
+                     for ms, tok, tw in sets]  # fmt: skip
             try:
                 t = bench_us(calls, replays=10)
             except Exception as e:  # a config that does not compile or launch is skipped
@@ -152,6 +158,20 @@ def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "c
     if path:
         save_table(table, path)
     return table
+
+
+def _scatter_layout(M: int, G: int, k: int, seed: int, device, random_routing) -> tuple:
+    """``(m_sizes [G] int32, token ids [M] int32, router weights [M] float32)`` of a random top-``k``
+    routing of ``M // k`` tokens, rows sorted by expert and by token within an expert (the
+    order ``index_shuffling`` gives the layer's rows). ``M`` must be a multiple of ``k``."""
+    if M % k:
+        raise ValueError(f"sweep_gemm --scatter {k}: M ({M}) must be a multiple of it")
+    tw, ids = random_routing(M // k, G, k, seed=seed)
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    ms = torch.bincount(flat, minlength=G).to(torch.int32)
+    tok = (order // k).to(torch.int32)
+    return ms.to(device), tok.to(device), tw.reshape(-1)[order].to(device)
 
 
 def parse(spec: str) -> list:

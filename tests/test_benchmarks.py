@@ -114,6 +114,33 @@ def test_sweep_gemm_candidates_hold_both_streaming_loops():
 
 
 @pytest.mark.reference
+def test_sweep_gemm_scatter_layout_is_the_layers():
+    """``sweep_gemm --scatter K``'s rows: a top-K routing of M / K tokens, each token K times, rows
+    sorted by expert and by token within an expert (``index_shuffling``'s order), sizes summing to
+    M, one router weight per row; M not a multiple of K is refused."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import sweep_gemm
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    from moekit.testing import random_routing
+
+    ms, tok, tw = sweep_gemm._scatter_layout(256, 16, 8, 3, "cpu", random_routing)
+    assert ms.dtype == tok.dtype == torch.int32 and tw.dtype == torch.float32
+    assert int(ms.sum()) == 256 and tok.shape == tw.shape == (256,)
+    assert torch.bincount(tok.long(), minlength=32).tolist() == [8] * 32
+    start = 0
+    for m in ms.tolist():
+        seg = tok[start : start + m].tolist()
+        assert seg == sorted(seg) and len(set(seg)) == len(seg)  # a token once per expert, ascending
+        start += m
+    with pytest.raises(ValueError, match="multiple"):
+        sweep_gemm._scatter_layout(250, 16, 8, 3, "cpu", random_routing)
+
+
+@pytest.mark.reference
 def test_isolate_stages_times_every_stage_alone_and_in_place():
     """``isolate_stages.one_case`` on the CPU (a tiny model): every stage of the forward recorded,
     timed alone and with the recorded result put in its place, the stage functions restored."""
