@@ -119,7 +119,7 @@ def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "c
     stored; such a table describes the scatter-add epilogue, not the stored rows the keys also
     name."""
     from moekit.benchmarking import bench_us, rotations
-    from moekit.testing import random_m_sizes, random_routing
+    from moekit.testing import random_m_sizes
 
     table = {}
     sms = num_sms(torch.device(device))
@@ -133,7 +133,7 @@ def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "c
         xs = torch.rand(M, device=device) if fp8 else None
         ws = torch.rand(G * N, device=device) if fp8 else None
         if scatter:
-            sets = [_scatter_layout(M, G, scatter, i, device, random_routing) for i in range(n_sets)]
+            sets = [_scatter_layout(M, G, scatter, i, device) for i in range(n_sets)]
             out = torch.zeros(M // scatter, N, device=device, dtype=torch.bfloat16)
         else:
             sets = [(random_m_sizes(M, G, top_k=1, device=device, seed=i), None, None) for i in range(n_sets)]
@@ -160,10 +160,12 @@ def tune(shapes, path: Optional[str] = None, *, top_k: int = 1, device: str = "c
     return table
 
 
-def _scatter_layout(M: int, G: int, k: int, seed: int, device, random_routing) -> tuple:
+def _scatter_layout(M: int, G: int, k: int, seed: int, device) -> tuple:
     """``(m_sizes [G] int32, token ids [M] int32, router weights [M] float32)`` of a random top-``k``
     routing of ``M // k`` tokens, rows sorted by expert and by token within an expert (the
     order ``index_shuffling`` gives the layer's rows). ``M`` must be a multiple of ``k``."""
+    from moekit.testing import random_routing
+
     if M % k:
         raise ValueError(f"sweep_gemm --scatter {k}: M ({M}) must be a multiple of it")
     tw, ids = random_routing(M // k, G, k, seed=seed)

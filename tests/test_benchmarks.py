@@ -125,9 +125,7 @@ def test_sweep_gemm_scatter_layout_is_the_layers():
         sys.path.pop(0)
     import torch
 
-    from moekit.testing import random_routing
-
-    ms, tok, tw = sweep_gemm._scatter_layout(256, 16, 8, 3, "cpu", random_routing)
+    ms, tok, tw = sweep_gemm._scatter_layout(256, 16, 8, 3, "cpu")
     assert ms.dtype == tok.dtype == torch.int32 and tw.dtype == torch.float32
     assert int(ms.sum()) == 256 and tok.shape == tw.shape == (256,)
     assert torch.bincount(tok.long(), minlength=32).tolist() == [8] * 32
@@ -137,7 +135,7 @@ def test_sweep_gemm_scatter_layout_is_the_layers():
         assert seg == sorted(seg) and len(set(seg)) == len(seg)  # a token once per expert, ascending
         start += m
     with pytest.raises(ValueError, match="multiple"):
-        sweep_gemm._scatter_layout(250, 16, 8, 3, "cpu", random_routing)
+        sweep_gemm._scatter_layout(250, 16, 8, 3, "cpu")
 
 
 @pytest.mark.reference
