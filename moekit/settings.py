@@ -19,7 +19,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_DECODE_FUSED`` | ``decode_fused`` | auto | ``moe_forward``'s two-launch decode (``moekit.ops.moe_decode``: routing inside the gate/up GEMV, no sorted layout): ``auto``: top-k >= 4, at most 256 experts, at most 4 tokens, 16-bit or FP8 weights; ``on``: wherever the decode pipeline runs up to 64 rows, any top-k (experiments); ``off`` |
 | ``MOEKIT_ROUTE_FUSED_MAX_T`` | ``route_fused_max_t`` | 8 | ``route_and_shuffle`` routes up to this many tokens in one program (one launch); more take a program per block of tokens and a placing launch |
 | ``MOEKIT_SORTED_SWIGLU`` | ``sorted_swiglu`` | 1 | the sorted pipeline's gate/up GEMM reads token rows by index with the SiLU * up in its epilogue (``grouped_gemm_swiglu``'s tiled kernel) where its rows per expert take tensor-core tiles (0: gather, GEMM, ``silu_mul``) |
-| ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True`` and from ``moekit.layers.experts.DOWN_SUM_MIN_ROWS`` routed rows of top-k >= 2) |
+| ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True`` and from ``moekit.layers.experts.DOWN_SUM_MIN_ROWS`` routed rows of top-k >= 2, ``DOWN_SUM_MIN_ROWS_SLABS`` where the scatter-add takes column slabs) |
 | ``MOEKIT_GG_TUNED`` | ``gg_tuned`` | none | JSON table of grouped-GEMM configurations (``benchmarks/tune_gemm.py`` writes it) |
 | ``MOEKIT_GG_GEMV_MAX_M`` | ``gg_gemv_max_m`` | 4 | grouped GEMMs of at most this many rows run the GEMV kernel (0: never) |
 | ``MOEKIT_GG_GEMV_SPREAD_MAX_M`` | ``gg_gemv_spread_max_m`` | 8 | ... and up to this many rows when they rarely share an expert (top-k decode) |
@@ -89,7 +89,8 @@ class Settings:
     #   ROUTE_SPLIT_TILE                  route (split path sub-tile, tokens x experts)     2048
     #   ROUTE_SPLIT_WARPS                 route (split path routing program warps)             8
     #   ZERO_RIDE_MAX                     route (zero_buffer zeroed in the launch, elements)  1M
-    #   DOWN_SUM_MIN_ROWS                 experts (down rows summed, not scatter-added)      32768
+    #   DOWN_SUM_MIN_ROWS                 experts (down rows summed, not scatter-added; pins
+    #                                     both bounds)          32768, 40961 with column slabs
     #   COMBINE_MIN_TOP_K                 experts (decode: per-token combine from this top-k)    6
     #   DECODE_FUSED_MIN_TOP_K            experts (decode_fused auto: moe_decode from this top-k) 4
     #   DECODE_FUSED_MAX_TOKENS           experts (decode_fused auto: moe_decode up to these tokens) 4
@@ -113,7 +114,8 @@ class Settings:
     #                                     32 where K >= 4N, else 48)                            rule
     #   TILED_SHORT_K                     grouped_gemm (also from 32 rows where K <= this)     256
     #   GG_N_SLAB                         grouped_gemm (scatter-add tiles by column slabs of this
-    #                                     width, every expert's tiles of a slab in turn)          0
+    #                                     width, every expert's tiles of a slab in turn; 0 off;
+    #                                     -1 the rule: short K, wide output, top-k >= 2)     -1
     #   GATHERED_SWIGLU                   experts (gathered rows' gate/up through grouped_gemm_swiglu:
     #                                     0 never, 1 at tiled sizes, 2 also for the fused kernel's,
     #                                     -1 the rule: 16-bit weights, top-k >= 2)             -1

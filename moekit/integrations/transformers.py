@@ -323,7 +323,7 @@ def _experts_forward(self: torch.nn.Module, plan: _Plan, deterministic: bool, ma
     standard = plan.fast_swiglu and plan.b13 is None and plan.b2 is None and not post_norm
     path = choose_path(T * K, E, top_k=K, max_rows=max_rows) if standard else None
     out = torch.empty((T, plan.D), dtype=dtype, device=x.device)
-    empty = standard and will_store_rows(out, T * K, E, K, False, deterministic, path)
+    empty = standard and will_store_rows(out, T * K, E, K, False, deterministic, path, down_k=F)
     counts, expert_ids, token_ids, token_weights, sel_rows = shuffle_top_k(
         top_k_index, top_k_weights, E, zero_buffer=None if empty else out
     )

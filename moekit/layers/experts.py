@@ -43,7 +43,8 @@ from moekit.ops import (
     silu_mul,
     silu_mul_quant,
 )
-from moekit.ops._triton.gg_config import expected_groups_hit, use_gemv
+from moekit.ops._common import l2_bytes
+from moekit.ops._triton.gg_config import expected_groups_hit, takes_column_slabs, use_gemv
 
 __all__ = [
     "run_experts", "choose_path", "decode_fused", "down_sums_rows", "will_store_rows", "quantizes_token_rows",
@@ -173,6 +174,14 @@ def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[
 # vs 2134 µs, FP8 1892 vs 1788; gpt-oss bf16 T=16384 6642 vs 6632); at 8192-16384 rows it was
 # mixed (Qwen3 T=2048 bf16 471 vs 483, FP8 323 vs 340; DeepSeek T=1024 bf16 957 vs 928).
 DOWN_SUM_MIN_ROWS = 32768
+# The same where the scatter-add's tiles walk the output by column slabs
+# (``grouped_gemm.takes_column_slabs``: short K, wide output; DeepSeek-V3 TP8's down GEMM): with
+# its atomics hitting L2 the scatter-add stays ahead of the stored rows further. H100, session 36,
+# layer from logits, two lanes each way, µs, stored rows -> scatter-add with slabs: T = 4096
+# (32768 rows) bf16 1514.0 -> 1407.0, FP8 1059.1 -> 1010.2; T = 5120 (40960 rows) bf16 1692.8 ->
+# 1555.8, FP8 1209.8 -> 1158.4; T = 6144 (49152 rows) bf16 1839.5 -> 2049.2, FP8 1363.6 -> 1500.7,
+# T = 8192 bf16 2218.6 -> 2508.9.
+DOWN_SUM_MIN_ROWS_SLABS = 5 * 8192 + 1
 
 
 # Knob GLUON_DOWN: the stored down rows through the warp-specialized Gluon kernel (Hopper): 0
@@ -322,19 +331,22 @@ def _gluon_swiglu(x, w13, m_sizes, token_ids, in_w, xs=None, ws13=None):
                                      num_buf=nbuf)  # fmt: skip
 
 
-def down_sums_rows(deterministic: bool = False, rows: int = 0, top_k: int = 1) -> bool:
+def down_sums_rows(deterministic: bool = False, rows: int = 0, top_k: int = 1, slabs: bool = False) -> bool:
     """Whether the down projection stores its rows and sums them per token (``combine_rows``)
     instead of scatter-adding them with atomics: ``settings.down_sum``; ``auto``: for
     ``deterministic`` (one launch instead of the deterministic scatter-add's inverse-map
     launches, the same bits) and from ``DOWN_SUM_MIN_ROWS`` routed rows of top-k >= 2 (each
-    output row takes k atomic adds; the stored rows cost a write and a read of ``[rows, D]``).
-    Below that the atomics cost nothing visible (H200, RESULTS.md session 8, Qwen3-30B and
-    DeepSeek-V3 TP8 at T = 16..256: layer within +-3 µs either way): the down GEMM is bound by
-    its weights there, not by the bf16 atomic adds."""
+    output row takes k atomic adds; the stored rows cost a write and a read of ``[rows, D]``),
+    from ``DOWN_SUM_MIN_ROWS_SLABS`` where the scatter-add would walk the output by column slabs
+    (``slabs``). Below that the atomics cost nothing visible (H200, RESULTS.md session 8, Qwen3-30B
+    and DeepSeek-V3 TP8 at T = 16..256: layer within +-3 µs either way): the down GEMM is bound by
+    its weights there, not by the bf16 atomic adds. Knob ``DOWN_SUM_MIN_ROWS`` pins the bound for
+    both."""
     mode = settings.get().down_sum
     if mode != "auto":
         return mode == "sum"
-    return bool(deterministic) or (top_k >= 2 and rows >= settings.get().knob("DOWN_SUM_MIN_ROWS", DOWN_SUM_MIN_ROWS))
+    bound = settings.get().knob("DOWN_SUM_MIN_ROWS", DOWN_SUM_MIN_ROWS_SLABS if slabs else DOWN_SUM_MIN_ROWS)
+    return bool(deterministic) or (top_k >= 2 and rows >= bound)
 
 
 def _combine_pays(rows: int, experts: int, top_k: int) -> bool:
@@ -346,30 +358,37 @@ def _combine_pays(rows: int, experts: int, top_k: int) -> bool:
 
 
 def _down_mode(out, has_selection: bool, rows_dtype, rows: int, experts: int, top_k: int, decode: bool,
-               deterministic: bool) -> str:  # fmt: skip
+               deterministic: bool, down_k: int, x_bytes: int) -> str:  # fmt: skip
     """How the down projection reaches ``out``: ``"combine"`` (decode pipeline, each token's rows
     in one program: ``grouped_gemm_combine``), ``"rows"`` (rows stored, then ``combine_rows``),
-    ``"scatter"`` (the GEMM's scatter-add epilogue), or ``"none"`` (no out: rows returned)."""
+    ``"scatter"`` (the GEMM's scatter-add epilogue), or ``"none"`` (no out: rows returned).
+    ``down_k``: the down GEMM's K (the experts' intermediate width F), ``x_bytes``: bytes per
+    element of its input rows (1: FP8)."""
     if out is None:
         return "none"
     if decode and has_selection and out.is_contiguous() and _combine_pays(rows, experts, top_k):
         return "combine"
-    if has_selection and out.dtype == rows_dtype and out.stride(-1) == 1 and down_sums_rows(deterministic, rows, top_k):
-        return "rows"
+    if has_selection and out.dtype == rows_dtype and out.stride(-1) == 1:
+        slabs = top_k >= 2 and takes_column_slabs(rows, out.shape[-1], down_k, out.shape[0], x_bytes,
+                                                  out.element_size(), l2_bytes(out.device))  # fmt: skip
+        if down_sums_rows(deterministic, rows, top_k, slabs):
+            return "rows"
     return "scatter"
 
 
 def will_store_rows(
     out: torch.Tensor, rows: int, experts: int, top_k: int, fp8: bool, deterministic: bool = False,
-    path: Optional[str] = None,
+    path: Optional[str] = None, *, down_k: int,
 ) -> bool:  # fmt: skip
     """Whether ``run_experts`` (with ``selection_rows``) will store the down projection's summed
     rows into ``out`` rather than add into it: then ``out`` need not be zeroed (pass
-    ``out_empty=True``). ``rows``: routed rows (T x top-k), ``experts``: local experts; 16-bit
-    token rows (FP8 weights: bf16 output rows)."""
+    ``out_empty=True``). ``rows``: routed rows (T x top-k), ``experts``: local experts, ``down_k``:
+    the experts' intermediate width F (``w2``'s last dimension); 16-bit token rows (FP8 weights:
+    bf16 output rows, FP8 down rows)."""
     rows_dtype = torch.bfloat16 if fp8 else out.dtype
     decode = choose_path(rows, experts, path, fp8=fp8, top_k=top_k) == "decode"
-    return _down_mode(out, True, rows_dtype, rows, experts, top_k, decode, deterministic) == "rows"
+    x_bytes = 1 if fp8 else rows_dtype.itemsize
+    return _down_mode(out, True, rows_dtype, rows, experts, top_k, decode, deterministic, down_k, x_bytes) == "rows"
 
 
 # The fused gate/up kernel reads its rows by index (pointer loads, no TMA) and so runs its
@@ -552,7 +571,8 @@ def run_experts(
         _no_x_fp8()
     # The down projection into out: scatter-add (atomics), per-token combine (decode), or stored
     # rows + combine_rows (which stores into an empty out; the others add into a zeroed one).
-    mode = _down_mode(out, selection_rows is not None, rows_dtype, N, e, top_k, decode, deterministic)
+    mode = _down_mode(out, selection_rows is not None, rows_dtype, N, e, top_k, decode, deterministic, w2_eDF.shape[-1],
+                      1 if fp8_w else rows_dtype.itemsize)  # fmt: skip
     sum_rows = mode == "rows"
     if out_empty and mode != "rows":
         out.zero_()

@@ -140,7 +140,7 @@ def moe_forward(
         out = torch.empty((T, D), dtype=out_dtype, device=dev)
         # Summed rows are stored into out as it is; any other down projection adds into it, zeroed
         # by the routing launch.
-        empty = will_store_rows(out, T * cfg.top_k, E, cfg.top_k, fp8, deterministic, path)
+        empty = will_store_rows(out, T * cfg.top_k, E, cfg.top_k, fp8, deterministic, path, down_k=w2_eDF.shape[-1])
     # The token rows' FP8 copy where the experts would quantize them next: by extra programs of
     # the routing launch, one launch fewer (where that pays: quantize_rides).
     quant = None

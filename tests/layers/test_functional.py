@@ -396,6 +396,39 @@ def test_down_sum_rule():
 
 
 @pytest.mark.reference
+def test_down_sum_rule_with_column_slabs(pin_knobs):
+    """Where the scatter-add's tiles take column slabs (DeepSeek-V3 TP8's down GEMM: K = 256,
+    D = 7168) its rows stay scatter-added up to ``DOWN_SUM_MIN_ROWS_SLABS`` - 1 rows (T = 5120 at
+    top-8), stored from there; other shapes keep ``DOWN_SUM_MIN_ROWS``. ``will_store_rows`` and
+    ``_down_mode`` agree; knob GG_N_SLAB=0 (no slabs) and a pinned DOWN_SUM_MIN_ROWS restore the
+    plain bound."""
+    from moekit.layers import experts
+
+    big, slab_big = experts.DOWN_SUM_MIN_ROWS, experts.DOWN_SUM_MIN_ROWS_SLABS
+    assert slab_big > big
+
+    def mode(T, k, D, F, fp8=False, dtype=torch.bfloat16):
+        out = torch.empty(T, D, dtype=dtype, device="meta")
+        stored = experts.will_store_rows(out, T * k, 256, k, fp8, path="sorted", down_k=F)
+        got = experts._down_mode(out, True, torch.bfloat16, T * k, 256, k, False, False, F, 1 if fp8 else 2)
+        assert stored == (got == "rows"), (T, k, D, F)
+        return got
+
+    for fp8 in (False, True):
+        assert mode(4096, 8, 7168, 256, fp8) == "scatter"  # 32768 rows: slabs keep the atomics
+        assert mode(5120, 8, 7168, 256, fp8) == "scatter"
+        assert mode(6144, 8, 7168, 256, fp8) == "rows"
+        assert mode(4096, 8, 2048, 768, fp8) == "rows"  # Qwen3-30B: no slabs, the plain bound
+        assert mode(8192, 4, 2880, 2880, fp8) == "rows"  # gpt-oss-120b
+    assert mode(slab_big // 8, 8, 7168, 256) == "scatter" and mode(-(-slab_big // 8), 8, 7168, 256) == "rows"
+    assert mode(4095, 8, 2048, 768) == "scatter"
+    pin_knobs(GG_N_SLAB=0)
+    assert mode(4096, 8, 7168, 256) == "rows"
+    pin_knobs(GG_N_SLAB=-1, DOWN_SUM_MIN_ROWS=big)
+    assert mode(4096, 8, 7168, 256) == "rows"
+
+
+@pytest.mark.reference
 @pytest.mark.parametrize("min_rows", [900, 901], ids=["sum", "atomic"])
 def test_sorted_pipeline_many_rows_sums_down_rows_cpu(min_rows):
     """From ``DOWN_SUM_MIN_ROWS`` rows (the knob pinned around a small layer's 900) the sorted
@@ -445,8 +478,9 @@ def test_run_experts_into_an_empty_out_every_down_mode():
         with settings.override(moe_path=path, knobs=knobs):
             out = torch.full((T, s.D), float("nan"))
             decode = experts.choose_path(N, s.E, top_k=s.top_k) == "decode"
-            assert experts._down_mode(out, True, out.dtype, N, s.E, s.top_k, decode, det) == mode, (path, det)
-            assert experts.will_store_rows(out, N, s.E, s.top_k, False, det) == (mode == "rows")
+            F = w["w2_eDF"].shape[-1]
+            assert experts._down_mode(out, True, out.dtype, N, s.E, s.top_k, decode, det, F, 4) == mode, (path, det)
+            assert experts.will_store_rows(out, N, s.E, s.top_k, False, det, down_k=F) == (mode == "rows")
             got = experts.run_experts(
                 x, w["w13_e2FD"], w["w2_eDF"], counts[: s.E], token_ids=tidx, expert_ids=eidx, row_weights=rw,
                 selection_rows=srow, weight_on_input=cfg.apply_router_weight_on_input, out=out, out_empty=True,
@@ -470,7 +504,7 @@ def test_combine_min_top_k_knob_takes_the_per_token_combine():
     out = torch.empty(1, s.D)
     for knobs, mode in (({}, "scatter"), ({"COMBINE_MIN_TOP_K": 4}, "combine")):
         with settings.override(moe_path="decode", knobs=knobs):
-            assert experts._down_mode(out, True, out.dtype, s.top_k, s.E, s.top_k, True, False) == mode
+            assert experts._down_mode(out, True, out.dtype, s.top_k, s.E, s.top_k, True, False, s.F, 4) == mode
             got = moe_forward(x, w["router_DE"], w["w13_e2FD"], w["w2_eDF"], _cfg(s))
         assert_close(got, want, tol=1e-4)
 

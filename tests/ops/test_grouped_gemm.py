@@ -373,13 +373,46 @@ def test_interp_scatter_add_column_slabs(pin_knobs, slab):
     tri = _tri()
     cfg = _cfg("tiled", 16, 16, 16)
     pin_knobs(GG_N_SLAB=slab)
-    assert tri.n_slab_tiles(cfg, N, True) == (0 if slab >= 48 else slab // 16)
-    assert tri.n_slab_tiles(cfg, N, False) == 0  # stored rows: the plain order
+    args = (M, N, K, T, 4, 4, 50 * 2**20)
+    assert tri.n_slab_tiles(cfg, True, *args) == (0 if slab >= 48 else slab // 16)
+    assert tri.n_slab_tiles(cfg, False, *args) == 0  # stored rows: the plain order
     out = out0.clone()
     tri.grouped_gemm(x, w, ms, token_weights=tw, out=out, scatter_indices=idx, config=cfg)
     want = out0.clone()
     ref.grouped_gemm(x, w, ms, None, tw, _output_tensor=want, _scatter_add_indices=idx)
     assert_close(out, want, tol=TF32_TOL)
+
+
+@pytest.mark.reference
+def test_column_slab_rule(pin_knobs):
+    """``n_slab_tiles``' rule (knob GG_N_SLAB at its default, -1): 512-column slabs for the
+    scatter-add of a short-K, wide-output GEMM whose destination takes top-k >= 2 rows per token
+    and outgrows a quarter of L2 (DeepSeek-V3 TP8's down GEMM from T = 1024, both dtypes); none
+    for gpt-oss-120b's and Qwen3-30B's (rows of x too long for the slabs' second reads), for
+    top-1, for a destination that fits L2, for stored rows; 0 turns it off, a width pins it."""
+    tri = _tri()
+    l2 = 50 * 2**20
+    tall, wide = _cfg("tiled", 128, 128, 256), _cfg("tiled", 64, 256, 128)
+
+    def slabs(cfg, T, k, N, K, x_bytes, scatter=True, l2=l2):
+        return tri.n_slab_tiles(cfg, scatter, T * k, N, K, T, x_bytes, 2, l2)
+
+    for T in (1024, 2048, 3072):  # DeepSeek-V3 TP8's down: N = 7168, K = 256
+        assert slabs(wide, T, 8, 7168, 256, 1) == 2  # 512 columns of 256-column tiles
+        assert slabs(tall, T, 8, 7168, 256, 2) == 4  # bf16 rows too
+        assert slabs(wide, T, 8, 7168, 256, 1, scatter=False) == 0
+    assert slabs(wide, 512, 8, 7168, 256, 1) == 0  # a 7 MB destination: L2 holds it
+    assert slabs(wide, 2048, 8, 7168, 256, 1, l2=8 * 2**20) == 2
+    assert slabs(wide, 2048, 8, 7168, 256, 1, l2=512 * 2**20) == 0
+    assert slabs(wide, 8192, 1, 7168, 256, 1) == 0  # top-1: each destination row added once
+    assert slabs(wide, 4096, 4, 2880, 2880, 1) == 0  # gpt-oss-120b
+    assert slabs(wide, 4096, 8, 2048, 768, 1) == 0  # Qwen3-30B
+    assert slabs(wide, 2048, 8, 512, 16, 1) == 0  # one slab would cover the whole width
+    pin_knobs(GG_N_SLAB=0)
+    assert slabs(wide, 2048, 8, 7168, 256, 1) == 0
+    pin_knobs(GG_N_SLAB=1024)
+    assert slabs(wide, 2048, 8, 7168, 256, 1) == 4
+    assert slabs(wide, 4096, 4, 2880, 2880, 1) == 4  # a pinned width applies to any scatter-add
 
 
 @pytest.mark.interpreter
@@ -1386,6 +1419,43 @@ def test_gpu_scatter_add(G, M, N, K, dtype, slab, pin_knobs, cuda):
         acc.index_add_(0, torch.where(use, idx, 0).long(), torch.where(use[:, None], rows, 0.0))
         assert_poisoned(out, hit, msg="tokens no row targets")
         assert_close(out[hit].float(), acc[hit], tol=_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_gpu_column_slab_rule(dtype, pin_knobs, cuda):
+    """The column-slab rule's default case: DeepSeek-V3 TP8's down GEMM at T = 1024 (top-8 rows of
+    a random routing, sorted by expert and by token within one, as the layer lays them out)
+    scatter-added on slabs the rule picks, against the float32 oracle and against the plain order
+    (GG_N_SLAB=0), every destination row hit."""
+    from moekit.ops._common import l2_bytes, num_sms
+    from moekit.testing import random_routing
+
+    G, N, K, T, k = 256, 7168, 256, 1024, 8
+    M = T * k
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=3, device=cuda)
+    tw_tk, ids = random_routing(T, G, k, seed=4)
+    order = torch.sort(ids.reshape(-1), stable=True).indices
+    ms = torch.bincount(ids.reshape(-1), minlength=G).to(torch.int32).to(cuda)
+    idx = (order // k).to(torch.int32).to(cuda)
+    tw = tw_tk.reshape(-1)[order].to(cuda)
+    cfg = _tri().select_config(M, N, K, G, dtype == FP8, x.element_size(), num_sms(x.device), False, stored=False)
+    assert cfg.kind == "tiled", cfg
+    assert _tri().n_slab_tiles(cfg, True, M, N, K, T, x.element_size(), 2, l2_bytes(x.device)) > 0
+    out0 = torch.randn(T, N, device=cuda).to(torch.bfloat16)
+    got = []
+    for slab in (-1, 0):
+        pin_knobs(GG_N_SLAB=slab)
+        out = out0.clone()
+        if dtype == FP8:
+            grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw, _output_tensor=out, _scatter_add_indices=idx)
+        else:
+            grouped_gemm(x, w, ms, None, tw, _output_tensor=out, _scatter_add_indices=idx)
+        got.append(out.float())
+    rows = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+    want = out0.float().index_add_(0, idx.long(), rows)
+    assert_close(got[0], want, tol=_tol(dtype))
+    assert_close(got[0], got[1], tol=_tol(dtype))
 
 
 @pytest.mark.gpu

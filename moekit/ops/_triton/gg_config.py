@@ -286,3 +286,30 @@ def _settings_changed() -> None:
     global _TUNED
     _TUNED = None
     select_config.cache_clear()
+
+
+# Column slabs of the scatter-add's tile order (``n_slab_tiles``): the slab width the rule takes,
+# and the output size past which the rule considers them (a quarter of L2: below it the whole
+# destination stays in L2 without them).
+N_SLAB_COLS = 512
+N_SLAB_MIN_OUT_L2_FRACTION = 0.25
+
+
+def column_slabs_pay(M: int, N: int, K: int, out_rows: int, x_bytes: int, out_bytes: int, l2: int) -> bool:
+    """The column-slab rule of ``n_slab_tiles`` for a scatter-add of ``M`` rows of ``x``
+    (``x_bytes`` per element, ``K`` wide) into ``out_rows`` rows of ``N`` columns: (1) the
+    destination rows take at least two rows each (top-k >= 2), (2) the output is larger than
+    ``N_SLAB_MIN_OUT_L2_FRACTION`` of ``l2`` bytes, (3) a row of x is at most an eighth of an
+    output row in bytes (short K, wide output: the rows every slab reads again cost less than the
+    misses the slabs save), and the output is wider than one slab."""
+    reuse = M >= 2 * out_rows
+    big = out_rows * N * out_bytes > N_SLAB_MIN_OUT_L2_FRACTION * l2
+    short_k = 8 * K * x_bytes <= N * out_bytes
+    return reuse and big and short_k and N > N_SLAB_COLS
+
+
+def takes_column_slabs(M: int, N: int, K: int, out_rows: int, x_bytes: int, out_bytes: int, l2: int) -> bool:
+    """Whether a tiled scatter-add of this size walks the output by column slabs (knob
+    ``GG_N_SLAB``: pinned width, off, or the rule ``column_slabs_pay``)."""
+    cols = settings.get().knob("GG_N_SLAB", -1)
+    return cols > 0 or (cols < 0 and column_slabs_pay(M, N, K, out_rows, x_bytes, out_bytes, l2))

@@ -56,15 +56,18 @@ import torch
 
 from moekit import settings
 from moekit._validate import FP8_DTYPE
-from moekit.ops._common import _capability_major, cdiv, interpreting, launch, next_pow2, num_sms
+from moekit.ops._common import _capability_major, cdiv, interpreting, l2_bytes, launch, next_pow2, num_sms
 from moekit.ops._triton.gg_config import (  # noqa: F401  (re-exported: the launcher's configuration API)
+    N_SLAB_COLS,
     GemmConfig,
+    column_slabs_pay,
     config_key,
     expected_groups_hit,
     gemv_config,
     heuristic_config,
     save_table,
     select_config,
+    takes_column_slabs,
     use_table,
 )
 from moekit.ops._triton.gg_kernels import _gg_gemv_kernel, _gg_stream_kernel, _gg_tiled_kernel
@@ -266,21 +269,37 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             SWAP_AB=False,
             X_TMA=use_tma,  # every argument given: inductor's kernel analysis fills in no defaults
             EARLY_EPI=early_epilogue(cfg, fp8, False, K),
-            N_SLAB=n_slab_tiles(cfg, N, scatter),
+            N_SLAB=n_slab_tiles(
+                cfg, scatter, M, N, K, out_rows, x.element_size(), y.element_size(), l2_bytes(x.device)
+            ),
             **common,
         )
     return None if scatter else y
 
 
-def n_slab_tiles(cfg: GemmConfig, N: int, scatter: bool) -> int:
-    """N tiles per column slab of the tiled kernel's tile order (its ``N_SLAB``; 0: none), knob
-    ``GG_N_SLAB`` (slab width in columns; off: 0): a scatter-add's tiles walk the output one slab
-    of columns at a time, every expert's tiles of a slab before the next slab's, so that the
-    ``[T, slab]`` destination its atomics add into can stay in L2 while the top-k rows of each
-    token arrive from their experts (in the expert-major order each token's k additions are far
-    apart and, past L2's size, each misses)."""
-    cols = settings.get().knob("GG_N_SLAB", 0)
-    if not scatter or cols <= 0:
+def n_slab_tiles(cfg: GemmConfig, scatter: bool, M: int, N: int, K: int, out_rows: int, x_bytes: int,
+                 out_bytes: int, l2: int) -> int:  # fmt: skip
+    """N tiles per column slab of the tiled kernel's tile order (its ``N_SLAB``; 0: none): a
+    scatter-add's tiles walk the output one slab of columns at a time, every expert's tiles of a
+    slab before the next slab's, so that the ``[out_rows, slab]`` destination its atomics add into
+    stays in L2 while the top-k rows of each token arrive from their experts (in the expert-major
+    order each token's k additions are far apart, and with the weights streaming through L2 in
+    between, each misses). The price: every slab reads the rows of x again.
+
+    Knob ``GG_N_SLAB``: a slab width in columns, 0 off, -1 (default) slabs of ``N_SLAB_COLS``
+    columns where ``column_slabs_pay``. Measured (H100, session 36, layer from logits, µs, plain ->
+    512-column slabs, two lanes each way): DeepSeek-V3 TP8 (K = 256, N = 7168) FP8 T = 1024 / 2048
+    / 3072 636.1 -> 618.4, 758.1 -> 728.5, 905.1 -> 871.2, bf16 1105.5 -> 1098.6, 1200.8 ->
+    1160.9, 1337.7 -> 1276.5; gpt-oss-120b (K = N = 2880) 3-4% slower with 1024-column slabs (FP8
+    T = 2048 1356.6 -> 1400.2), Qwen3-30B (K = 768, N = 2048, an 8 MB output at T = 2048) level:
+    neither passes the rule. With slabs DeepSeek's scatter-add beats the stored rows up to T = 5120
+    (``experts.DOWN_SUM_MIN_ROWS_SLABS``)."""
+    if not scatter:
+        return 0
+    cols = settings.get().knob("GG_N_SLAB", -1)
+    if cols < 0:
+        cols = N_SLAB_COLS if column_slabs_pay(M, N, K, out_rows, x_bytes, out_bytes, l2) else 0
+    if cols == 0:
         return 0
     slab = max(1, cols // cfg.block_n)
     return 0 if slab >= cdiv(N, cfg.block_n) else slab
