@@ -175,7 +175,7 @@ def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[
 # mixed (Qwen3 T=2048 bf16 471 vs 483, FP8 323 vs 340; DeepSeek T=1024 bf16 957 vs 928).
 DOWN_SUM_MIN_ROWS = 32768
 # The same where the scatter-add's tiles walk the output by column slabs
-# (``grouped_gemm.takes_column_slabs``: short K, wide output; DeepSeek-V3 TP8's down GEMM): with
+# (``gg_config.takes_column_slabs``: short K, wide output; DeepSeek-V3 TP8's down GEMM): with
 # its atomics hitting L2 the scatter-add stays ahead of the stored rows further. H100, session 36,
 # layer from logits, two lanes each way, µs, stored rows -> scatter-add with slabs: T = 4096
 # (32768 rows) bf16 1514.0 -> 1407.0, FP8 1059.1 -> 1010.2; T = 5120 (40960 rows) bf16 1692.8 ->

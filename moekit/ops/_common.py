@@ -195,17 +195,23 @@ def _num_sms_of(device: torch.device) -> int:
 DEFAULT_L2_BYTES = 50 * 2**20
 
 
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(index: int) -> int:
-    return int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0)) or DEFAULT_L2_BYTES
+_L2: dict = {}
 
 
 def l2_bytes(device: torch.device) -> int:
-    """L2 cache size of ``device`` in bytes (cached), ``DEFAULT_L2_BYTES`` off CUDA."""
-    device = torch.device(device)
-    if device.type != "cuda":
+    """L2 cache size of ``device`` in bytes, ``DEFAULT_L2_BYTES`` off CUDA (cached in a dict as
+    ``num_sms`` is: torch.compile traces the callers, and warns on lru_cache calls)."""
+    n = _L2.get(device)
+    if n is not None:
+        return n
+    dev = torch.device(device)
+    if dev.type != "cuda":
         return DEFAULT_L2_BYTES
-    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    n = int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0)) or DEFAULT_L2_BYTES
+    if dev.index is not None:
+        _L2[dev] = n
+    return n
 
 
 def next_pow2(n: int) -> int:
