@@ -9,7 +9,9 @@ reads).
 
 ``--scatter K``: the rows scatter-added into ``M / K`` token rows, laid out as the layer's down
 GEMM below ``DOWN_SUM_MIN_ROWS`` has them (``tune``), whose epilogue wants other tiles than stored
-rows (session 35).
+rows (session 35); in the layer's tile order too (the column slabs where ``GG_N_SLAB``'s rule
+takes them; ``MOEKIT_KNOBS=GG_N_SLAB=0`` times the plain order). With that layout the sweep ranks
+the scatter-add's tiles as the layer does (session 36); random destinations did not.
 
 A shape is ``name:M:dtype`` with ``name`` one of the benchmark's (``bench_grouped_gemm.SHAPES``),
 or ``N:K:G:M:dtype``.
