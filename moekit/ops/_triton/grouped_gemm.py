@@ -60,7 +60,6 @@ from moekit.ops._common import _capability_major, cdiv, interpreting, l2_bytes, 
 from moekit.ops._triton.gg_config import (  # noqa: F401  (re-exported: the launcher's configuration API)
     N_SLAB_COLS,
     GemmConfig,
-    column_slabs_pay,
     config_key,
     expected_groups_hit,
     gemv_config,
@@ -294,14 +293,10 @@ def n_slab_tiles(cfg: GemmConfig, scatter: bool, M: int, N: int, K: int, out_row
     T = 2048 1356.6 -> 1400.2), Qwen3-30B (K = 768, N = 2048, an 8 MB output at T = 2048) level:
     neither passes the rule. With slabs DeepSeek's scatter-add beats the stored rows up to T = 5120
     (``experts.DOWN_SUM_MIN_ROWS_SLABS``)."""
-    if not scatter:
+    if not scatter or not takes_column_slabs(M, N, K, out_rows, x_bytes, out_bytes, l2):
         return 0
     cols = settings.get().knob("GG_N_SLAB", -1)
-    if cols < 0:
-        cols = N_SLAB_COLS if column_slabs_pay(M, N, K, out_rows, x_bytes, out_bytes, l2) else 0
-    if cols == 0:
-        return 0
-    slab = max(1, cols // cfg.block_n)
+    slab = max(1, (cols if cols > 0 else N_SLAB_COLS) // cfg.block_n)
     return 0 if slab >= cdiv(N, cfg.block_n) else slab
 
 
