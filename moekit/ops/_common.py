@@ -172,6 +172,11 @@ def _num_sms(device_type: str, index: int) -> int:
 _SMS: dict = {}
 
 
+# ``assume_constant_result``: torch.compile runs these lookups as Python while it traces and keeps
+# their results as constants. Traced, the dict caches' first fill was a side effect Dynamo guarded
+# on ("device not in _SMS"), which the same call then broke: torch 2.11 failed the compile of any
+# first call that came under torch.compile (session 37).
+@torch.compiler.assume_constant_result
 def num_sms(device: torch.device) -> int:
     """Multiprocessor count of ``device`` (cached: no per-call device query; a tensor's device, which
     names its index, is one dict lookup)."""
@@ -198,9 +203,10 @@ DEFAULT_L2_BYTES = 50 * 2**20
 _L2: dict = {}
 
 
+@torch.compiler.assume_constant_result
 def l2_bytes(device: torch.device) -> int:
     """L2 cache size of ``device`` in bytes, ``DEFAULT_L2_BYTES`` off CUDA (cached in a dict as
-    ``num_sms`` is: torch.compile traces the callers, and warns on lru_cache calls)."""
+    ``num_sms`` is, and a constant to torch.compile as it is)."""
     n = _L2.get(device)
     if n is not None:
         return n

@@ -768,6 +768,49 @@ def test_gpu_decode_compiles_fullgraph():
     assert_close(fn(x, logits).float(), _reference(x.float(), {k: v.float() for k, v in w.items()}, s), tol=2e-2)
 
 
+# The first moekit call of a process, made under torch.compile: every lazily filled cache
+# (multiprocessor count, L2 size, compiled kernels) is filled while Dynamo traces. Session 37 found
+# torch 2.11 failing such a compile ("Guard failed on the same frame it was created") on the
+# multiprocessor-count cache, which a test run that had made an eager call first never showed.
+_FRESH_COMPILE = """
+import sys, torch
+from dataclasses import replace
+from moekit.layers.functional import moe_forward, quantize_expert_weights
+from moekit.testing import MODEL_SHAPES, random_expert_weights
+s = replace(MODEL_SHAPES["qwen3-30b-a3b"], D=256, F=128, E=16)
+w = random_expert_weights(s, dtype=torch.bfloat16, device="cuda", seed=0)
+fp8 = sys.argv[1] == "fp8"
+if fp8:
+    (w13, w13s), (w2, w2s) = quantize_expert_weights(w["w13_e2FD"]), quantize_expert_weights(w["w2_eDF"])
+    kw = dict(w13_scale_e2F=w13s, w2_scale_eD=w2s)
+else:
+    w13, w2, kw = w["w13_e2FD"], w["w2_eDF"], {}
+fn = torch.compile(lambda x, l: moe_forward(x, None, w13, w2, s.routing_config, logits_TE=l, **kw), fullgraph=True)
+for T in (3, 512):  # the decode pipeline, then the sorted one
+    x = torch.randn(T, s.D, device="cuda").bfloat16()
+    logits = x.float() @ w["router_DE"].float()
+    got = fn(x, logits)
+    want = moe_forward(x, None, w13, w2, s.routing_config, logits_TE=logits, **kw)
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
+    assert err < (8e-2 if fp8 else 1e-2), (T, err)  # FP8: a rounding flip of the activations' quantization
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_gpu_first_call_under_compile_fresh_process(dtype):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, "-c", _FRESH_COMPILE, dtype], env=env, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.stdout[-2000:], r.stderr[-4000:])
+
+
 @pytest.mark.reference
 def test_choose_path_size_rules():
     """The measured bounds (RESULTS.md session 8): bf16 top-8 decode up to 2048 rows spread thin,
