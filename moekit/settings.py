@@ -138,6 +138,8 @@ class Settings:
     #                                     in the same launch: grouped_gemm_swiglu_quant)        0
     #   FP8_TALL_TILES                    gg_config (FP8 GEMMs storing their rows: 128 x 128 x
     #                                     256 tiles from 48 to 95 rows/group)                   1
+    #   SCATTER_SHORT_K                   gg_config (scatter-added tiled GEMMs with K up to this
+    #                                     keep 64-row tiles at any rows/group; 0 off)        1024
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -164,7 +166,7 @@ KNOBS = (
     "GG_EARLY_DST", "EARLY_EPI_MAX_K", "SWIGLU_SMALL_TILES", "BF16_STREAM_SWIGLU", "TILED_MIN_ROWS",
     "TILED_SHORT_K", "GG_N_SLAB", "GATHERED_SWIGLU",
     "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS", "SWIGLU_TILED_STAGES", "SWIGLU_SMALL_MAX_ROWS",
-    "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES",
+    "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES", "SCATTER_SHORT_K",
 )  # fmt: skip
 
 

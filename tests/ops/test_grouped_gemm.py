@@ -731,10 +731,10 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.reference
 def test_prefill_tiles_compile_without_spills_for_sm90():
-    """The tiled kernel's 128x256 tiles at prefill sizes (256-512 rows per expert: DeepSeek-V3
-    TP8's and Qwen3-30B's down projections at T=8192), bf16 and FP8, as the layer runs them: rows
-    stored with float32 token weights (the fused tile + K loop, FP8 included) and scatter-added
-    (FP8 keeps the unfused loop there): no stack frame, within shared memory."""
+    """The tiled kernel's tiles at prefill sizes (256-512 rows per expert: DeepSeek-V3 TP8's and
+    Qwen3-30B's down projections at T=8192), bf16 and FP8, as the layer runs them: rows stored with
+    float32 token weights (128 x 256, the fused tile + K loop) and scatter-added (64 x 256 at these
+    short K, ``SCATTER_SHORT_K``; fused loop too): no stack frame, within shared memory."""
     from tests.ops._sm90 import assert_all_compiled, compile_launches
 
     records = compile_launches(
@@ -759,9 +759,10 @@ def test_prefill_tiles_compile_without_spills_for_sm90():
     assert_all_compiled(records, 8)
     tiles = [(r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["constants"]["FP8"], r["constants"]["SCATTER"],
               r["constants"]["FLATTEN"], r["stack"]) for r in records]  # fmt: skip
-    assert all(t[:2] == ("128", "256") for t in tiles), tiles
-    # fused loop everywhere but FP8's scatter-add; no spills
-    assert all((t[4] == "True") == (t[2] == "False" or t[3] == "False") for t in tiles), tiles
+    # rows stored: 128 x 256; scatter-added at these K (256, 768): 64 x 256 (SCATTER_SHORT_K)
+    assert all(t[:2] == (("64", "256") if t[3] == "True" else ("128", "256")) for t in tiles), tiles
+    # the fused loop everywhere; no spills
+    assert all(t[4] == "True" for t in tiles), tiles
     assert all(not t[5] for t in tiles), tiles
 
 
@@ -791,6 +792,31 @@ def test_fp8_tall_tiles_rule():
     # 32 rows per group (tiled for K = 256) and 96 / 128 rows per group: unchanged
     for M, N, K, G in ((8192, 7168, 256, 256), (12288, 5760, 2880, 128), (16384, 2048, 768, 128)):
         assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132), (M, N, K, G)
+
+
+@pytest.mark.reference
+def test_scatter_short_k_rule():
+    """Knob ``SCATTER_SHORT_K`` (1024 by default): a scatter-added tiled GEMM whose K is at most the
+    bound keeps 64-row tiles at 192+ rows per group (Qwen3-30B's and DeepSeek-V3 TP8's down GEMMs);
+    longer K (Mixtral, Llama 4), GEMMs storing their rows and the knob at 0 take 128-row tiles."""
+    from moekit import settings
+
+    sel = _tri().heuristic_config
+    # (M, N, K, G): Qwen3-30B down at T=3072 and 8192, DeepSeek-V3 TP8 down at T=6144 and 16384
+    for M, N, K, G in ((24576, 2048, 768, 128), (65536, 2048, 768, 128), (49152, 7168, 256, 256),
+                       (131072, 7168, 256, 256)):  # fmt: skip
+        for fp8, elem in ((True, 1), (False, 2)):
+            assert sel(M, N, K, G, fp8, elem, 132).block_m == 64, (M, N, K, G, fp8)
+            assert sel(M, N, K, G, fp8, elem, 132, stored=True).block_m == 128
+            with settings.override(knobs={"SCATTER_SHORT_K": 0}):
+                assert sel(M, N, K, G, fp8, elem, 132).block_m == 128
+    # long K: Mixtral-8x7B down (K = 14336) at T=3072, Llama 4 Scout down (K = 8192) at T=8192
+    for M, N, K, G in ((6144, 4096, 14336, 8), (8192, 5120, 8192, 16)):
+        assert sel(M, N, K, G, True, 1, 132).block_m == 128 and sel(M, N, K, G, False, 2, 132).block_m == 128
+    # under 192 rows per group nothing changes
+    with settings.override(knobs={"SCATTER_SHORT_K": 0}):
+        off = sel(16384, 2048, 768, 128, True, 1, 132)
+    assert sel(16384, 2048, 768, 128, True, 1, 132) == off
 
 
 @pytest.mark.reference
@@ -1446,6 +1472,42 @@ def test_gpu_column_slab_rule(dtype, pin_knobs, cuda):
     got = []
     for slab in (-1, 0):
         pin_knobs(GG_N_SLAB=slab)
+        out = out0.clone()
+        if dtype == FP8:
+            grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw, _output_tensor=out, _scatter_add_indices=idx)
+        else:
+            grouped_gemm(x, w, ms, None, tw, _output_tensor=out, _scatter_add_indices=idx)
+        got.append(out.float())
+    rows = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+    want = out0.float().index_add_(0, idx.long(), rows)
+    assert_close(got[0], want, tol=_tol(dtype))
+    assert_close(got[0], got[1], tol=_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("K", [256, 768])
+def test_gpu_scatter_short_k_tiles(K, dtype, pin_knobs, cuda):
+    """``SCATTER_SHORT_K``'s case: a short-K scatter-add at 256 rows per group (the layer's layout:
+    top-8 rows sorted by expert, then by token) on the 64-row tiles the rule now picks, against the
+    float32 oracle and against the 128-row tiles it used to take (``SCATTER_SHORT_K=0``)."""
+    from moekit.ops._common import num_sms
+    from moekit.testing import random_routing
+
+    G, N, T, k = 32, 2048, 1024, 8
+    M = T * k
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=5, device=cuda)
+    tw_tk, ids = random_routing(T, G, k, seed=6)
+    order = torch.sort(ids.reshape(-1), stable=True).indices
+    ms = torch.bincount(ids.reshape(-1), minlength=G).to(torch.int32).to(cuda)
+    idx = (order // k).to(torch.int32).to(cuda)
+    tw = tw_tk.reshape(-1)[order].to(cuda)
+    out0 = torch.randn(T, N, device=cuda).to(torch.bfloat16)
+    got = []
+    for short_k, block_m in ((-1, 64), (0, 128)):
+        pin_knobs(**({} if short_k < 0 else {"SCATTER_SHORT_K": short_k}))
+        cfg = _tri().select_config(M, N, K, G, dtype == FP8, x.element_size(), num_sms(x.device), False, stored=False)
+        assert (cfg.kind, cfg.block_m) == ("tiled", block_m), cfg
         out = out0.clone()
         if dtype == FP8:
             grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw, _output_tensor=out, _scatter_add_indices=idx)

@@ -163,6 +163,18 @@ TILED_SHORT_K = 256
 # touch level. 0: off.
 FP8_TALL_TILES = 1
 
+# K up to which a scatter-added tiled GEMM keeps 64-row tiles at any rows per group (knob
+# SCATTER_SHORT_K, 0: off; 128-row tiles from 192 rows per group otherwise). DeepSeek-V3 TP8's bf16
+# down GEMM scatter-added at T=6144 (192 rows per expert, K=256) compiled its 128 x 256 tiles to
+# 255 registers and ran 1073.6 µs, reading 2221 MB and writing 286 MB, where T=5120's 64-row tiles
+# (142 registers) ran 630.8 µs (1340 / 115 MB; ncu, H100, session 37). Layer from logits, H200,
+# same call, 128-row -> 64-row scatter-add tiles (µs): Qwen3-30B (K=768) T=3072 bf16 621.2 ->
+# 554.2, FP8 446.1 -> 415.1; DeepSeek-V3 TP8 (K=256, its down rows scatter-added) T=6144 / 8192
+# bf16 1743.8 / 2239.2 -> 1558.6 / 1907.0, FP8 1404.9 / 1758.1 -> 1211.1 / 1524.5; but long K
+# lost: Mixtral-8x7B (K=14336) T=3072 / 8192 bf16 +7.9 / +10.5%, FP8 +2.1 / +10.4%, Llama 4 Scout
+# (K=8192) T=3072 / 8192 FP8 +4.4 / +6.0%, bf16 T=8192 +7.0%.
+SCATTER_SHORT_K = 1024
+
 
 def heuristic_config(
     M: int,
@@ -263,7 +275,9 @@ def heuristic_config(
         # the 220 KB bound below but inside a block's 227 KB; it compiles and runs on sm_90, and
         # ran 104.8 µs against 147.5 unfused on Qwen3-30B's down GEMM at M = 16384, run 2)
         return GemmConfig("tiled", 128, 128, 256, 3, 8, flatten=settings.get().gg_flatten)
-    block_m = 64 if rows_per_group < 192 else 128
+    # 128-row tiles from 192 rows per group, but never for a short-K scatter-add (SCATTER_SHORT_K).
+    short_scatter = not stored and K <= s.knob("SCATTER_SHORT_K", SCATTER_SHORT_K)
+    block_m = 64 if rows_per_group < 192 or short_scatter else 128
     block_k = 128 if elem == 1 else (64 if elem == 2 else 32)
     block_n = 256 if N >= 256 else max(16, next_pow2(N))
     est_tiles = (M / block_m + hits) * cdiv(N, block_n)
