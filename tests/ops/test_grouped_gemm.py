@@ -1447,31 +1447,31 @@ def test_gpu_scatter_add(G, M, N, K, dtype, slab, pin_knobs, cuda):
         assert_close(out[hit].float(), acc[hit], tol=_tol(dtype))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_gpu_column_slab_rule(dtype, pin_knobs, cuda):
-    """The column-slab rule's default case: DeepSeek-V3 TP8's down GEMM at T = 1024 (top-8 rows of
-    a random routing, sorted by expert and by token within one, as the layer lays them out)
-    scatter-added on slabs the rule picks, against the float32 oracle and against the plain order
-    (GG_N_SLAB=0), every destination row hit."""
-    from moekit.ops._common import l2_bytes, num_sms
+def _layer_rows(T, G, k, seed, device):
+    """The down GEMM's rows as the layer lays them out: the top-k rows of a random routing sorted
+    by expert, then by token within one. Returns ``(m_sizes, destination token per row, router
+    weight per row)``."""
     from moekit.testing import random_routing
 
-    G, N, K, T, k = 256, 7168, 256, 1024, 8
-    M = T * k
-    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=3, device=cuda)
-    tw_tk, ids = random_routing(T, G, k, seed=4)
+    tw_tk, ids = random_routing(T, G, k, seed=seed)
     order = torch.sort(ids.reshape(-1), stable=True).indices
-    ms = torch.bincount(ids.reshape(-1), minlength=G).to(torch.int32).to(cuda)
-    idx = (order // k).to(torch.int32).to(cuda)
-    tw = tw_tk.reshape(-1)[order].to(cuda)
-    cfg = _tri().select_config(M, N, K, G, dtype == FP8, x.element_size(), num_sms(x.device), False, stored=False)
-    assert cfg.kind == "tiled", cfg
-    assert _tri().n_slab_tiles(cfg, True, M, N, K, T, x.element_size(), 2, l2_bytes(x.device)) > 0
-    out0 = torch.randn(T, N, device=cuda).to(torch.bfloat16)
+    ms = torch.bincount(ids.reshape(-1), minlength=G).to(torch.int32).to(device)
+    return ms, (order // k).to(torch.int32).to(device), tw_tk.reshape(-1)[order].to(device)
+
+
+def _scatter_add_each(knob_sets, check, x, w, ms, xs, ws, tw, idx, T, N, dtype, pin_knobs):
+    """Scatter-add the GEMM's rows (router weights on them) into one random ``out`` once per knob
+    set, ``check(config)`` first under each; the first result against the float32 oracle, the
+    others against the first."""
+    from moekit.ops._common import num_sms
+
+    M, K = x.shape
+    out0 = torch.randn(T, N, device=x.device).to(torch.bfloat16)
     got = []
-    for slab in (-1, 0):
-        pin_knobs(GG_N_SLAB=slab)
+    for knobs in knob_sets:
+        pin_knobs(**knobs)
+        check(_tri().select_config(M, N, K, ms.shape[0], dtype == FP8, x.element_size(), num_sms(x.device), False,
+                                   stored=False))  # fmt: skip
         out = out0.clone()
         if dtype == FP8:
             grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw, _output_tensor=out, _scatter_add_indices=idx)
@@ -1479,45 +1479,51 @@ def test_gpu_column_slab_rule(dtype, pin_knobs, cuda):
             grouped_gemm(x, w, ms, None, tw, _output_tensor=out, _scatter_add_indices=idx)
         got.append(out.float())
     rows = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
-    want = out0.float().index_add_(0, idx.long(), rows)
-    assert_close(got[0], want, tol=_tol(dtype))
-    assert_close(got[0], got[1], tol=_tol(dtype))
+    assert_close(got[0], out0.float().index_add_(0, idx.long(), rows), tol=_tol(dtype))
+    for g in got[1:]:
+        assert_close(got[0], g, tol=_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_gpu_column_slab_rule(dtype, pin_knobs, cuda):
+    """The column-slab rule's default case: DeepSeek-V3 TP8's down GEMM at T = 1024 (the layer's
+    layout, ``_layer_rows``) scatter-added on slabs the rule picks, against the float32 oracle and
+    against the plain order (GG_N_SLAB=0), every destination row hit."""
+    from moekit.ops._common import l2_bytes
+
+    G, N, K, T, k = 256, 7168, 256, 1024, 8
+    M = T * k
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=3, device=cuda)
+    ms, idx, tw = _layer_rows(T, G, k, 4, cuda)
+    slabs = []
+
+    def check(cfg):
+        assert cfg.kind == "tiled", cfg
+        slabs.append(_tri().n_slab_tiles(cfg, True, M, N, K, T, x.element_size(), 2, l2_bytes(x.device)))
+
+    _scatter_add_each(({"GG_N_SLAB": -1}, {"GG_N_SLAB": 0}), check, x, w, ms, xs, ws, tw, idx, T, N, dtype, pin_knobs)
+    assert slabs[0] > 0 and slabs[1] == 0, slabs
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("K", [256, 768])
 def test_gpu_scatter_short_k_tiles(K, dtype, pin_knobs, cuda):
-    """``SCATTER_SHORT_K``'s case: a short-K scatter-add at 256 rows per group (the layer's layout:
-    top-8 rows sorted by expert, then by token) on the 64-row tiles the rule now picks, against the
-    float32 oracle and against the 128-row tiles it used to take (``SCATTER_SHORT_K=0``)."""
-    from moekit.ops._common import num_sms
-    from moekit.testing import random_routing
-
+    """``SCATTER_SHORT_K``'s case: a short-K scatter-add at 256 rows per group (the layer's layout,
+    ``_layer_rows``) on the 64-row tiles the rule now picks, against the float32 oracle and against
+    the 128-row tiles it used to take (``SCATTER_SHORT_K=0``)."""
     G, N, T, k = 32, 2048, 1024, 8
-    M = T * k
-    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=5, device=cuda)
-    tw_tk, ids = random_routing(T, G, k, seed=6)
-    order = torch.sort(ids.reshape(-1), stable=True).indices
-    ms = torch.bincount(ids.reshape(-1), minlength=G).to(torch.int32).to(cuda)
-    idx = (order // k).to(torch.int32).to(cuda)
-    tw = tw_tk.reshape(-1)[order].to(cuda)
-    out0 = torch.randn(T, N, device=cuda).to(torch.bfloat16)
-    got = []
-    for short_k, block_m in ((-1, 64), (0, 128)):
-        pin_knobs(**({} if short_k < 0 else {"SCATTER_SHORT_K": short_k}))
-        cfg = _tri().select_config(M, N, K, G, dtype == FP8, x.element_size(), num_sms(x.device), False, stored=False)
-        assert (cfg.kind, cfg.block_m) == ("tiled", block_m), cfg
-        out = out0.clone()
-        if dtype == FP8:
-            grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw, _output_tensor=out, _scatter_add_indices=idx)
-        else:
-            grouped_gemm(x, w, ms, None, tw, _output_tensor=out, _scatter_add_indices=idx)
-        got.append(out.float())
-    rows = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
-    want = out0.float().index_add_(0, idx.long(), rows)
-    assert_close(got[0], want, tol=_tol(dtype))
-    assert_close(got[0], got[1], tol=_tol(dtype))
+    x, w, xs, ws = _inputs(T * k, G, N, K, dtype, seed=5, device=cuda)
+    ms, idx, tw = _layer_rows(T, G, k, 6, cuda)
+    block_m = []
+
+    def check(cfg):
+        assert cfg.kind == "tiled", cfg
+        block_m.append(cfg.block_m)
+
+    _scatter_add_each(({}, {"SCATTER_SHORT_K": 0}), check, x, w, ms, xs, ws, tw, idx, T, N, dtype, pin_knobs)
+    assert block_m == [64, 128], block_m
 
 
 @pytest.mark.gpu
