@@ -167,7 +167,8 @@ FP8_TALL_TILES = 1
 # SCATTER_SHORT_K, 0: off; 128-row tiles from 192 rows per group otherwise). DeepSeek-V3 TP8's bf16
 # down GEMM scatter-added at T=6144 (192 rows per expert, K=256) compiled its 128 x 256 tiles to
 # 255 registers and ran 1073.6 µs, reading 2221 MB and writing 286 MB, where T=5120's 64-row tiles
-# (142 registers) ran 630.8 µs (1340 / 115 MB; ncu, H100, session 37). Layer from logits, H200,
+# (142 registers) ran 630.8 µs (1340 / 115 MB; ncu, H100, session 37; neither spills on sm_90: the
+# bytes, not the registers). Layer from logits, H200,
 # same call, 128-row -> 64-row scatter-add tiles (µs): Qwen3-30B (K=768) T=3072 bf16 621.2 ->
 # 554.2, FP8 446.1 -> 415.1; DeepSeek-V3 TP8 (K=256, its down rows scatter-added) T=6144 / 8192
 # bf16 1743.8 / 2239.2 -> 1558.6 / 1907.0, FP8 1404.9 / 1758.1 -> 1211.1 / 1524.5; but long K
@@ -191,7 +192,8 @@ def heuristic_config(
     on the persistent tile loop (default ``settings.gg_stream_persist``); False for kernels
     without that loop. ``stored``: the grouped GEMM stores its rows (no scatter-add epilogue):
     FP8 tiles from 48 to under 96 rows per group are then 128 x 128 x 256 (knob
-    ``FP8_TALL_TILES``)."""
+    ``FP8_TALL_TILES``); a scatter-add with K <= ``SCATTER_SHORT_K`` keeps 64-row tiles past 192
+    rows per group."""
     # Problems of at most ``settings.gg_gemv_max_m`` rows in all run the GEMV kernel (0: never).
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     # The GEMV kernel also when the rows rarely share an expert (top-k decode: one token's k rows
