@@ -168,9 +168,8 @@ FP8_TALL_TILES = 1
 # down GEMM scatter-added at T=6144 (192 rows per expert, K=256) compiled its 128 x 256 tiles to
 # 255 registers and ran 1073.6 µs, reading 2221 MB and writing 286 MB, where T=5120's 64-row tiles
 # (142 registers) ran 630.8 µs (1340 / 115 MB; ncu, H100, session 37; neither spills on sm_90: the
-# bytes, not the registers). Layer from logits, H200,
-# same call, 128-row -> 64-row scatter-add tiles (µs): Qwen3-30B (K=768) T=3072 bf16 621.2 ->
-# 554.2, FP8 446.1 -> 415.1; DeepSeek-V3 TP8 (K=256, its down rows scatter-added) T=6144 / 8192
+# bytes, not the registers). Layer from logits, H200, same call, 128-row -> 64-row scatter-add
+# tiles (µs): Qwen3-30B (K=768) T=3072 bf16 621.2 -> 554.2, FP8 446.1 -> 415.1; DeepSeek-V3 TP8 (K=256, its down rows scatter-added) T=6144 / 8192
 # bf16 1743.8 / 2239.2 -> 1558.6 / 1907.0, FP8 1404.9 / 1758.1 -> 1211.1 / 1524.5; but long K
 # lost: Mixtral-8x7B (K=14336) T=3072 / 8192 bf16 +7.9 / +10.5%, FP8 +2.1 / +10.4%, Llama 4 Scout
 # (K=8192) T=3072 / 8192 FP8 +4.4 / +6.0%, bf16 T=8192 +7.0%.
