@@ -90,7 +90,7 @@ class Settings:
     #   ROUTE_SPLIT_WARPS                 route (split path routing program warps)             8
     #   ZERO_RIDE_MAX                     route (zero_buffer zeroed in the launch, elements)  1M
     #   DOWN_SUM_MIN_ROWS                 experts (down rows summed, not scatter-added; pins
-    #                                     both bounds)          32768, 40961 with column slabs
+    #                                     both bounds)         32768, 131073 with column slabs
     #   COMBINE_MIN_TOP_K                 experts (decode: per-token combine from this top-k)    6
     #   DECODE_FUSED_MIN_TOP_K            experts (decode_fused auto: moe_decode from this top-k) 4
     #   DECODE_FUSED_MAX_TOKENS           experts (decode_fused auto: moe_decode up to these tokens) 4

@@ -176,12 +176,16 @@ def decode_fused(rows: int, experts: int, top_k: int, fp8: bool, path: Optional[
 DOWN_SUM_MIN_ROWS = 32768
 # The same where the scatter-add's tiles walk the output by column slabs
 # (``gg_config.takes_column_slabs``: short K, wide output; DeepSeek-V3 TP8's down GEMM): with
-# its atomics hitting L2 the scatter-add stays ahead of the stored rows further. H100, session 36,
-# layer from logits, two lanes each way, µs, stored rows -> scatter-add with slabs: T = 4096
-# (32768 rows) bf16 1514.0 -> 1407.0, FP8 1059.1 -> 1010.2; T = 5120 (40960 rows) bf16 1692.8 ->
-# 1555.8, FP8 1209.8 -> 1158.4; T = 6144 (49152 rows) bf16 1839.5 -> 2049.2, FP8 1363.6 -> 1500.7,
-# T = 8192 bf16 2218.6 -> 2508.9.
-DOWN_SUM_MIN_ROWS_SLABS = 5 * 8192 + 1
+# its atomics hitting L2 the scatter-add stays ahead of the stored rows. Session 36 (H100) put
+# the bound at 40961 rows: past it the scatter-add's 128-row tiles read 1.7x the bytes. Since
+# session 37 those short-K tiles keep 64 rows (``gg_config.SCATTER_SHORT_K``) and the scatter-add
+# leads to T = 16384 (131072 rows). H100, session 38, layer from logits, same call, stored rows
+# (two lanes) -> scatter-add (two lanes), µs: bf16 T = 6144 1838.6 / 1842.3 -> 1722.1, T = 8192
+# 2229.7 / 2232.2 -> 2104.1 / 2132.8, T = 12288 3032.9 / 3013.6 -> 2895.0 / 2873.9, T = 16384
+# 3893.9 / 3872.1 -> 3742.4 / 3801.7; FP8 T = 6144 1363.5 / 1364.3 -> 1321.0, T = 8192 1666.1 /
+# 1664.6 -> 1635.7 / 1643.5, T = 12288 and 16384 level (2297-2299 -> 2290-2297, 2952-2956 ->
+# 2949-2961).
+DOWN_SUM_MIN_ROWS_SLABS = 16 * 8192 + 1
 
 
 # Knob GLUON_DOWN: the stored down rows through the warp-specialized Gluon kernel (Hopper): 0

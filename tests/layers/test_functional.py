@@ -398,7 +398,7 @@ def test_down_sum_rule():
 @pytest.mark.reference
 def test_down_sum_rule_with_column_slabs(pin_knobs):
     """Where the scatter-add's tiles take column slabs (DeepSeek-V3 TP8's down GEMM: K = 256,
-    D = 7168) its rows stay scatter-added up to ``DOWN_SUM_MIN_ROWS_SLABS`` - 1 rows (T = 5120 at
+    D = 7168) its rows stay scatter-added up to ``DOWN_SUM_MIN_ROWS_SLABS`` - 1 rows (T = 16384 at
     top-8), stored from there; other shapes keep ``DOWN_SUM_MIN_ROWS``. ``will_store_rows`` and
     ``_down_mode`` agree; knob GG_N_SLAB=0 (no slabs) and a pinned DOWN_SUM_MIN_ROWS restore the
     plain bound."""
@@ -416,8 +416,9 @@ def test_down_sum_rule_with_column_slabs(pin_knobs):
 
     for fp8 in (False, True):
         assert mode(4096, 8, 7168, 256, fp8) == "scatter"  # 32768 rows: slabs keep the atomics
-        assert mode(5120, 8, 7168, 256, fp8) == "scatter"
-        assert mode(6144, 8, 7168, 256, fp8) == "rows"
+        assert mode(8192, 8, 7168, 256, fp8) == "scatter"
+        assert mode(16384, 8, 7168, 256, fp8) == "scatter"
+        assert mode(16385, 8, 7168, 256, fp8) == "rows"
         assert mode(4096, 8, 2048, 768, fp8) == "rows"  # Qwen3-30B: no slabs, the plain bound
         assert mode(8192, 4, 2880, 2880, fp8) == "rows"  # gpt-oss-120b
     assert mode(slab_big // 8, 8, 7168, 256) == "scatter" and mode(-(-slab_big // 8), 8, 7168, 256) == "rows"

@@ -291,8 +291,8 @@ def n_slab_tiles(cfg: GemmConfig, scatter: bool, M: int, N: int, K: int, out_row
     / 3072 636.1 -> 618.4, 758.1 -> 728.5, 905.1 -> 871.2, bf16 1105.5 -> 1098.6, 1200.8 ->
     1160.9, 1337.7 -> 1276.5; gpt-oss-120b (K = N = 2880) 3-4% slower with 1024-column slabs (FP8
     T = 2048 1356.6 -> 1400.2), Qwen3-30B (K = 768, N = 2048, an 8 MB output at T = 2048) level:
-    neither passes the rule. With slabs DeepSeek's scatter-add beats the stored rows up to T = 5120
-    (``experts.DOWN_SUM_MIN_ROWS_SLABS``)."""
+    neither passes the rule. With slabs (and, since session 37, 64-row tiles at short K) DeepSeek's
+    scatter-add beats the stored rows up to T = 16384 (``experts.DOWN_SUM_MIN_ROWS_SLABS``)."""
     if not scatter or not takes_column_slabs(M, N, K, out_rows, x_bytes, out_bytes, l2):
         return 0
     cols = settings.get().knob("GG_N_SLAB", -1)
