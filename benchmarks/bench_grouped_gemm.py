@@ -33,7 +33,12 @@ longer timed (its compilations dominate); every row is printed as soon as it is 
 ``--quick``: one projection per model family (Scout TP8, Maverick TP8, Llama 4, DeepSeek,
 Qwen3) at M = 1, 16, 128, 16384, bf16 and fp8 (40 cells), smallest M first. The full grid: every
 shape at M = 1, 16 and G x {1, 8, 32, 64, 128, 256, 512, 2048} rows per group up to 65536 rows
-(``grid_ms``; set ``--budget 0`` to run all of it).
+(``grid_ms``; set ``--budget 0`` to run all of it). ``--shapes a,b`` keeps those shapes of the
+grid (quick or full): the full grid does not fit one 10-minute device call, so it runs as
+``GRID_PARTS``' shape lists, one call each, and ``results_table.py --merge`` joins their JSON.
+
+The run ends with issue 15's peer bar for the grouped GEMM alone: the cells where moekit is slower
+than MSLK or than torch (``peer_verdict``).
 """
 
 from __future__ import annotations
@@ -97,6 +102,53 @@ def grid_ms(G: int) -> list[int]:
 QUICK_SHAPES = ["scout-tp8-w13", "maverick-tp8-w2", "llama4-w2", "deepseek-w2", "qwen3-w2"]
 QUICK_MS = [1, 16, 128, 16384]
 TOP_K = {"deepseek": 8, "qwen3": 8, "gpt": 4}
+
+# The full grid in three device calls of similar length (``--shapes``, one list each): the large
+# shapes (Llama 4, DeepSeek-V3 unsharded) spread over the parts.
+GRID_PARTS = [
+    ["scout-tp8-w13", "scout-tp8-w2", "maverick-tp8-w13", "maverick-tp8-w2", "llama4-w13"],
+    ["llama4-w2", "deepseek-w13", "deepseek-w2", "qwen3-w13"],
+    ["qwen3-w2", "deepseek-tp8-w13", "deepseek-tp8-w2", "gpt-oss-w13", "gpt-oss-w2"],
+]
+
+
+def pick_shapes(text: str) -> list[str]:
+    """``--shapes``: comma-separated names of ``SHAPES`` (or ``partN``: ``GRID_PARTS[N - 1]``), in
+    the grid's order."""
+    names = {s[0] for s in SHAPES}
+    want: set = set()
+    for t in (t.strip() for t in text.split(",")):
+        if not t:
+            continue
+        if t.startswith("part") and t[4:].isdigit() and 1 <= int(t[4:]) <= len(GRID_PARTS):
+            want.update(GRID_PARTS[int(t[4:]) - 1])
+        elif t in names:
+            want.add(t)
+        else:
+            raise ValueError(
+                f"--shapes: expected names from {sorted(names)} or part1..part{len(GRID_PARTS)}, got {t!r}"
+            )
+    return [s[0] for s in SHAPES if s[0] in want]
+
+
+def peer_verdict(rows: list[dict]) -> list[str]:
+    """Issue 15's bar for the grouped GEMM alone, "never slower than MSLK or torch._grouped_mm in
+    any cell": a summary line, then one line per cell where moekit is slower than a peer that
+    ran (a peer's refusal or error is no cell of the bar)."""
+    timed = {"MSLK": 0, "torch": 0}
+    lines = []
+    for r in rows:
+        for peer in timed:
+            ratio = r.get(f"÷{peer}")
+            if ratio is None:
+                continue
+            timed[peer] += 1
+            if ratio > 1.0:
+                lines.append(f"  slower than {peer}: {r['shape']} M={r['M']} {r['dtype']} {r['moekit µs']:.1f} µs "
+                             f"vs {r[f'{peer} µs']:.1f} ({ratio:.3f}x)")  # fmt: skip
+    head = (f"peer bar (never slower than MSLK or torch): {len(lines)} cell(s) slower, of {timed['MSLK']} "
+            f"timed against MSLK and {timed['torch']} against torch")  # fmt: skip
+    return [head] + lines
 
 
 def _top_k(name: str, M: int, G: int) -> int:
@@ -424,7 +476,13 @@ def main() -> int:
                     help="seconds; later cells are skipped (quick: 140, full: 240; 0: no limit)")  # fmt: skip
     ap.add_argument("--mslk-configs", type=int, default=None,
                     help="MSLK autotuning configs kept per shape (quick: 2, full: 4; 0: all)")  # fmt: skip
+    ap.add_argument("--shapes", default="",
+                    help="comma-separated shape names (or part1..part3: the full grid's device calls) to keep")  # fmt: skip
     args = ap.parse_args()
+    try:
+        keep = pick_shapes(args.shapes) if args.shapes else None
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         print("bench_grouped_gemm: needs a CUDA GPU; nothing to do on this machine.")
         return 0
@@ -442,6 +500,8 @@ def main() -> int:
         plan = [(by_name[n], m) for m in QUICK_MS for n in QUICK_SHAPES]
     else:
         plan = [(s, m) for s in SHAPES for m in grid_ms(s[1])]
+    if keep is not None:
+        plan = [(s, m) for s, m in plan if s[0] in keep]
     if args.tune:
         from sweep_gemm import tune
 
@@ -465,12 +525,13 @@ def main() -> int:
     print(f"Grouped GEMM, one GPU; floor = max(bytes / {COPY_TBPS} TB/s, FLOP / {BF16_TFLOPS} (bf16) or "
           f"{FP8_TFLOPS} (fp8) TFLOP/s); ÷peer = moekit µs / peer µs")  # fmt: skip
     print(markdown_table(rows))
+    print("\n".join(peer_verdict(rows)))
     dense: list[dict] = []
     if args.dense:
         bench_dense(dense, args.quick)
         print()
         print(markdown_table(dense))
-    meta = {**environment(), "quick": args.quick}
+    meta = {**environment(), "quick": args.quick, "shapes": keep}
     path = save_rows("bench_grouped_gemm", rows + dense, meta)
     print(f"\n{len(rows) + len(dense)} rows in {time.time() - t0:.0f} s" + (f"; saved to {path}" if path else ""))
     return 0

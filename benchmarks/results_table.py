@@ -5,6 +5,8 @@
     python benchmarks/results_table.py --update benchmarks/RESULTS.md          # rewrite every
                                                                                # generated block
     python benchmarks/results_table.py --check benchmarks/RESULTS.md           # exit 1 if stale
+    python benchmarks/results_table.py --merge OUT.json A.json B.json ...      # one file of the
+                                                                               # rows of several runs
 
 A generated block in a Markdown file sits between ``<!-- table: PATH -->`` and ``<!-- end table
 -->`` (PATH relative to the repository root): a JSON file a benchmark wrote (``{"meta": ...,
@@ -105,12 +107,46 @@ def update(md_path: str, check: bool = False) -> bool:
     return False
 
 
+def merge(paths: list) -> dict:
+    """One ``{"meta", "rows"}`` of several runs of a benchmark (a grid split over device calls,
+    e.g. ``bench_grouped_gemm.py --shapes part1..part3``): the rows in the order given, the first
+    file's meta with each part's date and shapes under ``parts``. The runs must come from one
+    kind of GPU: rows of different cards are not one table (``ValueError``)."""
+    if not paths:
+        raise ValueError("--merge: expected an output path and at least one JSON file to merge")
+    datas = []
+    for p in paths:
+        with open(p) as f:
+            datas.append(json.load(f))
+    gpus = {d.get("meta", {}).get("gpu") for d in datas}
+    if len(gpus) > 1:
+        raise ValueError(
+            f"--merge: the files come from different GPUs ({sorted(map(str, gpus))}); one table needs one card"
+        )
+    meta = dict(datas[0].get("meta", {}))
+    meta["parts"] = [{"file": os.path.basename(p), "date": d.get("meta", {}).get("date"),
+                      "shapes": d.get("meta", {}).get("shapes"), "rows": len(d.get("rows", []))}
+                     for p, d in zip(paths, datas)]  # fmt: skip
+    return {"meta": meta, "rows": [r for d in datas for r in d.get("rows", [])]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="?", help="a benchmark's JSON file: print its table")
     ap.add_argument("--update", metavar="MD", help="rewrite the generated blocks of a Markdown file")
     ap.add_argument("--check", metavar="MD", help="exit 1 when a generated block is stale")
+    ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"),
+                    help="write OUT: the rows of the JSON files after it, in order (one card)")  # fmt: skip
     args = ap.parse_args()
+    if args.merge:
+        try:
+            data = merge(args.merge[1:])
+        except ValueError as e:
+            ap.error(str(e))
+        with open(args.merge[0], "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"{args.merge[0]}: {len(data['rows'])} rows from {len(args.merge) - 1} file(s)")
+        return 0
     if args.check:
         ok = update(args.check, check=True)
         print("up to date" if ok else f"{args.check}: stale generated tables (run --update)")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -208,3 +209,67 @@ def test_acceptance_runs_on_the_recorded_grids(capsys):
     ceilings = acc.load_ceilings(os.path.join(res_dir, "card_ceilings_h100.json"))
     assert set(ceilings) >= {"copy", "read", "bf16_matmul", "fp8_matmul"}
     assert len(acc.check(rows, 14, ceilings)) == 44 and len(acc.check(rows, 15, ceilings)) == 50
+
+
+def _bench_module(name):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.mark.reference
+def test_grouped_gemm_grid_parts_cover_every_shape_once():
+    """``bench_grouped_gemm.py --shapes``: the full grid's parts hold every shape exactly once,
+    names and parts combine in the grid's order, and an unknown name is a ValueError naming the
+    choices."""
+    bgg = _bench_module("bench_grouped_gemm")
+    names = [s[0] for s in bgg.SHAPES]
+    parts = [n for p in bgg.GRID_PARTS for n in p]
+    assert sorted(parts) == sorted(names) and len(parts) == len(set(parts))
+    assert bgg.pick_shapes("part1,part2,part3") == names
+    assert bgg.pick_shapes("qwen3-w2, scout-tp8-w13") == ["scout-tp8-w13", "qwen3-w2"]
+    assert bgg.pick_shapes("part2,qwen3-w13") == bgg.GRID_PARTS[1]
+    for bad in ("qwen3", "part0", "part4"):
+        with pytest.raises(ValueError, match="expected names from"):
+            bgg.pick_shapes(bad)
+
+
+@pytest.mark.reference
+def test_grouped_gemm_peer_verdict_counts_slower_cells():
+    """Issue 15's grouped-GEMM peer bar: a cell slower than a peer that ran is listed; a peer's
+    refusal (no ratio) is not a cell of the bar."""
+    bgg = _bench_module("bench_grouped_gemm")
+    base = {"shape": "qwen3-w2", "dtype": "bf16", "moekit µs": 10.0}
+    rows = [
+        dict(base, M=1, **{"MSLK µs": 12.0, "÷MSLK": 10 / 12, "torch µs": 11.0, "÷torch": 10 / 11}),
+        dict(base, M=16, **{"MSLK µs": 9.0, "÷MSLK": 10 / 9, "torch µs": 20.0, "÷torch": 0.5}),
+        dict(base, M=128, **{"MSLK µs": "refused", "torch µs": 8.0, "÷torch": 1.25}),
+    ]
+    head, *cells = bgg.peer_verdict(rows)
+    assert head.startswith("peer bar") and "2 cell(s) slower, of 2 timed against MSLK and 3 against torch" in head
+    assert cells == ["  slower than MSLK: qwen3-w2 M=16 bf16 10.0 µs vs 9.0 (1.111x)",
+                     "  slower than torch: qwen3-w2 M=128 bf16 10.0 µs vs 8.0 (1.250x)"]  # fmt: skip
+
+
+@pytest.mark.reference
+def test_results_table_merges_split_runs(tmp_path):
+    """``results_table.py --merge``: the rows of several runs in order, each part in the meta; runs
+    of different GPUs refused."""
+    rt = _bench_module("results_table")
+    paths = []
+    for i, gpu in enumerate(("H200", "H200", "H100")):
+        p = tmp_path / f"p{i}.json"
+        p.write_text(json.dumps({"meta": {"gpu": gpu, "date": f"d{i}", "shapes": [f"s{i}"]},
+                                 "rows": [{"shape": f"s{i}", "M": m} for m in range(i + 1)]}))  # fmt: skip
+        paths.append(str(p))
+    out = rt.merge(paths[:2])
+    assert [(r["shape"], r["M"]) for r in out["rows"]] == [("s0", 0), ("s1", 0), ("s1", 1)]
+    assert out["meta"]["gpu"] == "H200" and [q["rows"] for q in out["meta"]["parts"]] == [1, 2]
+    with pytest.raises(ValueError, match="different GPUs"):
+        rt.merge(paths)
+    dst = tmp_path / "out.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "results_table.py"), "--merge", str(dst),
+                        *paths[:2]], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0 and json.loads(dst.read_text())["rows"] == out["rows"], r.stderr
