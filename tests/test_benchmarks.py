@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -15,6 +16,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # issues' bars: no GPU involved (tested below).
 CPU_TOOLS = ("results_table.py", "acceptance.py")
 SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f not in CPU_TOOLS)
+
+
+def _bench_module(name: str):
+    """A script of ``benchmarks/`` imported as a module (its helpers tested without a GPU)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 @pytest.mark.reference
@@ -30,11 +40,7 @@ def test_benchmark_script_runs_without_cuda(script):
 @pytest.mark.reference
 def test_results_md_tables_match_their_json_rows():
     """RESULTS.md's generated tables are what ``results_table.py`` makes of the JSON rows they name."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import results_table
-    finally:
-        sys.path.pop(0)
+    results_table = _bench_module("results_table")
     md = os.path.join(ROOT, "benchmarks", "RESULTS.md")
     assert "<!-- table: " in open(md).read()
     assert results_table.update(md, check=True), (
@@ -44,11 +50,7 @@ def test_results_md_tables_match_their_json_rows():
 
 @pytest.mark.reference
 def test_results_table_renders_any_benchmarks_rows():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import results_table
-    finally:
-        sys.path.pop(0)
+    results_table = _bench_module("results_table")
     data = {"meta": {"gpu": "G", "date": "D"}, "rows": [{"op": "a", "us": 3.14159, "_private": 1},
                                                           {"op": "b", "us": None, "M": 12.5}]}  # fmt: skip
     t = results_table.generic_table(data).splitlines()
@@ -60,11 +62,7 @@ def test_ncu_table_splits_cases_at_the_marker_launch():
     """``ncu_layer.table``: rows are attributed to the case whose marker launch precedes them,
     whatever kernels the path launches (moe_decode has no routing launch), markers left out,
     units row skipped, times in µs and bytes in MB."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import ncu_layer
-    finally:
-        sys.path.pop(0)
+    ncu_layer = _bench_module("ncu_layer")
     m = {"gpu__time_duration.sum": "us", "dram__bytes_read.sum": "MB read", "smsp__inst_executed.sum": "inst"}
     head = '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","smsp__inst_executed.sum"'
     rows = [
@@ -91,11 +89,7 @@ def test_sweep_gemm_candidates_hold_both_streaming_loops():
     """``sweep_gemm.candidate_configs``: the heuristic's choice for rows stored first, then (short K, where it takes
     the persistent tile loop) the same tiles one program per tile, so a sweep times both; the
     persist variants and the tiled configurations follow, each once."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import sweep_gemm
-    finally:
-        sys.path.pop(0)
+    sweep_gemm = _bench_module("sweep_gemm")
     from moekit.ops._triton.gg_config import heuristic_config
 
     for M, N, K, G, fp8, elem in ((128, 7168, 256, 256, True, 1), (64, 2880, 2880, 128, False, 2)):
@@ -119,11 +113,7 @@ def test_sweep_gemm_scatter_layout_is_the_layers():
     """``sweep_gemm --scatter K``'s rows: a top-K routing of M / K tokens, each token K times, rows
     sorted by expert and by token within an expert (``index_shuffling``'s order), sizes summing to
     M, one router weight per row; M not a multiple of K is refused."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import sweep_gemm
-    finally:
-        sys.path.pop(0)
+    sweep_gemm = _bench_module("sweep_gemm")
     import torch
 
     ms, tok, tw = sweep_gemm._scatter_layout(256, 16, 8, 3, "cpu")
@@ -143,11 +133,7 @@ def test_sweep_gemm_scatter_layout_is_the_layers():
 def test_isolate_stages_times_every_stage_alone_and_in_place():
     """``isolate_stages.one_case`` on the CPU (a tiny model): every stage of the forward recorded,
     timed alone and with the recorded result put in its place, the stage functions restored."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import isolate_stages
-    finally:
-        sys.path.pop(0)
+    isolate_stages = _bench_module("isolate_stages")
     from moekit.layers import experts
 
     before = experts.grouped_gemm_fp8_rowwise
@@ -162,19 +148,10 @@ def test_isolate_stages_times_every_stage_alone_and_in_place():
     assert all(isinstance(r["in_place_us"], float) and r["layer_us"] > 0 for r in rows)
 
 
-def _acceptance():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import acceptance
-    finally:
-        sys.path.pop(0)
-    return acceptance
-
-
 @pytest.mark.reference
 def test_acceptance_verdicts():
     """``acceptance.py``: a bar met, missed, or asking for less time than the card's floor."""
-    acc = _acceptance()
+    acc = _bench_module("acceptance")
     ceilings = {"read": 3.0, "bf16_matmul": 700.0, "fp8_matmul": 1300.0}
 
     def card(T):
@@ -202,21 +179,13 @@ def test_acceptance_verdicts():
 @pytest.mark.reference
 def test_acceptance_runs_on_the_recorded_grids(capsys):
     """The grids RESULTS.md quotes: every cell of both issues present, and the script's output."""
-    acc = _acceptance()
+    acc = _bench_module("acceptance")
     res_dir = os.path.join(ROOT, "benchmarks", "results")
     rows = acc.load_rows([os.path.join(res_dir, f) for f in
                           ("layer_grid_decode_h100.json", "layer_grid_prefill_h100.json", "layer_maverick_h100.json")])  # fmt: skip
     ceilings = acc.load_ceilings(os.path.join(res_dir, "card_ceilings_h100.json"))
     assert set(ceilings) >= {"copy", "read", "bf16_matmul", "fp8_matmul"}
     assert len(acc.check(rows, 14, ceilings)) == 44 and len(acc.check(rows, 15, ceilings)) == 50
-
-
-def _bench_module(name):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
 
 
 @pytest.mark.reference
