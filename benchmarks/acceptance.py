@@ -5,7 +5,8 @@ the card that ran them (``card_ceilings.py``), against that card's own floor: a 
 less time than the card's floor cannot be met on that card by any implementation. CPU only.
 
     python benchmarks/acceptance.py --rows benchmarks/results/layer_grid_prefill_h100.json,... \
-        [--ceilings benchmarks/results/card_ceilings_h100.json] [--issue 14,15]
+        [--ceilings benchmarks/results/card_ceilings_h100.json] [--issue 14,15] \
+        [--gemm-rows grouped_gemm_grid.json]
 
 Bars (the issues' text):
 - issue 14 (T <= 256): T=1 within floor + 6 µs, T >= 4 at least 85% of the floor or within
@@ -14,6 +15,11 @@ Bars (the issues' text):
 Per cell: ``met`` or ``missed``, and ``below card floor`` where the bar is under this card's
 floor (its bytes at the card's read rate, or its FLOPs at its matmul rate, whichever is larger).
 Rows of several files merge per (model, dtype, T), the later file's columns over the earlier's.
+
+``--gemm-rows``: ``bench_grouped_gemm.py``'s rows of the full grid (its three ``--shapes`` parts
+joined by ``results_table.py --merge``) for issue 15's grouped-GEMM bar, "never slower than MSLK
+or torch._grouped_mm in any cell of the full grid": the cells slower than a peer, and the grid's
+cells the rows lack (``gemm_verdict``).
 """
 
 from __future__ import annotations
@@ -151,11 +157,33 @@ def summary(results: list[dict]) -> dict:
     return out
 
 
+def gemm_verdict(rows: list) -> list:
+    """Issue 15's grouped-GEMM bar on ``bench_grouped_gemm.py`` rows: how many of the full grid's
+    cells (every shape at ``grid_ms`` rows, bf16 and FP8) the rows time, those they lack, then
+    ``peer_verdict``'s lines (the cells slower than MSLK or torch)."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import bench_grouped_gemm as bgg
+
+    want = [(name, M, dt) for name, G, _, _ in bgg.SHAPES for M in bgg.grid_ms(G) for dt in ("bf16", "fp8")]
+    have = {(r["shape"], r["M"], r["dtype"]) for r in rows if isinstance(r.get("moekit µs"), (int, float))}
+    lacking = [c for c in want if c not in have]
+    lines = [f"full grid: {len(want) - len(lacking)} of {len(want)} cells timed"]
+    by_shape: dict = {}
+    for n, m, d in lacking:
+        by_shape.setdefault(n, {}).setdefault(m, []).append(d)
+    for n, ms in by_shape.items():
+        cells = ", ".join(str(m) if len(ds) == 2 else f"{m} {ds[0]}" for m, ds in ms.items())
+        lines.append(f"  not timed: {n} M = {cells}")
+    return lines + bgg.peer_verdict(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", required=True, help="bench_layer.py JSON files, comma-separated")
     ap.add_argument("--ceilings", default=None, help="card_ceilings.py JSON of the card that ran the rows")
     ap.add_argument("--issue", default="14,15")
+    ap.add_argument("--gemm-rows", default=None, help="bench_grouped_gemm.py JSON of the full grid (issue 15)")
     a = ap.parse_args()
     rows = load_rows([p for p in a.rows.split(",") if p])
     ceilings = load_ceilings(a.ceilings)
@@ -164,6 +192,11 @@ def main() -> int:
         print(f"## issue {issue}: {len(res)} cells\n")
         print(markdown(res, issue))
         print("\n" + json.dumps(summary(res)) + "\n")
+    if a.gemm_rows:
+        with open(a.gemm_rows) as f:
+            gemm = json.load(f).get("rows", [])
+        print("## issue 15: the grouped GEMM alone against MSLK and torch\n")
+        print("\n".join(gemm_verdict(gemm)))
     return 0
 
 

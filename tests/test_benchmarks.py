@@ -242,3 +242,26 @@ def test_results_table_merges_split_runs(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "results_table.py"), "--merge", str(dst),
                         *paths[:2]], capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0 and json.loads(dst.read_text())["rows"] == out["rows"], r.stderr
+
+
+@pytest.mark.reference
+def test_acceptance_gemm_verdict_names_missing_and_slower_cells():
+    """``acceptance.py --gemm-rows``: the full grid's cells the rows lack, and the cells slower
+    than a peer."""
+    acc = _bench_module("acceptance")
+    bgg = _bench_module("bench_grouped_gemm")
+    rows = []
+    for name, G, _, _ in bgg.SHAPES:
+        for M in bgg.grid_ms(G):
+            for dt in ("bf16", "fp8"):
+                if (name, M, dt) == ("qwen3-w2", 1, "fp8"):
+                    continue  # a cell the run never reached
+                r = {"shape": name, "M": M, "dtype": dt, "moekit µs": 10.0, "torch µs": 20.0, "÷torch": 0.5}
+                if (name, M, dt) == ("deepseek-tp8-w2", 16, "bf16"):
+                    r.update({"MSLK µs": 8.0, "÷MSLK": 1.25})
+                rows.append(r)
+    lines = acc.gemm_verdict(rows)
+    n = 2 * sum(len(bgg.grid_ms(G)) for _, G, _, _ in bgg.SHAPES)
+    assert lines[0] == f"full grid: {n - 1} of {n} cells timed"
+    assert lines[1] == "  not timed: qwen3-w2 M = 1 fp8"
+    assert "1 cell(s) slower" in lines[2] and lines[3].startswith("  slower than MSLK: deepseek-tp8-w2 M=16 bf16")
