@@ -131,6 +131,18 @@ def pick_shapes(text: str) -> list[str]:
     return [s[0] for s in SHAPES if s[0] in want]
 
 
+def pick_ms(text: str) -> set[int]:
+    """``--ms``: comma-separated positive row counts."""
+    out = set()
+    for t in (t.strip() for t in text.split(",")):
+        if not t:
+            continue
+        if not t.isdigit() or int(t) < 1:
+            raise ValueError(f"--ms: expected positive integers separated by commas, got {t!r}")
+        out.add(int(t))
+    return out
+
+
 def peer_verdict(rows: list[dict]) -> list[str]:
     """Issue 15's bar for the grouped GEMM alone, "never slower than MSLK or torch._grouped_mm in
     any cell": a summary line, then one line per cell where moekit is slower than a peer that
@@ -478,9 +490,13 @@ def main() -> int:
                     help="MSLK autotuning configs kept per shape (quick: 2, full: 4; 0: all)")  # fmt: skip
     ap.add_argument("--shapes", default="",
                     help="comma-separated shape names (or part1..part3: the full grid's device calls) to keep")  # fmt: skip
+    ap.add_argument(
+        "--ms", default="", help="comma-separated total rows M to keep (e.g. 1024,2048: an A/B of a few cells)"
+    )
     args = ap.parse_args()
     try:
         keep = pick_shapes(args.shapes) if args.shapes else None
+        keep_ms = pick_ms(args.ms) if args.ms else None
     except ValueError as e:
         ap.error(str(e))
     if not torch.cuda.is_available():
@@ -502,6 +518,8 @@ def main() -> int:
         plan = [(s, m) for s in SHAPES for m in grid_ms(s[1])]
     if keep is not None:
         plan = [(s, m) for s, m in plan if s[0] in keep]
+    if keep_ms is not None:
+        plan = [(s, m) for s, m in plan if m in keep_ms]
     if args.tune:
         from sweep_gemm import tune
 

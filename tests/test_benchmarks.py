@@ -203,6 +203,11 @@ def test_grouped_gemm_grid_parts_cover_every_shape_once():
     for bad in ("qwen3", "part0", "part4"):
         with pytest.raises(ValueError, match="expected names from"):
             bgg.pick_shapes(bad)
+    # --ms: the cells of an A/B (row counts of the grid)
+    assert bgg.pick_ms("1024, 2048,,1024") == {1024, 2048}
+    for bad in ("0", "-4", "1e3", "x"):
+        with pytest.raises(ValueError, match="expected positive integers"):
+            bgg.pick_ms(bad)
 
 
 @pytest.mark.reference

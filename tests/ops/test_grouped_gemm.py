@@ -795,6 +795,87 @@ def test_fp8_tall_tiles_rule():
 
 
 @pytest.mark.reference
+def test_bf16_tall_tiles_rule():
+    """Knob ``BF16_TALL_TILES`` (on by default): 16-bit grouped GEMMs that store their rows take 128
+    x 128 x 128 tiles, three stages, below 96 rows per group wherever the tiled kernel runs (from
+    32 rows for deep or short-K weights, 48 otherwise); FP8 ones (``FP8_TALL_TILES``), scatter-added
+    ones, weight-only FP8 (16-bit rows), the streaming sizes and 96+ rows keep their tiles; off
+    restores the old tiles."""
+    from moekit import settings
+
+    sel = _tri().heuristic_config
+    tall = ("tiled", 128, 128, 128, 3)
+
+    def key(c):
+        return (c.kind, c.block_m, c.block_n, c.block_k, c.stages)
+
+    # (M, N, K, G): the three measured cells (Llama 4 Scout TP8 gate|up at 64 rows per group,
+    # gpt-oss-120b gate|up at 64, DeepSeek-V3 TP8 gate|up at 32: tiled there since K >= 4N), and
+    # Qwen3-30B's down at 64, DeepSeek-V3 TP8's down (K = 256) at 32
+    for M, N, K, G in ((1024, 2048, 5120, 16), (8192, 5760, 2880, 128), (8192, 512, 7168, 256),
+                       (8192, 2048, 768, 128), (8192, 7168, 256, 256), (12160, 5760, 2880, 128)):  # fmt: skip
+        for elem in (2,):
+            assert key(sel(M, N, K, G, False, elem, 132, stored=True)) == tall, (M, N, K, G)
+            assert key(sel(M, N, K, G, False, elem, 132)) != tall  # scatter-add epilogue
+            assert key(sel(M, N, K, G, False, elem, 132, stored=True, w_only=True)) != tall
+            assert key(sel(M, N, K, G, True, 1, 132, stored=True)) != tall  # FP8: its own tall tiles
+            with settings.override(knobs={"BF16_TALL_TILES": 0}):
+                assert sel(M, N, K, G, False, elem, 132, stored=True) == sel(M, N, K, G, False, elem, 132)
+    # streaming sizes (32 rows per group, K < 4N), 96 / 128 rows per group, float32 rows: unchanged
+    for M, N, K, G, elem in ((4096, 2048, 768, 128, 2), (12288, 5760, 2880, 128, 2), (16384, 2048, 768, 128, 2),
+                             (8192, 5760, 2880, 128, 4)):  # fmt: skip
+        with settings.override(knobs={"BF16_TALL_TILES": 0}):
+            off = sel(M, N, K, G, False, elem, 132, stored=True)
+        assert sel(M, N, K, G, False, elem, 132, stored=True) == off, (M, N, K, G, elem)
+
+
+@pytest.mark.reference
+def test_narrow_tiles_waves_rule():
+    """Knob ``NARROW_TILES_WAVES`` (1 by default): the tiled kernel's 256-column tiles narrow to 128
+    columns only where the wide ones would not fill one wave of the SMs. Llama 4 Scout TP8's
+    gate|up (G=16, N=2048) at 128 and 256 rows per group keeps 256 columns (2.9 and 1.5 waves of
+    them; 4, the old bound, narrowed them), stored or scatter-added, bf16 and FP8; a handful of
+    tiles still narrows."""
+    from moekit import settings
+
+    sel = _tri().heuristic_config
+    for M in (2048, 4096):
+        for fp8, elem in ((False, 2), (True, 1)):
+            for stored in (False, True):
+                assert sel(M, 2048, 5120, 16, fp8, elem, 132, stored=stored).block_n == 256, (M, fp8, stored)
+                with settings.override(knobs={"NARROW_TILES_WAVES": 4}):
+                    assert sel(M, 2048, 5120, 16, fp8, elem, 132, stored=stored).block_n == 128
+    # two groups of 256 rows, N = 512: four wide tiles on 132 SMs narrow to eight
+    assert sel(512, 512, 4096, 2, False, 2, 132).block_n == 128
+
+
+@pytest.mark.reference
+def test_stream_deep_k_rule():
+    """Knob ``STREAM_DEEP_K`` (on by default): 16-bit streaming GEMMs that store their rows on 64 x
+    128 tiles with K >= 1024 take 128-wide K steps in two stages; scatter-added, FP8, weight-only
+    FP8, short-K (K < 1024) and other streaming tiles keep theirs; off restores them."""
+    from moekit import settings
+
+    sel = _tri().heuristic_config
+    # (M, N, K, G) at 32 rows per group: Llama 4 Scout TP8 gate|up and down, Maverick TP8 gate|up,
+    # Llama 4 down, gpt-oss-120b gate|up
+    for M, N, K, G in ((512, 2048, 5120, 16), (512, 5120, 1024, 16), (4096, 2048, 5120, 128), (512, 5120, 8192, 16),
+                       (4096, 5760, 2880, 128)):  # fmt: skip
+        c = sel(M, N, K, G, False, 2, 132, stored=True)
+        assert (c.kind, c.block_m, c.block_n, c.block_k, c.stages, c.persist) == ("stream", 64, 128, 128, 2, False)
+        assert sel(M, N, K, G, False, 2, 132).block_k == 64  # scatter-add epilogue
+        assert sel(M, N, K, G, False, 2, 132, stored=True, w_only=True).block_k == 64
+        assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132)  # FP8
+        with settings.override(knobs={"STREAM_DEEP_K": 0}):
+            assert sel(M, N, K, G, False, 2, 132, stored=True) == sel(M, N, K, G, False, 2, 132)
+    # Qwen3-30B's down (K = 768) at 32 rows per group and 16-row tiles: unchanged
+    for M, N, K, G in ((4096, 2048, 768, 128), (1024, 2048, 5120, 128)):
+        with settings.override(knobs={"STREAM_DEEP_K": 0}):
+            off = sel(M, N, K, G, False, 2, 132, stored=True)
+        assert sel(M, N, K, G, False, 2, 132, stored=True) == off, (M, N, K, G)
+
+
+@pytest.mark.reference
 def test_scatter_short_k_rule():
     """Knob ``SCATTER_SHORT_K`` (1024 by default): a scatter-added tiled GEMM whose K is at most the
     bound keeps 64-row tiles at 192+ rows per group (Qwen3-30B's and DeepSeek-V3 TP8's down GEMMs);
@@ -848,6 +929,41 @@ def test_fp8_tall_tiles_compile_without_spills_for_sm90():
     got = [(r["kernel"], r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["constants"]["BLOCK_K"],
             r["constants"]["FLATTEN"], r["stack"]) for r in records]  # fmt: skip
     assert all(g[:5] == ("_gg_tiled_kernel", "128", "128", "256", "True") for g in got), got
+    assert all(not g[5] for g in got), got
+
+
+@pytest.mark.reference
+def test_bf16_tall_tiles_compile_without_spills_for_sm90():
+    """The 16-bit 128 x 128 x 128 tiles of ``BF16_TALL_TILES`` (rows stored, the fused tile loop,
+    three 64 KB stages: 224 KB with the epilogue tile, inside a block's 227 KB) and the 64 x 128 x
+    128 two-stage streaming tiles of ``STREAM_DEEP_K`` compile for sm_90 with no stack frame, with
+    and without router weights on the rows."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit.ops._triton import grouped_gemm as GG
+        from moekit.ops._triton.gg_config import heuristic_config
+        GG._tma_ok = lambda t, block: t.stride(-1) == 1  # descriptors for meta tensors too
+        m = "meta"
+        dt = torch.bfloat16
+        for M, N, K, G in ((8192, 5760, 2880, 128), (1024, 2048, 5120, 16), (512, 2048, 5120, 16)):
+            x, w = torch.empty(M, K, dtype=dt, device=m), torch.empty(G * N, K, dtype=dt, device=m)
+            ms = torch.empty(G, dtype=torch.int32, device=m)
+            cfg = heuristic_config(M, N, K, G, False, 2, 132, stored=True)
+            want = (128, 128, 128, 3) if M >= 1024 else (64, 128, 128, 2)  # the last: STREAM_DEEP_K's
+            assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages) == want, cfg
+            GG.grouped_gemm(x, w, ms, token_weights=torch.empty(M, device=m))
+            GG.grouped_gemm(x, w, ms)
+        """,
+        ["moekit.ops._triton.grouped_gemm"],
+    )
+    assert_all_compiled(records, 6)
+    got = [(r["kernel"], r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["constants"]["BLOCK_K"],
+            r["constants"].get("FLATTEN"), r["stack"]) for r in records]  # fmt: skip
+    tiled = [g for g in got if g[0] == "_gg_tiled_kernel"]
+    assert len(tiled) == 4 and all(g[1:5] == ("128", "128", "128", "True") for g in tiled), got
+    assert all(g[1:4] == ("64", "128", "128") for g in got if g not in tiled), got
     assert all(not g[5] for g in got), got
 
 
@@ -1353,6 +1469,36 @@ def test_gpu_fp8_tall_tiles(G, M, N, K, kind, cuda):
     want_out = torch.zeros(T, N, device=cuda).index_add(0, idx.clamp(min=0)[:n],
                                                         torch.where(idx[:n, None] >= 0, want[:n], 0.0))  # fmt: skip
     assert_close(out.float(), want_out, tol=_tol(FP8), msg="scatter")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["routing", "zeros", "short"])
+@pytest.mark.parametrize("G,M,N,K", [(32, 2048, 1440, 2880), (16, 1024, 2048, 5120), (64, 2048, 512, 7168)])
+def test_gpu_bf16_tall_tiles(G, M, N, K, kind, cuda):
+    """The heuristic's 16-bit 128 x 128 x 128 tiles for stored rows (knob ``BF16_TALL_TILES``: 64
+    rows per group of gpt-oss-120b's K = 2880, whose last K step is masked, and of Llama 4 Scout
+    TP8's gate|up; 32 of DeepSeek-V3 TP8's deep gate|up) against the float32 oracle on ragged,
+    empty and short groups, with and without router weights; the scatter-add of the same call
+    keeps its own tiles and matches too."""
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    cfg = heuristic_config(M, N, K, G, False, 2, 132, stored=True)
+    assert (cfg.kind, cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages) == ("tiled", 128, 128, 128, 3), cfg
+    x, w, _, _ = _inputs(M, G, N, K, torch.bfloat16, seed=G + K, device=cuda)
+    ms_cpu = _sizes(kind, M, G, seed=M)
+    ms = ms_cpu.to(cuda)
+    n = _valid_rows(ms_cpu, M)
+    for tw in (None, torch.rand(M, device=cuda) + 0.5):
+        want = _oracle(x, w, ms, token_weights=tw)
+        y = grouped_gemm(x, w, ms, token_weights=tw)
+        assert_close(y[:n].float(), want[:n], tol=_tol(torch.bfloat16), msg=f"{kind} tw={tw is not None}")
+    T = M // 4
+    idx = torch.randint(-1, T, (M,), device=cuda)
+    out = torch.zeros(T, N, device=cuda, dtype=torch.bfloat16)
+    grouped_gemm(x, w, ms, token_weights=tw, _output_tensor=out, _scatter_add_indices=idx)
+    want_out = torch.zeros(T, N, device=cuda).index_add(0, idx.clamp(min=0)[:n],
+                                                        torch.where(idx[:n, None] >= 0, want[:n], 0.0))  # fmt: skip
+    assert_close(out.float(), want_out, tol=_tol(torch.bfloat16), msg="scatter")
 
 
 @pytest.mark.gpu

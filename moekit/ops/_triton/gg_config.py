@@ -94,7 +94,7 @@ def select_config(M: int, N: int, K: int, G: int, fp8: bool, elem: int, sms: int
     tuned = _tuned_table().get(config_key(M, N, K, G, fp8, elem))
     if tuned and not (w_only and tuned.get("persist")):
         return GemmConfig(**tuned)
-    return heuristic_config(M, N, K, G, fp8, elem, sms, persist=False if w_only else None, stored=stored)
+    return heuristic_config(M, N, K, G, fp8, elem, sms, persist=False if w_only else None, stored=stored, w_only=w_only)
 
 
 def use_gemv(M: int, hits: float) -> bool:
@@ -163,6 +163,34 @@ TILED_SHORT_K = 256
 # touch level. 0: off.
 FP8_TALL_TILES = 1
 
+# Knob BF16_TALL_TILES: the same for 16-bit GEMMs that store their rows, 128 x 128 x 128 tiles,
+# three stages, from the tiled kernel's smallest groups to under 96 rows per group. H100, session
+# 39 (``sweep_gemm.py``, the GEMM alone, rows stored, bf16, µs, the rule's tile -> 128 x 128 x
+# 128 s3): Llama 4 Scout TP8 gate|up (G=16, N=2048, K=5120) M=1024 (64 rows per group) 140.7 ->
+# 122.7, gpt-oss-120b gate|up (G=128, N=5760, K=2880) M=8192 (64) 1727.4 -> 1573.5, DeepSeek-V3
+# TP8 gate|up (G=256, N=512, K=7168) M=8192 (32) 714.9 -> 672.6 (each the best of the sweep's 14
+# tiles; bench_grouped_gemm.py, same machine: 138.6 -> 123.0 against MSLK's 128.7, 1765.1 ->
+# 1551.9 against 1592.3). 0: off.
+BF16_TALL_TILES = 1
+
+# Knob NARROW_TILES_WAVES: 256-column tiled tiles narrow to 128 columns only where the wide ones
+# would make fewer than this many waves (tiles per SM). It was 4 (never measured); H100, session
+# 39, the GEMM alone, Llama 4 Scout TP8 gate|up (G=16, N=2048, K=5120), M=2048 (128 rows per
+# group: 384 wide tiles, 2.9 waves), 64 x 128 -> 64 x 256 tiles, µs: bf16 179.5 -> 149.7, FP8
+# 97.1 -> 81.6 (MSLK 148.1 / 82.9, bench_grouped_gemm.py 178.7 / 97.2 -> 150.2 / 82.2); M=1024
+# bf16 140.7 -> 136.6.
+NARROW_TILES_WAVES = 1
+
+# Knob STREAM_DEEP_K: 16-bit streaming GEMMs that store their rows, on 64 x 128 tiles (17-32 rows
+# per group) with K >= 1024, take 128-wide K steps in two stages instead of 64-wide ones in four
+# (the same 96 KB of operands in flight, two programs per SM). H100, session 39 (``sweep_gemm.py``,
+# the GEMM alone, rows stored, bf16, 32 rows per group, µs): Llama 4 Scout TP8 gate|up (M=512)
+# 124.7 -> 117.9 and down (K=1024) 66.4 -> 64.0, Llama 4 Maverick TP8 gate|up (M=4096) 963.1 ->
+# 911.0, Llama 4 down (K=8192, M=512) 482.0 -> 459.4 (bench_grouped_gemm.py, same machine: 124.5
+# -> 118.1 against MSLK's 118.6, 959.4 -> 908.8 against 919.2). Not the scatter-added or the
+# fused gate/up GEMMs (not measured). 0: off.
+STREAM_DEEP_K = 1
+
 # K up to which a scatter-added tiled GEMM keeps 64-row tiles at any rows per group (knob
 # SCATTER_SHORT_K, 0: off; 128-row tiles from 192 rows per group otherwise). DeepSeek-V3 TP8's bf16
 # down GEMM scatter-added at T=6144 (192 rows per expert, K=256) compiled its 128 x 256 tiles to
@@ -186,6 +214,7 @@ def heuristic_config(
     sms: int,
     persist: Optional[bool] = None,
     stored: bool = False,
+    w_only: bool = False,
 ) -> GemmConfig:
     """The launch configuration by size rules. ``persist``: whether short-K streaming tiles may run
     on the persistent tile loop (default ``settings.gg_stream_persist``); False for kernels
@@ -257,6 +286,9 @@ def heuristic_config(
         # it costs programs per SM (5 stages for 2 K steps: 187.2 µs, 2 stages: 147.0, FP8
         # N=7168 K=256 G=256 M=2048, session 9 run 1).
         stages = max(2, min(stages, cdiv(K, block_k)))
+        if (stored and not fp8 and not w_only and elem == 2 and (block_m, block_n, block_k, warps) == (64, 128, 64, 4)
+                and K >= 1024 and s.knob("STREAM_DEEP_K", STREAM_DEEP_K)):  # fmt: skip
+            block_k, stages = 128, 2  # the same 96 KB in flight, half the K steps (STREAM_DEEP_K)
         # Short K (at most 4 K steps per tile): the same tiles on the persistent, flattened tile
         # loop, whose pipeline spans tiles (at least 3 stages), so the next tile's weights load
         # while this one's MMAs and epilogue run. Session 21 (H200), GEMM alone: DeepSeek TP8 w2
@@ -276,13 +308,17 @@ def heuristic_config(
         # the 220 KB bound below but inside a block's 227 KB; it compiles and runs on sm_90, and
         # ran 104.8 µs against 147.5 unfused on Qwen3-30B's down GEMM at M = 16384, run 2)
         return GemmConfig("tiled", 128, 128, 256, 3, 8, flatten=settings.get().gg_flatten)
+    if (stored and not fp8 and not w_only and elem == 2 and rows_per_group < 96 and K >= 256
+            and s.knob("BF16_TALL_TILES", BF16_TALL_TILES)):  # fmt: skip
+        # The same for 16-bit rows: 128 x 128 x 128, three 64 KB stages (the same bytes per stage).
+        return GemmConfig("tiled", 128, 128, 128, 3, 8, flatten=settings.get().gg_flatten)
     # 128-row tiles from 192 rows per group, but never for a short-K scatter-add (SCATTER_SHORT_K).
     short_scatter = not stored and K <= s.knob("SCATTER_SHORT_K", SCATTER_SHORT_K)
     block_m = 64 if rows_per_group < 192 or short_scatter else 128
     block_k = 128 if elem == 1 else (64 if elem == 2 else 32)
     block_n = 256 if N >= 256 else max(16, next_pow2(N))
     est_tiles = (M / block_m + hits) * cdiv(N, block_n)
-    if block_n == 256 and est_tiles < 4 * sms:
+    if block_n == 256 and est_tiles < s.knob("NARROW_TILES_WAVES", NARROW_TILES_WAVES) * sms:
         block_n = 128
     stage_bytes = (block_m + block_n) * block_k * elem
     stages = max(2, min(4, (176 * 1024) // stage_bytes))
