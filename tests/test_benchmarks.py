@@ -189,6 +189,18 @@ def test_acceptance_runs_on_the_recorded_grids(capsys):
 
 
 @pytest.mark.reference
+def test_gemm_verdict_on_the_recorded_full_grid():
+    """The full grouped-GEMM grid RESULTS.md quotes (session 39, H100, three calls merged): every
+    one of its 244 cells timed, and the peer bar's count as quoted."""
+    acc = _bench_module("acceptance")
+    with open(os.path.join(ROOT, "benchmarks", "results", "grouped_gemm_grid_h100.json")) as f:
+        rows = json.load(f)["rows"]
+    lines = acc.gemm_verdict(rows)
+    assert any("244 of 244 cells timed" in ln for ln in lines), lines[:3]
+    assert any("79 cell(s) slower" in ln for ln in lines), lines[:3]
+
+
+@pytest.mark.reference
 def test_grouped_gemm_grid_parts_cover_every_shape_once():
     """``bench_grouped_gemm.py --shapes``: the full grid's parts hold every shape exactly once,
     names and parts combine in the grid's order, and an unknown name is a ValueError naming the
