@@ -170,7 +170,12 @@ FP8_TALL_TILES = 1
 # 122.7, gpt-oss-120b gate|up (G=128, N=5760, K=2880) M=8192 (64) 1727.4 -> 1573.5, DeepSeek-V3
 # TP8 gate|up (G=256, N=512, K=7168) M=8192 (32) 714.9 -> 672.6 (each the best of the sweep's 14
 # tiles; bench_grouped_gemm.py, same machine: 138.6 -> 123.0 against MSLK's 128.7, 1765.1 ->
-# 1551.9 against 1592.3). 0: off.
+# 1551.9 against 1592.3). Why: at 32-95 rows per group these GEMMs are bytes-bound (64 rows make
+# 64 FLOP per weight byte, the card's ridge is ~160), and with 64-row tiles about half the groups
+# (random routing around a mean of 64) spill a few rows into a second row tile that streams the
+# group's whole weight slab again, from DRAM where the slabs outgrow L2; a 128-row tile holds such
+# groups whole. In all seven session-39 sweeps that timed both (32-128 rows per group) 128 x 128
+# x 128 s3 was at or ahead of 64 x 256 x 64 s4. 0: off.
 BF16_TALL_TILES = 1
 
 # Knob NARROW_TILES_WAVES: 256-column tiled tiles narrow to 128 columns only where the wide ones
@@ -220,8 +225,11 @@ def heuristic_config(
     on the persistent tile loop (default ``settings.gg_stream_persist``); False for kernels
     without that loop. ``stored``: the grouped GEMM stores its rows (no scatter-add epilogue):
     FP8 tiles from 48 to under 96 rows per group are then 128 x 128 x 256 (knob
-    ``FP8_TALL_TILES``); a scatter-add with K <= ``SCATTER_SHORT_K`` keeps 64-row tiles past 192
-    rows per group."""
+    ``FP8_TALL_TILES``), 16-bit tiled tiles below 96 rows per group 128 x 128 x 128
+    (``BF16_TALL_TILES``) and 16-bit streaming 64 x 128 tiles with K >= 1024 take 128-wide K
+    steps (``STREAM_DEEP_K``); a scatter-add with K <= ``SCATTER_SHORT_K`` keeps 64-row tiles past
+    192 rows per group. ``w_only``: FP8 weights with 16-bit rows (``elem`` is the rows'), which
+    keep the 16-bit rules' older tiles."""
     # Problems of at most ``settings.gg_gemv_max_m`` rows in all run the GEMV kernel (0: never).
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     # The GEMV kernel also when the rows rarely share an expert (top-k decode: one token's k rows
