@@ -7,6 +7,8 @@
     python benchmarks/results_table.py --check benchmarks/RESULTS.md           # exit 1 if stale
     python benchmarks/results_table.py --merge OUT.json A.json B.json ...      # one file of the
                                                                                # rows of several runs
+    python benchmarks/results_table.py --compare A.json B.json                 # two lanes of one
+                                                                               # call, cell by cell
 
 A generated block in a Markdown file sits between ``<!-- table: PATH -->`` and ``<!-- end table
 -->`` (PATH relative to the repository root): a JSON file a benchmark wrote (``{"meta": ...,
@@ -130,6 +132,42 @@ def merge(paths: list) -> dict:
     return {"meta": meta, "rows": [r for d in datas for r in d.get("rows", [])]}
 
 
+# Columns that name a cell (the rest are measurements): rows of two runs with the same values here
+# are the same cell.
+_CELL_KEYS = ("op", "shape", "model", "G", "N", "K", "M", "T", "dtype", "kind")
+
+
+def compare(a: dict, b: dict, col: str = "moekit µs") -> str:
+    """A Markdown table of the cells two runs share (an A/B: two lanes of one device call, e.g.
+    knobs off and on): ``col`` in each, B over A, and the ``config`` column where the two differ,
+    then a line counting the cells B is ahead, level (within 1%) or behind. Cells where either run
+    has no number in ``col`` are left out; ``ValueError`` when the runs share no cell."""
+    keys = [k for k in _CELL_KEYS if any(k in r for r in a.get("rows", []))]
+
+    def cell(r):
+        return tuple(str(r.get(k)) for k in keys)
+
+    def num(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+    right = {cell(r): r for r in b.get("rows", []) if num(r.get(col))}
+    pairs = [(r, right[cell(r)]) for r in a.get("rows", []) if num(r.get(col)) and cell(r) in right]
+    if not pairs:
+        raise ValueError(f"--compare: the two files share no cell with a number in {col!r} (cells by {keys})")
+    lines = ["| " + " | ".join(keys) + f" | A {col} | B {col} | B / A | config A -> B |",
+             "|" + "---|" * (len(keys) + 4)]  # fmt: skip
+    ahead = level = behind = 0
+    for ra, rb in pairs:
+        q = rb[col] / ra[col]
+        ahead, level, behind = ahead + (q < 0.99), level + (0.99 <= q <= 1.01), behind + (q > 1.01)
+        ca, cb = ra.get("config"), rb.get("config")
+        cfg = "" if ca == cb else f"{ca} -> {cb}"
+        head = " | ".join(_cell(ra.get(k)) for k in keys)
+        lines.append(f"| {head} | {_us(ra[col])} | {_us(rb[col])} | {q:.3f} | {cfg} |")
+    lines.append(f"\n{len(pairs)} cells: B ahead in {ahead}, level (within 1%) in {level}, behind in {behind}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="?", help="a benchmark's JSON file: print its table")
@@ -137,7 +175,19 @@ def main() -> int:
     ap.add_argument("--check", metavar="MD", help="exit 1 when a generated block is stale")
     ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"),
                     help="write OUT: the rows of the JSON files after it, in order (one card)")  # fmt: skip
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                    help="the cells two JSON files share, moekit µs of each and B / A (an A/B of one call)")  # fmt: skip
     args = ap.parse_args()
+    if args.compare:
+        try:
+            datas = []
+            for p in args.compare:
+                with open(p) as f:
+                    datas.append(json.load(f))
+            print(compare(*datas), end="")
+        except ValueError as e:
+            ap.error(str(e))
+        return 0
     if args.merge:
         try:
             data = merge(args.merge[1:])

@@ -262,6 +262,32 @@ def test_results_table_merges_split_runs(tmp_path):
 
 
 @pytest.mark.reference
+def test_results_table_compares_two_lanes(tmp_path):
+    """``results_table.py --compare A B``: the cells both runs timed, B / A and the config where it
+    changed, the ahead / level / behind count; cells with no number left out; no shared cell is a
+    ValueError. On session 39's recorded A/B (default against the sweep's tiles) the nine changed
+    cells are all ahead."""
+    rt = _bench_module("results_table")
+    row = {"shape": "qwen3-w2", "dtype": "bf16", "config": "tiled 64x256x64 s4"}
+    a = {"rows": [dict(row, M=1, **{"moekit µs": 10.0}), dict(row, M=2, **{"moekit µs": 20.0}),
+                  dict(row, M=3, **{"moekit µs": "error"}), dict(row, M=4, **{"moekit µs": 5.0})]}  # fmt: skip
+    b = {"rows": [dict(row, M=1, **{"moekit µs": 10.05}), dict(row, M=2, config="tiled 128x128x128 s3", **{"moekit µs": 15.0}),
+                  dict(row, M=3, **{"moekit µs": 1.0})]}  # fmt: skip
+    out = rt.compare(a, b)
+    assert "| qwen3-w2 | 2 | bf16 | 20.0 | 15.0 | 0.750 | tiled 64x256x64 s4 -> tiled 128x128x128 s3 |" in out
+    assert "| qwen3-w2 | 1 | bf16 | 10.0 | 10.1 | 1.005 |  |" in out and "| 3 |" not in out
+    assert out.rstrip().endswith("2 cells: B ahead in 1, level (within 1%) in 1, behind in 0")
+    with pytest.raises(ValueError, match="share no cell"):
+        rt.compare(a, {"rows": [dict(row, M=9, **{"moekit µs": 1.0})]})
+    res = os.path.join(ROOT, "benchmarks", "results")
+    with open(os.path.join(res, "grouped_gemm_ab_default_h100.json")) as f, \
+            open(os.path.join(res, "grouped_gemm_ab_tuned_h100.json")) as g:  # fmt: skip
+        lines = rt.compare(json.load(f), json.load(g)).splitlines()
+    changed = [ln for ln in lines[2:] if ln.startswith("|") and " -> " in ln.split("|")[-2]]
+    assert len(changed) == 9 and all(float(ln.split("|")[-3]) < 0.96 for ln in changed), changed
+
+
+@pytest.mark.reference
 def test_acceptance_gemm_verdict_names_missing_and_slower_cells():
     """``acceptance.py --gemm-rows``: the full grid's cells the rows lack, and the cells slower
     than a peer."""
