@@ -253,6 +253,8 @@ def heuristic_config(
     # (this bound alone, µs): FP8 T = 768 / 1024 609.4 / 644.8 -> 606.9 / 635.7, bf16 1077.3 /
     # 1112.2 -> 1077.1 / 1107.4.
     s = settings.get()
+    # 16-bit rows and weights, rows stored: STREAM_DEEP_K's and BF16_TALL_TILES' GEMMs
+    stored_16 = stored and not fp8 and not w_only and elem == 2
     short_k = s.knob("TILED_SHORT_K", TILED_SHORT_K)
     tiled_min = s.knob("TILED_MIN_ROWS", 32 if K >= 4 * N or K <= short_k else 48)
     if rows_per_group < tiled_min or (rows_per_group <= max(64, tiled_min) and tiled_tiles < sms):
@@ -294,8 +296,8 @@ def heuristic_config(
         # it costs programs per SM (5 stages for 2 K steps: 187.2 µs, 2 stages: 147.0, FP8
         # N=7168 K=256 G=256 M=2048, session 9 run 1).
         stages = max(2, min(stages, cdiv(K, block_k)))
-        if (stored and not fp8 and not w_only and elem == 2 and (block_m, block_n, block_k, warps) == (64, 128, 64, 4)
-                and K >= 1024 and s.knob("STREAM_DEEP_K", STREAM_DEEP_K)):  # fmt: skip
+        if (stored_16 and (block_m, block_n, block_k, warps) == (64, 128, 64, 4) and K >= 1024
+                and s.knob("STREAM_DEEP_K", STREAM_DEEP_K)):  # fmt: skip
             block_k, stages = 128, 2  # the same 96 KB in flight, half the K steps (STREAM_DEEP_K)
         # Short K (at most 4 K steps per tile): the same tiles on the persistent, flattened tile
         # loop, whose pipeline spans tiles (at least 3 stages), so the next tile's weights load
@@ -316,8 +318,7 @@ def heuristic_config(
         # the 220 KB bound below but inside a block's 227 KB; it compiles and runs on sm_90, and
         # ran 104.8 µs against 147.5 unfused on Qwen3-30B's down GEMM at M = 16384, run 2)
         return GemmConfig("tiled", 128, 128, 256, 3, 8, flatten=settings.get().gg_flatten)
-    if (stored and not fp8 and not w_only and elem == 2 and rows_per_group < 96 and K >= 256
-            and s.knob("BF16_TALL_TILES", BF16_TALL_TILES)):  # fmt: skip
+    if stored_16 and rows_per_group < 96 and K >= 256 and s.knob("BF16_TALL_TILES", BF16_TALL_TILES):
         # The same for 16-bit rows: 128 x 128 x 128, three 64 KB stages (the same bytes per stage).
         return GemmConfig("tiled", 128, 128, 128, 3, 8, flatten=settings.get().gg_flatten)
     # 128-row tiles from 192 rows per group, but never for a short-K scatter-add (SCATTER_SHORT_K).
