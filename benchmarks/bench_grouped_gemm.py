@@ -394,6 +394,19 @@ def _variants(case: Case, cfg):
     return out
 
 
+def timed_config(M: int, N: int, K: int, G: int, fp8: bool, sms: int):
+    """The config ``_moekit_fns``' calls take: their rows are stored (no scatter-add), which picks the
+    stored-row rules' tiles (FP8_TALL_TILES, BF16_TALL_TILES, STREAM_DEEP_K). Before session 40 the
+    label asked without ``stored`` and named the scatter-add's tile for those cells."""
+    from moekit.ops._triton import grouped_gemm as tri
+
+    return tri.select_config(M, N, K, G, fp8, 1 if fp8 else 2, sms, stored=True)
+
+
+def config_label(cfg) -> str:
+    return f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.stages}"
+
+
 def bench_case(name, G, N, K, M, dtype, mslk, rows, variants=False, replays=20, skip_mslk=False):
     from moekit.ops._triton import grouped_gemm as tri
 
@@ -406,7 +419,7 @@ def bench_case(name, G, N, K, M, dtype, mslk, rows, variants=False, replays=20, 
     peer = ("skipped" if skip_mslk else _time(m_fns, replays)) if m_fns else None
     t_fns = _torch_fns(case)
     tt = _time(t_fns, replays) if t_fns else None
-    cfg = tri.select_config(M, N, K, G, fp8, 1 if fp8 else 2, torch.cuda.get_device_properties(0).multi_processor_count)
+    cfg = timed_config(M, N, K, G, fp8, torch.cuda.get_device_properties(0).multi_processor_count)
     row = {
         "shape": name, "G": G, "N": N, "K": K, "M": M, "dtype": "fp8" if fp8 else "bf16", "hit": case.hit,
         "MB": case.bytes / 1e6, "floor µs": fl, "moekit µs": ours, "MSLK µs": peer, "torch µs": tt,
@@ -419,7 +432,7 @@ def bench_case(name, G, N, K, M, dtype, mslk, rows, variants=False, replays=20, 
             row["÷MSLK"] = ours / peer
         if _num(tt):
             row["÷torch"] = ours / tt
-    row["config"] = f"{cfg.kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.stages}"
+    row["config"] = config_label(cfg)
     if variants:
         for vname, vcfg in _variants(case, cfg).items():
             v = _time(_moekit_fns(case, vcfg), replays)

@@ -223,6 +223,18 @@ def test_grouped_gemm_grid_parts_cover_every_shape_once():
 
 
 @pytest.mark.reference
+def test_grouped_gemm_config_label_names_the_stored_rows_tile():
+    """The grid's "config" column names the tile the timed calls took: their rows are stored, so the
+    stored-row rules apply (16-bit tall tiles, FP8 tall tiles, deep-K streaming); the label used to
+    ask for the scatter-add's tile."""
+    bgg = _bench_module("bench_grouped_gemm")
+    label = lambda M, N, K, G, fp8: bgg.config_label(bgg.timed_config(M, N, K, G, fp8, 132))  # noqa: E731
+    assert label(1024, 2048, 5120, 16, False) == "tiled 128x128x128 s3"  # Scout TP8 gate|up, 64 rows
+    assert label(8192, 5760, 2880, 128, True) == "tiled 128x128x256 s3"  # gpt-oss gate|up FP8, 64 rows
+    assert label(512, 2048, 5120, 16, False) == "stream 64x128x128 s2"  # 32 rows, K >= 1024
+
+
+@pytest.mark.reference
 def test_grouped_gemm_peer_verdict_counts_slower_cells():
     """Issue 15's grouped-GEMM peer bar: a cell slower than a peer that ran is listed; a peer's
     refusal (no ratio) is not a cell of the bar."""
