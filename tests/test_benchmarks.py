@@ -297,6 +297,13 @@ def test_results_table_compares_two_lanes(tmp_path):
         lines = rt.compare(json.load(f), json.load(g)).splitlines()
     changed = [ln for ln in lines[2:] if ln.startswith("|") and " -> " in ln.split("|")[-2]]
     assert len(changed) == 9 and all(float(ln.split("|")[-3]) < 0.96 for ln in changed), changed
+    # Session 40's A/B of those three rules as landed (knobs off, then on) across the 16-bit grid at
+    # M = 512-16384: the 29 cells whose tile changed, none more than 1% behind, their median 5% ahead.
+    with open(os.path.join(res, "grouped_gemm_rules_ab_old_h100.json")) as f, \
+            open(os.path.join(res, "grouped_gemm_rules_ab_new_h100.json")) as g:  # fmt: skip
+        lines = rt.compare(json.load(f), json.load(g)).splitlines()
+    q = sorted(float(ln.split("|")[-3]) for ln in lines[2:] if ln.startswith("|") and " -> " in ln.split("|")[-2])
+    assert len(q) == 29 and q[-1] < 1.01 and q[len(q) // 2] < 0.96, q
 
 
 @pytest.mark.reference
