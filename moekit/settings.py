@@ -138,6 +138,8 @@ class Settings:
     #                                     in the same launch: grouped_gemm_swiglu_quant)        0
     #   FP8_TALL_TILES                    gg_config (FP8 GEMMs storing their rows: 128 x 128 x
     #                                     256 tiles from 48 to 95 rows/group)                   1
+    #   FP8_TALL_SHORT_K                  gg_config (those FP8 tiles to 191 rows/group where K
+    #                                     is at most this; 0 off)                            1024
     #   BF16_TALL_TILES                   gg_config (16-bit GEMMs storing their rows: 128 x 128
     #                                     x 128 tiles below 96 rows/group)                      1
     #   NARROW_TILES_WAVES                gg_config (256-column tiled tiles narrow to 128 below
@@ -173,7 +175,7 @@ KNOBS = (
     "TILED_SHORT_K", "GG_N_SLAB", "GATHERED_SWIGLU",
     "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS", "SWIGLU_TILED_STAGES", "SWIGLU_SMALL_MAX_ROWS",
     "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES", "SCATTER_SHORT_K",
-    "BF16_TALL_TILES", "NARROW_TILES_WAVES", "STREAM_DEEP_K",
+    "BF16_TALL_TILES", "NARROW_TILES_WAVES", "STREAM_DEEP_K", "FP8_TALL_SHORT_K",
 )  # fmt: skip
 
 

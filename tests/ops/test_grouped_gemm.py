@@ -789,9 +789,38 @@ def test_fp8_tall_tiles_rule():
         assert key(sel(M, N, K, G, False, 2, 132, stored=True)) != tall  # 16-bit
         with settings.override(knobs={"FP8_TALL_TILES": 0}):
             assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132)
-    # 32 rows per group (tiled for K = 256) and 96 / 128 rows per group: unchanged
-    for M, N, K, G in ((8192, 7168, 256, 256), (12288, 5760, 2880, 128), (16384, 2048, 768, 128)):
+    # 32 rows per group (tiled for K = 256) and 96 / 128 rows per group of longer K: unchanged
+    for M, N, K, G in ((8192, 7168, 256, 256), (12288, 5760, 2880, 128), (16384, 2048, 2048, 128)):
         assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132), (M, N, K, G)
+
+
+@pytest.mark.reference
+def test_fp8_tall_short_k_rule():
+    """Knob ``FP8_TALL_SHORT_K`` (1024 by default): the FP8 tall tiles of stored rows reach 191 rows
+    per group where K is at most the knob (Qwen3-30B's and the Llama 4 TP8 down GEMMs at 128 rows
+    per group), not past it, not at 192+ rows, not for a scatter-add or 16-bit rows; 0 turns it off."""
+    from moekit import settings
+
+    sel = _tri().heuristic_config
+    tall = ("tiled", 128, 128, 256, 3)
+
+    def key(c):
+        return (c.kind, c.block_m, c.block_n, c.block_k, c.stages)
+
+    for M, N, K, G in ((16384, 2048, 768, 128), (2048, 5120, 1024, 16), (16384, 5120, 1024, 128),
+                       (12288, 7168, 256, 128), (24000, 2048, 768, 128)):  # fmt: skip
+        assert key(sel(M, N, K, G, True, 1, 132, stored=True)) == tall, (M, N, K, G)
+        assert key(sel(M, N, K, G, True, 1, 132)) != tall  # scatter-add epilogue
+        assert key(sel(M, N, K, G, False, 2, 132, stored=True)) != tall  # 16-bit
+        with settings.override(knobs={"FP8_TALL_SHORT_K": 0}):
+            assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132), (M, N, K, G)
+        with settings.override(knobs={"FP8_TALL_TILES": 0}):
+            assert key(sel(M, N, K, G, True, 1, 132, stored=True)) != tall
+    # K past the bound (1032 > 1024, 2048), and 192+ rows per group: unchanged
+    for M, N, K, G in ((16384, 2048, 1032, 128), (16384, 1536, 2048, 128), (24576, 2048, 768, 128)):
+        assert key(sel(M, N, K, G, True, 1, 132, stored=True)) != tall, (M, N, K, G)
+    with settings.override(knobs={"FP8_TALL_SHORT_K": 2048}):
+        assert key(sel(16384, 1536, 2048, 128, True, 1, 132, stored=True)) == tall
 
 
 @pytest.mark.reference
@@ -1444,11 +1473,11 @@ def test_gpu_every_config(shape, dtype, cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["routing", "zeros", "short"])
-@pytest.mark.parametrize("G,M,N,K", [(32, 2048, 1440, 2880), (64, 4096, 7168, 256)])
+@pytest.mark.parametrize("G,M,N,K", [(32, 2048, 1440, 2880), (64, 4096, 7168, 256), (32, 4096, 2048, 768)])
 def test_gpu_fp8_tall_tiles(G, M, N, K, kind, cuda):
     """The heuristic's FP8 128 x 128 x 256 tiles for stored rows (knob ``FP8_TALL_TILES``; 64 rows
     per group: gpt-oss-120b's K = 2880, whose last K step is masked, and DeepSeek-V3 TP8's K =
-    256) against the float32 oracle on ragged, empty and short groups, with and without router
+    256; 128 rows per group of Qwen3-30B's down K = 768, ``FP8_TALL_SHORT_K``) against the float32 oracle on ragged, empty and short groups, with and without router
     weights; the scatter-add of the same call keeps its own tiles and matches too."""
     from moekit.ops._triton.gg_config import heuristic_config
 

@@ -163,6 +163,19 @@ TILED_SHORT_K = 256
 # touch level. 0: off.
 FP8_TALL_TILES = 1
 
+# Knob FP8_TALL_SHORT_K: the FP8 tall tiles above also from 96 to under 192 rows per group where K
+# is at most this (0: off). Short K leaves each tile few K steps (K = 1024: eight 128-wide steps on
+# 64 x 256 x 128, four 256-wide ones on 128 x 128 x 256), so the per-tile costs weigh, and a group
+# of ~128 rows takes 1-2 tall row tiles instead of 2-3 short ones, each streaming the group's weights
+# again. H100, session 40 (``sweep_gemm.py``, the GEMM alone, rows stored, FP8, 128 rows per group,
+# µs, 64 x 256 x 128 s4 -> 128 x 128 x 256 s3): Qwen3-30B down (G=128, N=2048, K=768) 118.5 ->
+# 105.8, Llama 4 Scout TP8 down (G=16, N=5120, K=1024) 51.6 -> 44.5, Maverick TP8 down (G=128,
+# N=5120, K=1024) 335.5 -> 305.6; at K=2048 level (Qwen3 gate|up 184.4 -> 183.6), and longer K
+# lost (gpt-oss-120b down, K=2880, 483.1 -> 510.7; Scout TP8 gate|up, K=5120, 82.5 -> 90.9).
+# 16-bit rows took no such bound (the same sweeps, 128 x 128 x 128 s3: Scout TP8 down 80.8 -> 77.0
+# but Maverick TP8 down 542.0 -> 563.4).
+FP8_TALL_SHORT_K = 1024
+
 # Knob BF16_TALL_TILES: the same for 16-bit GEMMs that store their rows, 128 x 128 x 128 tiles,
 # three stages, from the tiled kernel's smallest groups to under 96 rows per group. H100, session
 # 39 (``sweep_gemm.py``, the GEMM alone, rows stored, bf16, µs, the rule's tile -> 128 x 128 x
@@ -225,7 +238,7 @@ def heuristic_config(
     on the persistent tile loop (default ``settings.gg_stream_persist``); False for kernels
     without that loop. ``stored``: the grouped GEMM stores its rows (no scatter-add epilogue):
     FP8 tiles from 48 to under 96 rows per group are then 128 x 128 x 256 (knob
-    ``FP8_TALL_TILES``), 16-bit tiled tiles below 96 rows per group 128 x 128 x 128
+    ``FP8_TALL_TILES``; to under 192 where K <= ``FP8_TALL_SHORT_K``), 16-bit tiled tiles below 96 rows per group 128 x 128 x 128
     (``BF16_TALL_TILES``) and 16-bit streaming 64 x 128 tiles with K >= 1024 take 128-wide K
     steps (``STREAM_DEEP_K``); a scatter-add with K <= ``SCATTER_SHORT_K`` keeps 64-row tiles past
     192 rows per group. ``w_only``: FP8 weights with 16-bit rows (``elem`` is the rows'), which
@@ -313,7 +326,9 @@ def heuristic_config(
     # their last row tile with 64-row tiles; 64 x 256 with four stages was the measured best from
     # 64 to 128 rows per group (DeepSeek w2 FP8 at M = 16384: 999 µs vs 1113 for 128 x 256 and
     # 1211 for the streaming kernel; Llama 4 w13 / w2 at M = 1024: 652 / 341 µs vs 683 / 373).
-    if stored and fp8 and 48 <= rows_per_group < 96 and K >= 256 and s.knob("FP8_TALL_TILES", FP8_TALL_TILES):
+    fp8_tall_rows = 96 if K > s.knob("FP8_TALL_SHORT_K", FP8_TALL_SHORT_K) else 192  # FP8_TALL_SHORT_K
+    fp8_tall = stored and fp8 and 48 <= rows_per_group < fp8_tall_rows and K >= 256
+    if fp8_tall and s.knob("FP8_TALL_TILES", FP8_TALL_TILES):
         # (the fused tile loop: three 64 KB stages and the 32 KB epilogue tile take 224 KB, over
         # the 220 KB bound below but inside a block's 227 KB; it compiles and runs on sm_90, and
         # ran 104.8 µs against 147.5 unfused on Qwen3-30B's down GEMM at M = 16384, run 2)
