@@ -766,29 +766,39 @@ def test_prefill_tiles_compile_without_spills_for_sm90():
     assert all(not t[5] for t in tiles), tiles
 
 
+_FP8_TALL = ("tiled", 128, 128, 256, 3)
+
+
+def _fp8_tall(M, N, K, G, stored=True, fp8=True):
+    """Whether the heuristic gives these sizes (132 SMs) the FP8 tall tile."""
+    c = _tri().heuristic_config(M, N, K, G, fp8, 1 if fp8 else 2, 132, stored=stored)
+    return (c.kind, c.block_m, c.block_n, c.block_k, c.stages) == _FP8_TALL
+
+
+def _check_fp8_tall_cases(cases, off_knob):
+    """Each ``(M, N, K, G)`` takes the FP8 tall tile with rows stored, not with a scatter-add
+    epilogue nor with 16-bit rows; ``off_knob`` at 0 gives the stored rows the scatter-add's tile."""
+    from moekit import settings
+
+    sel = _tri().heuristic_config
+    for M, N, K, G in cases:
+        assert _fp8_tall(M, N, K, G), (M, N, K, G)
+        assert not _fp8_tall(M, N, K, G, stored=False) and not _fp8_tall(M, N, K, G, fp8=False)
+        with settings.override(knobs={off_knob: 0}):
+            assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132), (M, N, K, G)
+
+
 @pytest.mark.reference
 def test_fp8_tall_tiles_rule():
     """Knob ``FP8_TALL_TILES`` (on by default): FP8 grouped GEMMs that store their rows take 128 x
     128 x 256 tiles, three stages, from 48 to under 96 rows per group; scatter-added ones, 16-bit
     ones, the tiled kernel's 32-47 rows of deep or short-K weights and 96+ rows keep their tiles;
     off restores the stored GEMM's old tiles."""
-    from moekit import settings
-
     sel = _tri().heuristic_config
-    tall = ("tiled", 128, 128, 256, 3)
-
-    def key(c):
-        return (c.kind, c.block_m, c.block_n, c.block_k, c.stages)
-
     # gpt-oss-120b gate|up and down at T=2048 (64 rows per expert), DeepSeek-V3 TP8's down at
     # T=2048, Llama 4 Scout's gate|up at T=1024
-    for M, N, K, G in ((8192, 5760, 2880, 128), (8192, 2880, 2880, 128), (16384, 7168, 256, 256),
-                       (1024, 16384, 5120, 16), (12160, 5760, 2880, 128)):  # fmt: skip
-        assert key(sel(M, N, K, G, True, 1, 132, stored=True)) == tall, (M, N, K, G)
-        assert key(sel(M, N, K, G, True, 1, 132)) != tall  # scatter-add epilogue
-        assert key(sel(M, N, K, G, False, 2, 132, stored=True)) != tall  # 16-bit
-        with settings.override(knobs={"FP8_TALL_TILES": 0}):
-            assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132)
+    _check_fp8_tall_cases(((8192, 5760, 2880, 128), (8192, 2880, 2880, 128), (16384, 7168, 256, 256),
+                           (1024, 16384, 5120, 16), (12160, 5760, 2880, 128)), "FP8_TALL_TILES")  # fmt: skip
     # 32 rows per group (tiled for K = 256) and 96 / 128 rows per group of longer K: unchanged
     for M, N, K, G in ((8192, 7168, 256, 256), (12288, 5760, 2880, 128), (16384, 2048, 2048, 128)):
         assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132), (M, N, K, G)
@@ -801,26 +811,16 @@ def test_fp8_tall_short_k_rule():
     per group), not past it, not at 192+ rows, not for a scatter-add or 16-bit rows; 0 turns it off."""
     from moekit import settings
 
-    sel = _tri().heuristic_config
-    tall = ("tiled", 128, 128, 256, 3)
-
-    def key(c):
-        return (c.kind, c.block_m, c.block_n, c.block_k, c.stages)
-
-    for M, N, K, G in ((16384, 2048, 768, 128), (2048, 5120, 1024, 16), (16384, 5120, 1024, 128),
-                       (12288, 7168, 256, 128), (24000, 2048, 768, 128)):  # fmt: skip
-        assert key(sel(M, N, K, G, True, 1, 132, stored=True)) == tall, (M, N, K, G)
-        assert key(sel(M, N, K, G, True, 1, 132)) != tall  # scatter-add epilogue
-        assert key(sel(M, N, K, G, False, 2, 132, stored=True)) != tall  # 16-bit
-        with settings.override(knobs={"FP8_TALL_SHORT_K": 0}):
-            assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132), (M, N, K, G)
-        with settings.override(knobs={"FP8_TALL_TILES": 0}):
-            assert key(sel(M, N, K, G, True, 1, 132, stored=True)) != tall
+    cases = ((16384, 2048, 768, 128), (2048, 5120, 1024, 16), (16384, 5120, 1024, 128), (12288, 7168, 256, 128),
+             (24000, 2048, 768, 128))  # fmt: skip
+    _check_fp8_tall_cases(cases, "FP8_TALL_SHORT_K")
+    with settings.override(knobs={"FP8_TALL_TILES": 0}):
+        assert not any(_fp8_tall(*c) for c in cases)
     # K past the bound (1032 > 1024, 2048), and 192+ rows per group: unchanged
     for M, N, K, G in ((16384, 2048, 1032, 128), (16384, 1536, 2048, 128), (24576, 2048, 768, 128)):
-        assert key(sel(M, N, K, G, True, 1, 132, stored=True)) != tall, (M, N, K, G)
+        assert not _fp8_tall(M, N, K, G), (M, N, K, G)
     with settings.override(knobs={"FP8_TALL_SHORT_K": 2048}):
-        assert key(sel(16384, 1536, 2048, 128, True, 1, 132, stored=True)) == tall
+        assert _fp8_tall(16384, 1536, 2048, 128)
 
 
 @pytest.mark.reference
