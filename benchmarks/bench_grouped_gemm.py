@@ -408,7 +408,6 @@ def config_label(cfg) -> str:
 
 
 def bench_case(name, G, N, K, M, dtype, mslk, rows, variants=False, replays=20, skip_mslk=False):
-
     fp8 = dtype == FP8
     case = Case(G, N, K, M, dtype, _top_k(name, M, G))
     _check(case)

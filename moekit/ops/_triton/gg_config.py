@@ -164,10 +164,10 @@ TILED_SHORT_K = 256
 FP8_TALL_TILES = 1
 
 # Knob FP8_TALL_SHORT_K: the FP8 tall tiles above also from 96 to under 192 rows per group where K
-# is at most this (0: off). Short K leaves each tile few K steps (K = 1024: eight 128-wide steps on
-# 64 x 256 x 128, four 256-wide ones on 128 x 128 x 256), so the per-tile costs weigh, and a group
-# of ~128 rows takes 1-2 tall row tiles instead of 2-3 short ones, each streaming the group's weights
-# again. H100, session 40 (``sweep_gemm.py``, the GEMM alone, rows stored, FP8, 128 rows per group,
+# is at most this (0: off). The likely reason (not profiled): short K leaves each tile few K steps
+# (K = 1024: eight 128-wide steps on 64 x 256 x 128, four 256-wide ones on 128 x 128 x 256), so the
+# per-tile costs weigh, and a group of ~128 rows takes 1-2 tall row tiles instead of 2-3 short ones,
+# each streaming the group's weights again. H100, session 40 (``sweep_gemm.py``, the GEMM alone, rows stored, FP8, 128 rows per group,
 # µs, 64 x 256 x 128 s4 -> 128 x 128 x 256 s3): Qwen3-30B down (G=128, N=2048, K=768) 118.5 ->
 # 105.8, Llama 4 Scout TP8 down (G=16, N=5120, K=1024) 51.6 -> 44.5, Maverick TP8 down (G=128,
 # N=5120, K=1024) 335.5 -> 305.6; at K=2048 level (Qwen3 gate|up 184.4 -> 183.6), and longer K
@@ -238,8 +238,8 @@ def heuristic_config(
     on the persistent tile loop (default ``settings.gg_stream_persist``); False for kernels
     without that loop. ``stored``: the grouped GEMM stores its rows (no scatter-add epilogue):
     FP8 tiles from 48 to under 96 rows per group are then 128 x 128 x 256 (knob
-    ``FP8_TALL_TILES``; to under 192 where K <= ``FP8_TALL_SHORT_K``), 16-bit tiled tiles below 96 rows per group 128 x 128 x 128
-    (``BF16_TALL_TILES``) and 16-bit streaming 64 x 128 tiles with K >= 1024 take 128-wide K
+    ``FP8_TALL_TILES``; to under 192 where K <= ``FP8_TALL_SHORT_K``), 16-bit tiled tiles below 96
+    rows per group 128 x 128 x 128 (``BF16_TALL_TILES``) and 16-bit streaming 64 x 128 tiles with K >= 1024 take 128-wide K
     steps (``STREAM_DEEP_K``); a scatter-add with K <= ``SCATTER_SHORT_K`` keeps 64-row tiles past
     192 rows per group. ``w_only``: FP8 weights with 16-bit rows (``elem`` is the rows'), which
     keep the 16-bit rules' older tiles."""
