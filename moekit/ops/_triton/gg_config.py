@@ -167,10 +167,10 @@ FP8_TALL_TILES = 1
 # is at most this (0: off). The likely reason (not profiled): short K leaves each tile few K steps
 # (K = 1024: eight 128-wide steps on 64 x 256 x 128, four 256-wide ones on 128 x 128 x 256), so the
 # per-tile costs weigh, and a group of ~128 rows takes 1-2 tall row tiles instead of 2-3 short ones,
-# each streaming the group's weights again. H100, session 40 (``sweep_gemm.py``, the GEMM alone, rows stored, FP8, 128 rows per group,
-# µs, 64 x 256 x 128 s4 -> 128 x 128 x 256 s3): Qwen3-30B down (G=128, N=2048, K=768) 118.5 ->
-# 105.8, Llama 4 Scout TP8 down (G=16, N=5120, K=1024) 51.6 -> 44.5, Maverick TP8 down (G=128,
-# N=5120, K=1024) 335.5 -> 305.6; at K=2048 level (Qwen3 gate|up 184.4 -> 183.6), and longer K
+# each streaming the group's weights again. H100, session 40 (``sweep_gemm.py``, the GEMM alone,
+# rows stored, FP8, 128 rows per group, µs, 64 x 256 x 128 s4 -> 128 x 128 x 256 s3): Qwen3-30B
+# down (G=128, N=2048, K=768) 118.5 -> 105.8, Llama 4 Scout TP8 down (G=16, N=5120, K=1024) 51.6 ->
+# 44.5, Maverick TP8 down (G=128, N=5120, K=1024) 335.5 -> 305.6; at K=2048 level (Qwen3 gate|up 184.4 -> 183.6), and longer K
 # lost (gpt-oss-120b down, K=2880, 483.1 -> 510.7; Scout TP8 gate|up, K=5120, 82.5 -> 90.9).
 # 16-bit rows took no such bound (the same sweeps, 128 x 128 x 128 s3: Scout TP8 down 80.8 -> 77.0
 # but Maverick TP8 down 542.0 -> 563.4).
@@ -239,9 +239,9 @@ def heuristic_config(
     without that loop. ``stored``: the grouped GEMM stores its rows (no scatter-add epilogue):
     FP8 tiles from 48 to under 96 rows per group are then 128 x 128 x 256 (knob
     ``FP8_TALL_TILES``; to under 192 where K <= ``FP8_TALL_SHORT_K``), 16-bit tiled tiles below 96
-    rows per group 128 x 128 x 128 (``BF16_TALL_TILES``) and 16-bit streaming 64 x 128 tiles with K >= 1024 take 128-wide K
-    steps (``STREAM_DEEP_K``); a scatter-add with K <= ``SCATTER_SHORT_K`` keeps 64-row tiles past
-    192 rows per group. ``w_only``: FP8 weights with 16-bit rows (``elem`` is the rows'), which
+    rows per group 128 x 128 x 128 (``BF16_TALL_TILES``) and 16-bit streaming 64 x 128 tiles with
+    K >= 1024 take 128-wide K steps (``STREAM_DEEP_K``); a scatter-add with K <=
+    ``SCATTER_SHORT_K`` keeps 64-row tiles past 192 rows per group. ``w_only``: FP8 weights with 16-bit rows (``elem`` is the rows'), which
     keep the 16-bit rules' older tiles."""
     # Problems of at most ``settings.gg_gemv_max_m`` rows in all run the GEMV kernel (0: never).
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
@@ -332,10 +332,10 @@ def heuristic_config(
         # (the fused tile loop: three 64 KB stages and the 32 KB epilogue tile take 224 KB, over
         # the 220 KB bound below but inside a block's 227 KB; it compiles and runs on sm_90, and
         # ran 104.8 µs against 147.5 unfused on Qwen3-30B's down GEMM at M = 16384, run 2)
-        return GemmConfig("tiled", 128, 128, 256, 3, 8, flatten=settings.get().gg_flatten)
+        return GemmConfig("tiled", 128, 128, 256, 3, 8, flatten=s.gg_flatten)
     if stored_16 and rows_per_group < 96 and K >= 256 and s.knob("BF16_TALL_TILES", BF16_TALL_TILES):
         # The same for 16-bit rows: 128 x 128 x 128, three 64 KB stages (the same bytes per stage).
-        return GemmConfig("tiled", 128, 128, 128, 3, 8, flatten=settings.get().gg_flatten)
+        return GemmConfig("tiled", 128, 128, 128, 3, 8, flatten=s.gg_flatten)
     # 128-row tiles from 192 rows per group, but never for a short-K scatter-add (SCATTER_SHORT_K).
     short_scatter = not stored and K <= s.knob("SCATTER_SHORT_K", SCATTER_SHORT_K)
     block_m = 64 if rows_per_group < 192 or short_scatter else 128
