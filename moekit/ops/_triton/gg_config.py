@@ -170,8 +170,9 @@ FP8_TALL_TILES = 1
 # each streaming the group's weights again. H100, session 40 (``sweep_gemm.py``, the GEMM alone,
 # rows stored, FP8, 128 rows per group, µs, 64 x 256 x 128 s4 -> 128 x 128 x 256 s3): Qwen3-30B
 # down (G=128, N=2048, K=768) 118.5 -> 105.8, Llama 4 Scout TP8 down (G=16, N=5120, K=1024) 51.6 ->
-# 44.5, Maverick TP8 down (G=128, N=5120, K=1024) 335.5 -> 305.6; at K=2048 level (Qwen3 gate|up 184.4 -> 183.6), and longer K
-# lost (gpt-oss-120b down, K=2880, 483.1 -> 510.7; Scout TP8 gate|up, K=5120, 82.5 -> 90.9).
+# 44.5, Maverick TP8 down (G=128, N=5120, K=1024) 335.5 -> 305.6; at K=2048 level (Qwen3 gate|up
+# 184.4 -> 183.6), and longer K lost (gpt-oss-120b down, K=2880, 483.1 -> 510.7; Scout TP8 gate|up,
+# K=5120, 82.5 -> 90.9).
 # 16-bit rows took no such bound (the same sweeps, 128 x 128 x 128 s3: Scout TP8 down 80.8 -> 77.0
 # but Maverick TP8 down 542.0 -> 563.4).
 FP8_TALL_SHORT_K = 1024
@@ -241,8 +242,8 @@ def heuristic_config(
     ``FP8_TALL_TILES``; to under 192 where K <= ``FP8_TALL_SHORT_K``), 16-bit tiled tiles below 96
     rows per group 128 x 128 x 128 (``BF16_TALL_TILES``) and 16-bit streaming 64 x 128 tiles with
     K >= 1024 take 128-wide K steps (``STREAM_DEEP_K``); a scatter-add with K <=
-    ``SCATTER_SHORT_K`` keeps 64-row tiles past 192 rows per group. ``w_only``: FP8 weights with 16-bit rows (``elem`` is the rows'), which
-    keep the 16-bit rules' older tiles."""
+    ``SCATTER_SHORT_K`` keeps 64-row tiles past 192 rows per group. ``w_only``: FP8 weights with
+    16-bit rows (``elem`` is the rows'), which keep the 16-bit rules' older tiles."""
     # Problems of at most ``settings.gg_gemv_max_m`` rows in all run the GEMV kernel (0: never).
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     # The GEMV kernel also when the rows rarely share an expert (top-k decode: one token's k rows
