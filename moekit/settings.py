@@ -146,6 +146,8 @@ class Settings:
     #                                     this many waves of them)                              1
     #   STREAM_DEEP_K                     gg_config (16-bit streaming GEMMs storing their rows,
     #                                     64 x 128 tiles, K >= 1024: 128-wide K, 2 stages)      1
+    #   STREAM_DEEP_K32                   gg_config (the same for their 32 x 128 tiles, K >=
+    #                                     256: 128-wide K, up to 3 stages)                      1
     #   SCATTER_SHORT_K                   gg_config (scatter-added tiled GEMMs with K up to this
     #                                     keep 64-row tiles at any rows/group; 0 off)        1024
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
@@ -176,6 +178,7 @@ KNOBS = (
     "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS", "SWIGLU_TILED_STAGES", "SWIGLU_SMALL_MAX_ROWS",
     "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES", "SCATTER_SHORT_K",
     "BF16_TALL_TILES", "NARROW_TILES_WAVES", "STREAM_DEEP_K", "FP8_TALL_SHORT_K",
+    "STREAM_DEEP_K32",
 )  # fmt: skip
 
 

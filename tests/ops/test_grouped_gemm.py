@@ -905,6 +905,38 @@ def test_stream_deep_k_rule():
 
 
 @pytest.mark.reference
+def test_stream_deep_k32_rule():
+    """Knob ``STREAM_DEEP_K32`` (on by default): 16-bit streaming GEMMs that store their rows on 32
+    x 128 tiles (8-16 rows per group) with K >= 256 take 128-wide K steps in up to three stages on
+    the plain tile loop (DeepSeek-V3 TP8's K = 256 in two, not persistent); scatter-added, FP8,
+    weight-only FP8 and 64 x 128 tiles keep theirs; off restores them."""
+    from moekit import settings
+
+    sel = _tri().heuristic_config
+    # (M, N, K, G, stages) at 8 and 16 rows per group: Llama 4 Scout TP8 gate|up, DeepSeek-V3 TP8
+    # down, Qwen3-30B gate|up and down, Maverick TP8 down, gpt-oss-120b down (K = 2880)
+    for M, N, K, G, st in ((128, 2048, 5120, 16, 3), (256, 2048, 5120, 16, 3), (2048, 7168, 256, 256, 2),
+                           (4096, 7168, 256, 256, 2), (1024, 1536, 2048, 128, 3), (2048, 2048, 768, 128, 3),
+                           (1024, 5120, 1024, 128, 3), (1024, 2880, 2880, 128, 3)):  # fmt: skip
+        c = sel(M, N, K, G, False, 2, 132, stored=True)
+        assert (c.kind, c.block_m, c.block_n, c.block_k, c.stages, c.warps, c.persist) == (
+            "stream", 32, 128, 128, st, 4, False), (M, N, K, G, c)  # fmt: skip
+        assert sel(M, N, K, G, False, 2, 132).block_k == 64  # scatter-add epilogue
+        assert sel(M, N, K, G, False, 2, 132, stored=True, w_only=True).block_k == 64
+        assert sel(M, N, K, G, True, 1, 132, stored=True) == sel(M, N, K, G, True, 1, 132)  # FP8
+        with settings.override(knobs={"STREAM_DEEP_K32": 0}):
+            off = sel(M, N, K, G, False, 2, 132, stored=True)
+            assert (off.block_m, off.block_k) == (32, 64) and off == sel(M, N, K, G, False, 2, 132), off
+    # 64 x 128 tiles (32 rows per group) stay STREAM_DEEP_K's; 16-row tiles (4 rows per group) and
+    # the 32 x 64 ones of narrow, short-K weights keep theirs
+    assert sel(512, 2048, 5120, 16, False, 2, 132, stored=True).block_m == 64
+    for M, N, K, G in ((512, 7168, 256, 128), (256, 1024, 768, 16)):
+        with settings.override(knobs={"STREAM_DEEP_K32": 0}):
+            off = sel(M, N, K, G, False, 2, 132, stored=True)
+        assert sel(M, N, K, G, False, 2, 132, stored=True) == off, (M, N, K, G)
+
+
+@pytest.mark.reference
 def test_scatter_short_k_rule():
     """Knob ``SCATTER_SHORT_K`` (1024 by default): a scatter-added tiled GEMM whose K is at most the
     bound keeps 64-row tiles at 192+ rows per group (Qwen3-30B's and DeepSeek-V3 TP8's down GEMMs);
@@ -976,23 +1008,26 @@ def test_bf16_tall_tiles_compile_without_spills_for_sm90():
         GG._tma_ok = lambda t, block: t.stride(-1) == 1  # descriptors for meta tensors too
         m = "meta"
         dt = torch.bfloat16
-        for M, N, K, G in ((8192, 5760, 2880, 128), (1024, 2048, 5120, 16), (512, 2048, 5120, 16)):
+        for M, N, K, G in ((8192, 5760, 2880, 128), (1024, 2048, 5120, 16), (512, 2048, 5120, 16),
+                           (128, 2048, 5120, 16)):  # fmt: skip
             x, w = torch.empty(M, K, dtype=dt, device=m), torch.empty(G * N, K, dtype=dt, device=m)
             ms = torch.empty(G, dtype=torch.int32, device=m)
             cfg = heuristic_config(M, N, K, G, False, 2, 132, stored=True)
-            want = (128, 128, 128, 3) if M >= 1024 else (64, 128, 128, 2)  # the last: STREAM_DEEP_K's
+            # STREAM_DEEP_K's two-stage 64-row tiles at 512, STREAM_DEEP_K32's 32-row ones at 128
+            want = {512: (64, 128, 128, 2), 128: (32, 128, 128, 3)}.get(M, (128, 128, 128, 3))
             assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages) == want, cfg
             GG.grouped_gemm(x, w, ms, token_weights=torch.empty(M, device=m))
             GG.grouped_gemm(x, w, ms)
         """,
         ["moekit.ops._triton.grouped_gemm"],
     )
-    assert_all_compiled(records, 6)
+    assert_all_compiled(records, 8)
     got = [(r["kernel"], r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["constants"]["BLOCK_K"],
             r["constants"].get("FLATTEN"), r["stack"]) for r in records]  # fmt: skip
     tiled = [g for g in got if g[0] == "_gg_tiled_kernel"]
     assert len(tiled) == 4 and all(g[1:5] == ("128", "128", "128", "True") for g in tiled), got
-    assert all(g[1:4] == ("64", "128", "128") for g in got if g not in tiled), got
+    stream = sorted(g[1:4] for g in got if g not in tiled)
+    assert stream == [("32", "128", "128")] * 2 + [("64", "128", "128")] * 2, got
     assert all(not g[5] for g in got), got
 
 
@@ -1500,19 +1535,9 @@ def test_gpu_fp8_tall_tiles(G, M, N, K, kind, cuda):
     assert_close(out.float(), want_out, tol=_tol(FP8), msg="scatter")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["routing", "zeros", "short"])
-@pytest.mark.parametrize("G,M,N,K", [(32, 2048, 1440, 2880), (16, 1024, 2048, 5120), (64, 2048, 512, 7168)])
-def test_gpu_bf16_tall_tiles(G, M, N, K, kind, cuda):
-    """The heuristic's 16-bit 128 x 128 x 128 tiles for stored rows (knob ``BF16_TALL_TILES``: 64
-    rows per group of gpt-oss-120b's K = 2880, whose last K step is masked, and of Llama 4 Scout
-    TP8's gate|up; 32 of DeepSeek-V3 TP8's deep gate|up) against the float32 oracle on ragged,
-    empty and short groups, with and without router weights; the scatter-add of the same call
-    keeps its own tiles and matches too."""
-    from moekit.ops._triton.gg_config import heuristic_config
-
-    cfg = heuristic_config(M, N, K, G, False, 2, 132, stored=True)
-    assert (cfg.kind, cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages) == ("tiled", 128, 128, 128, 3), cfg
+def _check_stored_bf16(G, M, N, K, kind, cuda):
+    """The heuristic's bf16 tiles against the float32 oracle on ``kind`` group sizes, rows stored
+    with and without router weights, then the scatter-add of the same call (its own tiles)."""
     x, w, _, _ = _inputs(M, G, N, K, torch.bfloat16, seed=G + K, device=cuda)
     ms_cpu = _sizes(kind, M, G, seed=M)
     ms = ms_cpu.to(cuda)
@@ -1528,6 +1553,41 @@ def test_gpu_bf16_tall_tiles(G, M, N, K, kind, cuda):
     want_out = torch.zeros(T, N, device=cuda).index_add(0, idx.clamp(min=0)[:n],
                                                         torch.where(idx[:n, None] >= 0, want[:n], 0.0))  # fmt: skip
     assert_close(out.float(), want_out, tol=_tol(torch.bfloat16), msg="scatter")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["routing", "zeros", "short"])
+@pytest.mark.parametrize("G,M,N,K", [(32, 2048, 1440, 2880), (16, 1024, 2048, 5120), (64, 2048, 512, 7168)])
+def test_gpu_bf16_tall_tiles(G, M, N, K, kind, cuda):
+    """The heuristic's 16-bit 128 x 128 x 128 tiles for stored rows (knob ``BF16_TALL_TILES``: 64
+    rows per group of gpt-oss-120b's K = 2880, whose last K step is masked, and of Llama 4 Scout
+    TP8's gate|up; 32 of DeepSeek-V3 TP8's deep gate|up) against the float32 oracle on ragged,
+    empty and short groups, with and without router weights; the scatter-add of the same call
+    keeps its own tiles and matches too."""
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    cfg = heuristic_config(M, N, K, G, False, 2, 132, stored=True)
+    assert (cfg.kind, cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages) == ("tiled", 128, 128, 128, 3), cfg
+    _check_stored_bf16(G, M, N, K, kind, cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["routing", "zeros", "short"])
+@pytest.mark.parametrize(
+    "G,M,N,K,stages", [(16, 128, 2048, 5120, 3), (64, 512, 7168, 256, 2), (32, 256, 1440, 2880, 3)]
+)
+def test_gpu_stream_deep_k32_tiles(G, M, N, K, stages, kind, cuda):
+    """The heuristic's 16-bit 32 x 128 x 128 streaming tiles for stored rows (knob
+    ``STREAM_DEEP_K32``: 8 rows per group of Llama 4 Scout TP8's gate|up, DeepSeek-V3 TP8's K = 256
+    down in two stages, gpt-oss-120b's K = 2880 whose last K step is masked) against the float32
+    oracle on ragged, empty and short groups, with and without router weights; the scatter-add of
+    the same call keeps its own tiles and matches too."""
+    from moekit.ops._triton.gg_config import heuristic_config
+
+    cfg = heuristic_config(M, N, K, G, False, 2, 132, stored=True)
+    assert (cfg.kind, cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, cfg.persist) == (
+        "stream", 32, 128, 128, stages, False), cfg  # fmt: skip
+    _check_stored_bf16(G, M, N, K, kind, cuda)
 
 
 @pytest.mark.gpu

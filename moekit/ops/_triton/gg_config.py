@@ -210,6 +210,16 @@ NARROW_TILES_WAVES = 1
 # fused gate/up GEMMs (not measured). 0: off.
 STREAM_DEEP_K = 1
 
+# Knob STREAM_DEEP_K32: STREAM_DEEP_K's step for the 32 x 128 streaming tiles (9-16 rows per group,
+# 16-bit rows stored) with K >= 256: 128-wide K steps in (at most) three stages, 120 KB in flight
+# and one program per SM, instead of 64-wide ones in five (100 KB, two per SM), on the plain tile
+# loop (not the persistent one short K would take). H100, session 41 (``sweep_gemm.py``, the GEMM
+# alone, rows stored, bf16, 8 rows per group, µs): Llama 4 Scout TP8 gate|up (M=128) 118.2 ->
+# 115.1, DeepSeek-V3 TP8 down (K=256, M=2048; persistent 32 x 128 x 64 s4 before) 343.3 -> 329.1,
+# Qwen3-30B gate|up (M=1024) 276.6 -> 270.1, Llama 4 Maverick TP8 down (K=1024) 455.7 -> 447.6,
+# gpt-oss-120b down (K=2880) 734.7 -> 732.9 (its best: 32 x 64 x 128 s5, 714.1). 0: off.
+STREAM_DEEP_K32 = 1
+
 # K up to which a scatter-added tiled GEMM keeps 64-row tiles at any rows per group (knob
 # SCATTER_SHORT_K, 0: off; 128-row tiles from 192 rows per group otherwise). DeepSeek-V3 TP8's bf16
 # down GEMM scatter-added at T=6144 (192 rows per expert, K=256) compiled its 128 x 256 tiles to
@@ -241,7 +251,8 @@ def heuristic_config(
     FP8 tiles from 48 to under 96 rows per group are then 128 x 128 x 256 (knob
     ``FP8_TALL_TILES``; to under 192 where K <= ``FP8_TALL_SHORT_K``), 16-bit tiled tiles below 96
     rows per group 128 x 128 x 128 (``BF16_TALL_TILES``) and 16-bit streaming 64 x 128 tiles with
-    K >= 1024 take 128-wide K steps (``STREAM_DEEP_K``); a scatter-add with K <=
+    K >= 1024 take 128-wide K steps (``STREAM_DEEP_K``), the 32 x 128 ones with K >= 256 too
+    (``STREAM_DEEP_K32``); a scatter-add with K <=
     ``SCATTER_SHORT_K`` keeps 64-row tiles past 192 rows per group. ``w_only``: FP8 weights with
     16-bit rows (``elem`` is the rows'), which keep the 16-bit rules' older tiles."""
     # Problems of at most ``settings.gg_gemv_max_m`` rows in all run the GEMV kernel (0: never).
@@ -313,6 +324,9 @@ def heuristic_config(
         if (stored_16 and (block_m, block_n, block_k, warps) == (64, 128, 64, 4) and K >= 1024
                 and s.knob("STREAM_DEEP_K", STREAM_DEEP_K)):  # fmt: skip
             block_k, stages = 128, 2  # the same 96 KB in flight, half the K steps (STREAM_DEEP_K)
+        if (stored_16 and (block_m, block_n, block_k, warps) == (32, 128, 64, 4) and K >= 256
+                and s.knob("STREAM_DEEP_K32", STREAM_DEEP_K32)):  # fmt: skip
+            return GemmConfig("stream", 32, 128, 128, min(3, cdiv(K, 128)), 4)  # STREAM_DEEP_K32
         # Short K (at most 4 K steps per tile): the same tiles on the persistent, flattened tile
         # loop, whose pipeline spans tiles (at least 3 stages), so the next tile's weights load
         # while this one's MMAs and epilogue run. Session 21 (H200), GEMM alone: DeepSeek TP8 w2
