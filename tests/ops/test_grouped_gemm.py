@@ -142,6 +142,9 @@ INTERP_CASES = [
     (45, 5, 24, 48, "zeros", ("tiled", 32, 16, 16, True)),
     (29, 4, 16, 16, "over", ("tiled", 16, 16, 16, True)),
     (1, 4, 32, 64, "routing", ("stream", 16, 16, 64, True)),
+    # STREAM_DEEP_K32's tile: 32 rows, 128 columns (the second slice masked), 128-wide K steps with
+    # the last one masked (K = 320: two and a half)
+    (70, 3, 136, 320, "routing", ("stream", 32, 128, 128, True)),
 ]
 
 
@@ -1462,6 +1465,8 @@ def _all_configs(M, N, K, G, fp8):
         out.append(C("stream", 16, 16, 512 if fp8 else 256, 4, 2, use_tma=use_tma))
         out.append(C("stream", 32, 128, 128 if fp8 else 64, 5, 4, use_tma=use_tma))
         out.append(C("stream", 32, 64, 256 if fp8 else 128, 5, 4, use_tma=use_tma))
+        if not fp8:  # STREAM_DEEP_K32's
+            out.append(C("stream", 32, 128, 128, 3, 4, use_tma=use_tma))
         out.append(C("stream", 128, 128, 128 if fp8 else 64, 4, 8, use_tma=use_tma))
         out.append(C("stream", 128, 64, 128 if fp8 else 64, 4, 4, use_tma=use_tma))
         out.append(C("stream", 16, 128, 256 if fp8 else 64, 3, 4, use_tma=use_tma))
