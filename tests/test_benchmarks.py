@@ -304,6 +304,15 @@ def test_results_table_compares_two_lanes(tmp_path):
         lines = rt.compare(json.load(f), json.load(g)).splitlines()
     q = sorted(float(ln.split("|")[-3]) for ln in lines[2:] if ln.startswith("|") and " -> " in ln.split("|")[-2])
     assert len(q) == 29 and q[-1] < 1.01 and q[len(q) // 2] < 0.96, q
+    # Session 41's A/B of FP8_TALL_SHORT_K (knob 0, then the default) on the four FP8 cells it
+    # changes and five it does not: the four 8-14% ahead, the five within 2%.
+    with open(os.path.join(res, "grouped_gemm_fp8_tall_short_k_old_h100.json")) as f, \
+            open(os.path.join(res, "grouped_gemm_fp8_tall_short_k_new_h100.json")) as g:  # fmt: skip
+        lines = [ln for ln in rt.compare(json.load(f), json.load(g)).splitlines()[2:] if ln.startswith("|")]
+    changed = [float(ln.split("|")[-3]) for ln in lines if " -> " in ln.split("|")[-2]]
+    same = [float(ln.split("|")[-3]) for ln in lines if " -> " not in ln.split("|")[-2]]
+    assert len(changed) == 4 and max(changed) < 0.92, changed
+    assert len(same) == 5 and all(0.98 < r < 1.02 for r in same), same
 
 
 @pytest.mark.reference
