@@ -210,7 +210,7 @@ NARROW_TILES_WAVES = 1
 # fused gate/up GEMMs (not measured). 0: off.
 STREAM_DEEP_K = 1
 
-# Knob STREAM_DEEP_K32: STREAM_DEEP_K's step for the 32 x 128 streaming tiles (9-16 rows per group,
+# Knob STREAM_DEEP_K32: STREAM_DEEP_K's step for the 32 x 128 streaming tiles (8-16 rows per group,
 # 16-bit rows stored) with K >= 256: 128-wide K steps in (at most) three stages, 120 KB in flight
 # and one program per SM, instead of 64-wide ones in five (100 KB, two per SM), on the plain tile
 # loop (not the persistent one short K would take). H100, session 41 (``sweep_gemm.py``, the GEMM
