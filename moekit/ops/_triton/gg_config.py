@@ -252,9 +252,9 @@ def heuristic_config(
     ``FP8_TALL_TILES``; to under 192 where K <= ``FP8_TALL_SHORT_K``), 16-bit tiled tiles below 96
     rows per group 128 x 128 x 128 (``BF16_TALL_TILES``) and 16-bit streaming 64 x 128 tiles with
     K >= 1024 take 128-wide K steps (``STREAM_DEEP_K``), the 32 x 128 ones with K >= 256 too
-    (``STREAM_DEEP_K32``); a scatter-add with K <=
-    ``SCATTER_SHORT_K`` keeps 64-row tiles past 192 rows per group. ``w_only``: FP8 weights with
-    16-bit rows (``elem`` is the rows'), which keep the 16-bit rules' older tiles."""
+    (``STREAM_DEEP_K32``); a scatter-add with K <= ``SCATTER_SHORT_K`` keeps 64-row tiles past 192
+    rows per group. ``w_only``: FP8 weights with 16-bit rows (``elem`` is the rows'), which keep
+    the 16-bit rules' older tiles."""
     # Problems of at most ``settings.gg_gemv_max_m`` rows in all run the GEMV kernel (0: never).
     hits = max(1.0, min(expected_groups_hit(M, G), float(min(G, M))))
     # The GEMV kernel also when the rows rarely share an expert (top-k decode: one token's k rows
