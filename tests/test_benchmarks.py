@@ -313,6 +313,13 @@ def test_results_table_compares_two_lanes(tmp_path):
     same = [float(ln.split("|")[-3]) for ln in lines if " -> " not in ln.split("|")[-2]]
     assert len(changed) == 4 and max(changed) < 0.92, changed
     assert len(same) == 5 and all(0.98 < r < 1.02 for r in same), same
+    # Session 42's A/B of STREAM_DEEP_K32 (knob 0, then the default) at 8 rows per group: the 14
+    # cells whose tile changed, none more than 1% behind, their median more than 1% ahead.
+    with open(os.path.join(res, "grouped_gemm_stream_deep_k32_old_h100.json")) as f, \
+            open(os.path.join(res, "grouped_gemm_stream_deep_k32_new_h100.json")) as g:  # fmt: skip
+        lines = [ln for ln in rt.compare(json.load(f), json.load(g)).splitlines()[2:] if ln.startswith("|")]
+    q = sorted(float(ln.split("|")[-3]) for ln in lines if " -> " in ln.split("|")[-2])
+    assert len(q) == 14 and q[-1] < 1.01 and q[len(q) // 2] < 0.99, q
 
 
 @pytest.mark.reference

@@ -217,7 +217,10 @@ STREAM_DEEP_K = 1
 # alone, rows stored, bf16, 8 rows per group, µs): Llama 4 Scout TP8 gate|up (M=128) 118.2 ->
 # 115.1, DeepSeek-V3 TP8 down (K=256, M=2048; persistent 32 x 128 x 64 s4 before) 343.3 -> 329.1,
 # Qwen3-30B gate|up (M=1024) 276.6 -> 270.1, Llama 4 Maverick TP8 down (K=1024) 455.7 -> 447.6,
-# gpt-oss-120b down (K=2880) 734.7 -> 732.9 (its best: 32 x 64 x 128 s5, 714.1). 0: off.
+# gpt-oss-120b down (K=2880) 734.7 -> 732.9 (its best: 32 x 64 x 128 s5, 714.1). A/B, session 42
+# (H100, ``bench_grouped_gemm.py``, knob 0 then 1 in one call, 8 rows per group): the 14 cells whose
+# tile changed 0.956-1.004x, median 0.988 (DeepSeek-V3 TP8 down 344.0 -> 328.8, Llama 4 down 454.9
+# -> 442.7, Scout TP8 gate|up 118.4 -> 114.7; gpt-oss-120b down 730.6 -> 733.2). 0: off.
 STREAM_DEEP_K32 = 1
 
 # K up to which a scatter-added tiled GEMM keeps 64-row tiles at any rows per group (knob
