@@ -16,7 +16,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_PDL_MODE`` | ``pdl_mode`` | per kernel | force every PDL kernel's trigger: 1 early, 2 late (experiments) |
 | ``MOEKIT_MOE_PATH`` | ``moe_path`` | auto | the experts pipeline: ``auto``, ``decode`` (fused small-batch kernels), ``sorted`` (index-shuffled grouped GEMMs) |
 | ``MOEKIT_DECODE_MAX_ROWS`` | ``decode_max_rows`` | 2048 | ``auto`` takes the decode path up to this many routed rows (tokens x top-k; see ``moekit.layers.experts.choose_path``) |
-| ``MOEKIT_DECODE_FUSED`` | ``decode_fused`` | auto | ``moe_forward``'s two-launch decode (``moekit.ops.moe_decode``: routing inside the gate/up GEMV, no sorted layout): ``auto``: top-k >= 4, at most 256 experts, at most 4 tokens, 16-bit or FP8 weights; ``on``: wherever the decode pipeline runs up to 64 rows, any top-k (experiments); ``off`` |
+| ``MOEKIT_DECODE_FUSED`` | ``decode_fused`` | auto | ``moe_forward``'s two-launch decode (``moekit.ops.moe_decode``: routing inside the gate/up GEMV, no sorted layout): ``auto``: any top-k, at most 256 experts, at most 4 tokens, 16-bit or FP8 weights; ``on``: wherever the decode pipeline runs up to 64 rows, any top-k (experiments); ``off`` |
 | ``MOEKIT_ROUTE_FUSED_MAX_T`` | ``route_fused_max_t`` | 8 | ``route_and_shuffle`` routes up to this many tokens in one program (one launch); more take a program per block of tokens and a placing launch |
 | ``MOEKIT_SORTED_SWIGLU`` | ``sorted_swiglu`` | 1 | the sorted pipeline's gate/up GEMM reads token rows by index with the SiLU * up in its epilogue (``grouped_gemm_swiglu``'s tiled kernel) where its rows per expert take tensor-core tiles (0: gather, GEMM, ``silu_mul``) |
 | ``MOEKIT_DOWN_SUM`` | ``down_sum`` | auto | the sorted pipeline's down projection: ``atomic`` (scatter-add epilogue), ``sum`` (rows stored, then each token's rows summed: no atomics), ``auto`` (``sum`` for ``deterministic=True`` and from ``moekit.layers.experts.DOWN_SUM_MIN_ROWS`` routed rows of top-k >= 2, ``DOWN_SUM_MIN_ROWS_SLABS`` where the scatter-add takes column slabs) |
@@ -92,7 +92,7 @@ class Settings:
     #   DOWN_SUM_MIN_ROWS                 experts (down rows summed, not scatter-added; pins
     #                                     both bounds)         32768, 131073 with column slabs
     #   COMBINE_MIN_TOP_K                 experts (decode: per-token combine from this top-k)    6
-    #   DECODE_FUSED_MIN_TOP_K            experts (decode_fused auto: moe_decode from this top-k) 4
+    #   DECODE_FUSED_MIN_TOP_K            experts (decode_fused auto: moe_decode from this top-k) 1
     #   DECODE_FUSED_MAX_TOKENS           experts (decode_fused auto: moe_decode up to these tokens) 4
     #   SWIGLU_GEMV_FP8_WAVE              gg_swiglu (FP8 gate/up GEMV tiles sized for one wave) True
     #   FP8_STREAM_SWIGLU                 experts (FP8 sorted pipeline at streaming sizes through
@@ -148,6 +148,8 @@ class Settings:
     #                                     64 x 128 tiles, K >= 1024: 128-wide K, 2 stages)      1
     #   STREAM_DEEP_K32                   gg_config (the same for their 32 x 128 tiles, K >=
     #                                     256: 128-wide K, up to 3 stages)                      1
+    #   COMBINE_FEW_4KB                   gg_combine (per-token combine of top-1 / top-2: 4 KB
+    #                                     weight tiles per choice, 512-wide F, 3 stages)     True
     #   SCATTER_SHORT_K                   gg_config (scatter-added tiled GEMMs with K up to this
     #                                     keep 64-row tiles at any rows/group; 0 off)        1024
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
@@ -178,7 +180,7 @@ KNOBS = (
     "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS", "SWIGLU_TILED_STAGES", "SWIGLU_SMALL_MAX_ROWS",
     "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES", "SCATTER_SHORT_K",
     "BF16_TALL_TILES", "NARROW_TILES_WAVES", "STREAM_DEEP_K", "FP8_TALL_SHORT_K",
-    "STREAM_DEEP_K32",
+    "STREAM_DEEP_K32", "COMBINE_FEW_4KB",
 )  # fmt: skip
 
 

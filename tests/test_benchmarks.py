@@ -323,6 +323,30 @@ def test_results_table_compares_two_lanes(tmp_path):
 
 
 @pytest.mark.reference
+def test_combine_few_4kb_verdict_holds_on_its_sweep_rows():
+    """Session 42's ``sweep_decode.py --tiles`` rows (H100; Llama 4 Scout top-1 and Mixtral-8x7B
+    top-2, T = 1 / 2 / 4, bf16 and FP8): the tile ``combine_config`` now picks (``COMBINE_FEW_4KB``)
+    against the rule before (the rows' ``fused_us``: moe_decode on the old tile), the mean of its
+    two passes: ahead in 11 of the 12 cells (Scout FP8 T=4 level, 1.004x), and moe_decode on it
+    ahead of the sorted pipeline in every cell (``DECODE_FUSED_MIN_TOP_K`` = 1)."""
+    from moekit.ops._triton.gg_combine import combine_config
+    from moekit.testing import MODEL_SHAPES
+
+    with open(os.path.join(ROOT, "benchmarks", "results", "sweep_decode_top12_h100.json")) as f:
+        rows = json.load(f)["rows"]
+    assert len(rows) == 12
+    ahead = 0
+    for r in rows:
+        s = MODEL_SHAPES[r["model"]]
+        elem = 1 if r["dtype"] == "fp8" else 2
+        tile = "B " + "x".join(map(str, combine_config(r["T"], s.D, s.F, s.top_k, elem, r.get("sms", 132))))
+        new = (r[tile] + r[tile + "#2"]) / 2
+        assert new < 1.01 * r["fused_us"] and new < r["sorted_us"], (r["model"], r["T"], r["dtype"], tile)
+        ahead += new < r["fused_us"]
+    assert ahead == 11, ahead
+
+
+@pytest.mark.reference
 def test_acceptance_gemm_verdict_names_missing_and_slower_cells():
     """``acceptance.py --gemm-rows``: the full grid's cells the rows lack, and the cells slower
     than a peer."""

@@ -119,9 +119,17 @@ DECODE_FUSED_MAX_EXPERTS = 256
 # routing, the FP8 GEMV tiles of ``gg_swiglu._fp8_gemv_config``), moe_decode against the sorted
 # decode pipeline (its scatter-add GEMV below ``COMBINE_MIN_TOP_K``), same call: gpt-oss-120b
 # (top-4) bf16 T=1 55.7 vs 56.9 µs, T=2 97.4 vs 102.2; FP8 T=1 40.9 vs 45.0, T=2 62.5 vs 74.2.
-# Top-2 and top-1 keep the sorted pipelines: Mixtral-8x7B T=1 bf16 181.2 vs 172.5, FP8 113.9 vs
-# 94.0; Llama 4 Scout FP8 T=1 45.0 vs 41.2.
-DECODE_FUSED_MIN_TOP_K = 4
+# Top-2 and top-1 kept the sorted pipelines then: Mixtral-8x7B T=1 bf16 181.2 vs 172.5, FP8 113.9
+# vs 94.0; Llama 4 Scout FP8 T=1 45.0 vs 41.2. Since session 42 every top-k takes it: H100, same
+# call, layer from logits, two lanes each way (µs, sorted -> moe_decode, the combine's tiles of
+# then): Scout bf16 T = 1 / 2 / 4 109.0 / 176.0 / 337.3 -> 106.7 / 172.4 / 333.9, FP8 53.5 / 96.1
+# / 175.5 -> 53.9 / 91.8 / 171.6; Maverick bf16 94.5 / 175.8 / 337.7 -> 93.3 / 171.7 / 334.5, FP8
+# 54.1 / 97.2 / 176.2 -> 54.1 / 91.9 / 171.8; and with the combine's 4 KB tiles for one or two
+# choices (``gg_combine.COMBINE_FEW_4KB``; ``sweep_decode.py``, sorted vs moe_decode): Scout bf16
+# T = 1 / 2 / 4 94.9 / 160.1 / 306.0 vs 88.1 / 153.7 / 299.9, FP8 54.2 / 89.7 / 160.3 vs 48.2 /
+# 82.5 / 156.7; Mixtral-8x7B bf16 239.6 / 425.0 / 657.0 vs 234.3 / 415.5 / 614.3, FP8 127.6 /
+# 219.6 / 321.7 vs 122.8 / 212.7 / 315.6-325.6 (two passes).
+DECODE_FUSED_MIN_TOP_K = 1
 
 # Most tokens for which ``decode_fused`` (auto) takes moe_decode: one GEMV program per routed row
 # and column slice, so rows of one expert read its weights side by side (from L2). H200, session

@@ -5,7 +5,7 @@ expert-sorted row layout, one launch for decode-sized batches; it also zeroes th
 ``moekit.layers.experts.run_experts`` (the decode pipeline: gate|up GEMM reading the token rows
 by index with SwiGLU fused, down GEMM with the router weight and the scatter-add; or the sorted
 pipeline: gather (+ FP8 quant) -> grouped GEMM -> SwiGLU -> grouped GEMM + scatter-add). Where
-``moekit.layers.experts.decode_fused`` says so (up to 4 tokens of a top-k >= 4 model with at most
+``moekit.layers.experts.decode_fused`` says so (up to 4 tokens of a model with at most
 256 experts, 16-bit or FP8 weights), ``moekit.ops.moe_decode`` runs the experts in two launches
 instead: each GEMV program routes its token itself (no routing launch). No host sync anywhere:
 CUDA-graph capturable.

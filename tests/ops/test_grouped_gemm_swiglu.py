@@ -411,6 +411,27 @@ def test_combine_tiles_hold_about_8kb():
 
 
 @pytest.mark.reference
+def test_combine_tiles_for_one_or_two_choices_hold_4kb_per_choice():
+    """Top-1 and top-2 (``COMBINE_FEW_4KB``): 512-wide F tiles (a power of two dividing F, else F's
+    next power of two, at most 512), the columns that fill 4 KB per choice, 3 stages, at any token
+    count; the knob off gives session 17's widest slices of 8 KB tiles."""
+    from moekit.ops._triton.gg_combine import combine_config
+
+    for T in (1, 2, 4, 64):
+        assert combine_config(T, 5120, 8192, 1, 2, 132) == (4, 512, 3)  # Llama 4 Scout bf16
+        assert combine_config(T, 5120, 8192, 1, 1, 132) == (8, 512, 3)  # FP8
+        assert combine_config(T, 4096, 14336, 2, 2, 132) == (4, 512, 3)  # Mixtral-8x7B bf16
+        assert combine_config(T, 4096, 14336, 2, 1, 132) == (8, 512, 3)
+    assert combine_config(1, 4096, 1792, 2, 2, 132) == (8, 256, 3)  # Mixtral TP8: F = 7 x 256
+    assert combine_config(1, 64, 96, 1, 2, 132) == (16, 128, 3)  # F = 3 x 32: masked 128-wide tiles
+    assert combine_config(1, 64, 40, 2, 1, 132) == (16, 64, 3)  # at most 16 columns
+    with settings.override(knobs={"COMBINE_FEW_4KB": False}):
+        assert combine_config(1, 5120, 8192, 1, 2, 132) == (16, 256, 5)
+        assert combine_config(1, 5120, 8192, 1, 1, 132) == (16, 256, 7)
+        assert combine_config(4, 4096, 14336, 2, 2, 132) == (16, 128, 5)
+
+
+@pytest.mark.reference
 def test_kernels_compile_for_sm90():
     """The decode shapes of the benchmark's models (GEMV and streaming; bf16, FP8, weight-only
     FP8), the fused SwiGLU kernels and the weight-only down GEMM, compiled for sm_90 (ptxas)."""
@@ -740,7 +761,8 @@ def test_gpu_swiglu_cuda_graph_replays_new_rows(cuda):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,K,G,N,F", [(1, 8, 128, 2048, 768), (4, 8, 128, 2048, 768), (1, 8, 256, 7168, 256),
-                                       (2, 4, 128, 2880, 2880), (1, 1, 16, 5120, 8192)])  # fmt: skip
+                                       (2, 4, 128, 2880, 2880), (1, 1, 16, 5120, 8192),
+                                       (2, 2, 8, 4096, 1000)])  # fmt: skip
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_combine(T, K, G, N, F, fp8, cuda):
     z, w, eidx, srow, rw, ws, out = _combine_case(T, K, G, N, F, torch.bfloat16, fp8, seed=T, device=cuda)

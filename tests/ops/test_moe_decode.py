@@ -198,8 +198,8 @@ def test_errors_name_what_was_expected():
 
 
 @pytest.mark.reference
-def test_moe_forward_takes_it_up_to_four_tokens_of_top_k_4_or_more():
-    """``decode_fused``: ``auto`` for top-k >= 4 up to 4 tokens, bf16 or FP8, at most 256 experts,
+def test_moe_forward_takes_it_up_to_four_tokens():
+    """``decode_fused``: ``auto`` for any top-k up to 4 tokens, bf16 or FP8, at most 256 experts,
     unless the path is pinned to ``sorted``; ``on`` up to 64 rows of any top-k on the decode path;
     ``off`` never; the knobs ``DECODE_FUSED_MIN_TOP_K`` / ``DECODE_FUSED_MAX_TOKENS`` move the
     bounds; and ``moe_forward`` on CPU gives the same result either way."""
@@ -214,7 +214,8 @@ def test_moe_forward_takes_it_up_to_four_tokens_of_top_k_4_or_more():
     assert not decode_fused(40, 128, 8, False)  # T=5: the sorted pipelines
     assert decode_fused(4, 128, 4, False) and decode_fused(16, 128, 4, True)  # gpt-oss-120b T=1, 4
     assert not decode_fused(20, 128, 4, False)
-    assert not decode_fused(1, 16, 1, False) and not decode_fused(2, 8, 2, False)  # top-1 / top-2: sorted
+    assert decode_fused(1, 16, 1, False) and decode_fused(2, 8, 2, True)  # Llama 4 Scout, Mixtral T=1
+    assert decode_fused(4, 128, 1, True) and not decode_fused(5, 16, 1, False)  # top-1 to T=4
     assert not decode_fused(8, 128, 8, False, path="sorted")
     with settings.override(moe_path="sorted"):
         assert not decode_fused(8, 128, 8, False)
@@ -223,6 +224,8 @@ def test_moe_forward_takes_it_up_to_four_tokens_of_top_k_4_or_more():
         assert not decode_fused(16, 128, 8, False)
     with settings.override(knobs={"DECODE_FUSED_MIN_TOP_K": 6}):
         assert not decode_fused(4, 128, 4, False) and decode_fused(8, 128, 8, False)
+    with settings.override(knobs={"DECODE_FUSED_MIN_TOP_K": 4}):  # session 18's bound
+        assert not decode_fused(1, 16, 1, False) and not decode_fused(2, 8, 2, False)
     assert not decode_fused(8, 1024, 8, False)  # past the routing kernel's experts
     with settings.override(decode_fused="on"):
         assert decode_fused(4, 128, 4, False) and decode_fused(32, 128, 8, False) and decode_fused(8, 128, 8, True)
@@ -245,11 +248,15 @@ def test_moe_forward_takes_it_up_to_four_tokens_of_top_k_4_or_more():
 
 # ---------------------------------------------------------------------------- GPU
 
-# (E, D, F, k, routing): Qwen3-30B-A3B, DeepSeek-V3 TP8 experts (grouped: 8 groups, 4 kept)
+# (E, D, F, k, routing): Qwen3-30B-A3B, DeepSeek-V3 TP8 experts (grouped: 8 groups, 4 kept),
+# gpt-oss-120b; top-1 and top-2 (the combine's 4 KB tiles, ``COMBINE_FEW_4KB``): Llama 4's routing
+# with 512-wide F tiles, and a Mixtral-like top-2 whose F = 1000 masks the last 512-wide tile
 GPU_SHAPES = {
     "qwen3-30b-a3b": (128, 2048, 768, 8, "softmax_renorm", None),
     "deepseek-v3-tp8": (256, 7168, 256, 8, "deepseek", (8, 4)),
     "gpt-oss-120b": (128, 2880, 2880, 4, "topk_softmax", None),
+    "top1-f2048": (16, 2048, 2048, 1, "sigmoid", None),
+    "top2-f1000": (8, 1024, 1000, 2, "softmax_renorm", None),
 }
 
 

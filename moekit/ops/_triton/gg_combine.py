@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_config import widest_slice
@@ -103,6 +104,12 @@ def _combine_kernel(
     tl.store(o_ptrs, (prev + y).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+# Knob COMBINE_FEW_4KB: ``combine_config``'s tiles for one or two choices per token (top-1, top-2):
+# 4 KB of weights per choice, 512-wide F tiles, 3 stages (True), or session 17's widest slices of
+# 8 KB tiles (False). Measured in ``combine_config``'s docstring.
+COMBINE_FEW_4KB = True
+
+
 def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_F, STAGES)``.
 
@@ -123,10 +130,19 @@ def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) ->
       41.5 / 41.2, T=4 108.1 / 107.0 against 112.0 / 112.4; with 8 KB tiles already, 256-wide
       ones lost: Qwen3-30B FP8 T=4 47.2 / 47.7 against 45.9 / 44.8, DeepSeek-V3 TP8 FP8 T=1
       21.4 / 21.5 against 19.0 / 18.9).
-    Fewer choices (top-1: Scout 71 vs 88 µs narrow): the widest slice (up to 16 columns) that still
-    gives about two programs per SM; ``[K, BLOCK_N, BLOCK_F]`` weight tiles of about 8 KB (16 KB
-    of accumulators), ``BLOCK_F`` a power of two dividing F when one of at least 64 does (no
-    masks); about 32 KB of weights in flight per program."""
+    Fewer choices (top-1, top-2; ``COMBINE_FEW_4KB``): 4 KB of weights per choice and tile,
+    ``BLOCK_F`` 512 (a power of two dividing F when one of at least 64 does: no masks; else F's
+    next power of two, at most 512), ``BLOCK_N`` the columns that fill 4 KB (bf16 4, FP8 8), 3
+    stages: many short programs (Scout T=1: 1280 of them, ~10 per SM) in place of two or three
+    long ones per SM. H100, session 42 (``sweep_decode.py --tiles``, moe_decode, two passes each,
+    µs, the rule before -> this one): Llama 4 Scout bf16 T = 1 / 2 / 4 92.8 / 156.7 / 303.9 ->
+    88.1 / 153.7 / 299.9, FP8 54.1 / 85.0 / 156.1 -> 48.2 / 82.5 / 156.7; Mixtral-8x7B bf16 248.5
+    / 432.7 / 657.6 -> 234.3 / 415.5 / 614.3, FP8 140.4 / 223.1 / 326.7 -> 122.8 / 212.7 /
+    315.6-325.6. 8 columns at bf16 lost (Scout T=1 91.6, Mixtral 241.0), 4 at FP8 lost past T=1
+    (Scout T=2 84.3, Mixtral T=1 126.3-127.6). Knob off (session 17's rule, H200: Scout 71 vs 88
+    µs for the narrow 128-wide F tiles then): the widest slice (up to 16 columns) that still gives
+    about two programs per SM, ``[K, BLOCK_N, BLOCK_F]`` tiles of about 8 KB, about 32 KB of
+    weights in flight per program."""
     if k_pad >= 4:
         if T * cdiv(N, 16) <= sms and w_elem > 1:
             return 16, max(16, min(next_pow2(F), 128 // w_elem)), 3
@@ -136,9 +152,12 @@ def combine_config(T: int, N: int, F: int, k_pad: int, w_elem: int, sms: int) ->
         block_n = min(8, max(1, 8192 // (k_pad * 128 * w_elem)))
         block_f = 128 * max(1, 8192 // (k_pad * block_n * 128 * w_elem))
         return block_n, min(block_f, max(16, next_pow2(F))), 4
+    div = F & -F
+    if settings.get().knob("COMBINE_FEW_4KB", COMBINE_FEW_4KB):
+        block_f = min(512, div) if div >= 64 else min(512, max(16, next_pow2(F)))
+        return max(1, min(16, 4096 // (block_f * w_elem))), block_f, 3
     block_n = widest_slice(T, N, sms)
     target = max(16, 4096 // (k_pad * block_n))
-    div = F & -F
     block_f = min(target, div) if div >= 64 else min(target, max(16, next_pow2(F)))
     tile = k_pad * block_n * block_f * w_elem
     stages = 1 + max(2, min(6, (32 * 1024) // tile))
