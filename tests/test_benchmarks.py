@@ -291,35 +291,32 @@ def test_results_table_compares_two_lanes(tmp_path):
     assert out.rstrip().endswith("2 cells: B ahead in 1, level (within 1%) in 1, behind in 0")
     with pytest.raises(ValueError, match="share no cell"):
         rt.compare(a, {"rows": [dict(row, M=9, **{"moekit µs": 1.0})]})
-    res = os.path.join(ROOT, "benchmarks", "results")
-    with open(os.path.join(res, "grouped_gemm_ab_default_h100.json")) as f, \
-            open(os.path.join(res, "grouped_gemm_ab_tuned_h100.json")) as g:  # fmt: skip
-        lines = rt.compare(json.load(f), json.load(g)).splitlines()
-    changed = [ln for ln in lines[2:] if ln.startswith("|") and " -> " in ln.split("|")[-2]]
-    assert len(changed) == 9 and all(float(ln.split("|")[-3]) < 0.96 for ln in changed), changed
+    changed, _ = _stored_ab(rt, "grouped_gemm_ab_default_h100.json", "grouped_gemm_ab_tuned_h100.json")
+    assert len(changed) == 9 and all(r < 0.96 for r in changed), changed
     # Session 40's A/B of those three rules as landed (knobs off, then on) across the 16-bit grid at
     # M = 512-16384: the 29 cells whose tile changed, none more than 1% behind, their median 5% ahead.
-    with open(os.path.join(res, "grouped_gemm_rules_ab_old_h100.json")) as f, \
-            open(os.path.join(res, "grouped_gemm_rules_ab_new_h100.json")) as g:  # fmt: skip
-        lines = rt.compare(json.load(f), json.load(g)).splitlines()
-    q = sorted(float(ln.split("|")[-3]) for ln in lines[2:] if ln.startswith("|") and " -> " in ln.split("|")[-2])
+    q, _ = _stored_ab(rt, "grouped_gemm_rules_ab_old_h100.json", "grouped_gemm_rules_ab_new_h100.json")
     assert len(q) == 29 and q[-1] < 1.01 and q[len(q) // 2] < 0.96, q
     # Session 41's A/B of FP8_TALL_SHORT_K (knob 0, then the default) on the four FP8 cells it
     # changes and five it does not: the four 8-14% ahead, the five within 2%.
-    with open(os.path.join(res, "grouped_gemm_fp8_tall_short_k_old_h100.json")) as f, \
-            open(os.path.join(res, "grouped_gemm_fp8_tall_short_k_new_h100.json")) as g:  # fmt: skip
-        lines = [ln for ln in rt.compare(json.load(f), json.load(g)).splitlines()[2:] if ln.startswith("|")]
-    changed = [float(ln.split("|")[-3]) for ln in lines if " -> " in ln.split("|")[-2]]
-    same = [float(ln.split("|")[-3]) for ln in lines if " -> " not in ln.split("|")[-2]]
+    changed, same = _stored_ab(rt, "grouped_gemm_fp8_tall_short_k_old_h100.json",
+                               "grouped_gemm_fp8_tall_short_k_new_h100.json")  # fmt: skip
     assert len(changed) == 4 and max(changed) < 0.92, changed
     assert len(same) == 5 and all(0.98 < r < 1.02 for r in same), same
     # Session 42's A/B of STREAM_DEEP_K32 (knob 0, then the default) at 8 rows per group: the 14
     # cells whose tile changed, none more than 1% behind, their median more than 1% ahead.
-    with open(os.path.join(res, "grouped_gemm_stream_deep_k32_old_h100.json")) as f, \
-            open(os.path.join(res, "grouped_gemm_stream_deep_k32_new_h100.json")) as g:  # fmt: skip
-        lines = [ln for ln in rt.compare(json.load(f), json.load(g)).splitlines()[2:] if ln.startswith("|")]
-    q = sorted(float(ln.split("|")[-3]) for ln in lines if " -> " in ln.split("|")[-2])
+    q, _ = _stored_ab(rt, "grouped_gemm_stream_deep_k32_old_h100.json", "grouped_gemm_stream_deep_k32_new_h100.json")
     assert len(q) == 14 and q[-1] < 1.01 and q[len(q) // 2] < 0.99, q
+
+
+def _stored_ab(rt, old: str, new: str) -> tuple[list[float], list[float]]:
+    """Two stored rows files of ``benchmarks/results`` compared (``results_table.compare``): the B / A
+    ratios of the cells whose tile changed, then of the others, each sorted."""
+    res = os.path.join(ROOT, "benchmarks", "results")
+    with open(os.path.join(res, old)) as f, open(os.path.join(res, new)) as g:
+        lines = [ln.split("|") for ln in rt.compare(json.load(f), json.load(g)).splitlines()[2:] if ln.startswith("|")]
+    changed = sorted(float(c[-3]) for c in lines if " -> " in c[-2])
+    return changed, sorted(float(c[-3]) for c in lines if " -> " not in c[-2])
 
 
 @pytest.mark.reference
@@ -333,13 +330,14 @@ def test_combine_few_4kb_verdict_holds_on_its_sweep_rows():
     from moekit.testing import MODEL_SHAPES
 
     with open(os.path.join(ROOT, "benchmarks", "results", "sweep_decode_top12_h100.json")) as f:
-        rows = json.load(f)["rows"]
+        stored = json.load(f)
+    rows, sms = stored["rows"], stored["meta"]["sms"]
     assert len(rows) == 12
     ahead = 0
     for r in rows:
         s = MODEL_SHAPES[r["model"]]
         elem = 1 if r["dtype"] == "fp8" else 2
-        tile = "B " + "x".join(map(str, combine_config(r["T"], s.D, s.F, s.top_k, elem, r.get("sms", 132))))
+        tile = "B " + "x".join(map(str, combine_config(r["T"], s.D, s.F, s.top_k, elem, sms)))
         new = (r[tile] + r[tile + "#2"]) / 2
         assert new < 1.01 * r["fused_us"] and new < r["sorted_us"], (r["model"], r["T"], r["dtype"], tile)
         ahead += new < r["fused_us"]
