@@ -5,7 +5,8 @@
 #   PHASES="tests comm bench lanes ab"   BENCHES="routing gather_scatter ..."   LANES="0:a,b 1:c"
 #   QUICK=1   BUDGET_S=560   BENCH_ARGS_<name>="extra args for benchmarks/bench_<name>.py"
 #   LANE_MAX_S=<s> (each lane entry's own time limit, else what is left of BUDGET_S: an entry that
-#   hangs, as a kernel that never returns did in session 26, then costs only this much)
+#   hangs, as a kernel that never returns did in session 26, then costs only this much;
+#   LANE_MAX_S_<name>[_<tag>]: one entry's own limit in place of it)
 #   BENCH_ENV_<name>[_<tag>]="VAR=value ..." (environment of one lane entry; "name@tag" entries take
 #   BENCH_ARGS_<name>_<tag>, else BENCH_ARGS_<name>; scripts/ab_trees.sh: earlier commits' trees)
 #   TESTS="tests/ops ..." (GPU tier; on 2 GPUs the grouped-GEMM file runs on GPU 1, GEMM_K="-k expr")
@@ -60,7 +61,8 @@ run_lanes() {
         [ -n "$tag" ] && [ -z "${!extra_var+x}" ] && extra_var="BENCH_ARGS_$b"
         script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py
         env_var="BENCH_ENV_$b${tag:+_$tag}"  # environment for this entry, e.g. BENCH_ENV_layer_nopdl="MOEKIT_PDL=0"
-        lim=$((t-10)); [ -n "${LANE_MAX_S:-}" ] && [ "$LANE_MAX_S" -lt "$lim" ] && lim=$LANE_MAX_S
+        max_var="LANE_MAX_S_$b${tag:+_$tag}"; max=${!max_var:-${LANE_MAX_S:-}}  # an entry's own limit first
+        lim=$((t-10)); [ -n "$max" ] && [ "$max" -lt "$lim" ] && lim=$max
         # JSON rows per entry (json_<name>[_<tag>]/): tagged lanes of one benchmark write the same
         # file name, and the last one used to overwrite the others' rows.
         CUDA_VISIBLE_DEVICES=$gpu MOEKIT_BENCH_DIR="$RES/json_$b${tag:+_$tag}" timeout $lim env ${!env_var:-} \
