@@ -345,6 +345,42 @@ def test_combine_few_4kb_verdict_holds_on_its_sweep_rows():
 
 
 @pytest.mark.reference
+def test_top12_decode_layer_ab_holds_on_its_lanes():
+    """Session 43's layer A/B from logits (H100, ``bench_layer.py --lean --quick``; five lanes each
+    way over two calls, Maverick two): the sorted decode pipeline (``DECODE_FUSED_MIN_TOP_K=4,
+    COMBINE_FEW_4KB=false``) against moe_decode on the 4 KB tiles, for top-1 (Scout, Maverick) and
+    top-2 (Mixtral-8x7B) at T = 1 / 2 / 4. The medians: moe_decode ahead in every cell but bf16
+    T=1 of Scout and Mixtral, whose lanes split into a fast and a slow mode (each path in both);
+    with those two out, every median at least 1.5% ahead and the new path's slowest lane faster
+    than the old path's slowest. The stored rows are what the defaults rest on."""
+    import statistics
+
+    res = os.path.join(ROOT, "benchmarks", "results")
+    with open(os.path.join(res, "layer_top12_ab_old_h100.json")) as f, \
+            open(os.path.join(res, "layer_top12_ab_new_h100.json")) as g:  # fmt: skip
+        old, new = json.load(f), json.load(g)
+    assert "DECODE_FUSED_MIN_TOP_K=4" in old["meta"]["knobs"] and new["meta"]["knobs"] == "defaults"
+
+    def lanes(rows):
+        out: dict = {}
+        for r in rows:
+            out.setdefault((r["model"], r["dtype"], r["T"]), []).append(r["moekit_us"])
+        return out
+
+    a, b = lanes(old["rows"]), lanes(new["rows"])
+    assert set(a) == set(b) and len(a) == 18
+    assert all(r["path"] == "fused" for r in new["rows"])  # moe_decode
+    assert all(r["path"] in ("decode", "sorted") for r in old["rows"])
+    mixed = {("llama4-scout", "bfloat16", 1), ("mixtral-8x7b", "bfloat16", 1)}
+    for key in a:
+        ratio = statistics.median(b[key]) / statistics.median(a[key])
+        if key in mixed:
+            assert ratio > 1.0 and min(b[key]) < min(a[key]), (key, ratio)  # behind by median, ahead at best
+            continue
+        assert ratio < 0.985 and max(b[key]) < max(a[key]), (key, ratio, a[key], b[key])
+
+
+@pytest.mark.reference
 def test_acceptance_gemm_verdict_names_missing_and_slower_cells():
     """``acceptance.py --gemm-rows``: the full grid's cells the rows lack, and the cells slower
     than a peer."""
