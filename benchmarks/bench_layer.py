@@ -4,7 +4,11 @@ and the sorted one pinned) vs vLLM 0.33's Triton fused_moe (routing precomputed:
 PyTorch, one process, every output checked against a float32 reference before it is timed.
 
     python benchmarks/bench_layer.py [--quick] [--models qwen3-30b-a3b,deepseek-v3-tp8] [--dtype bf16,fp8]
-        [--tokens 1,4,16,64,256] [--lean]
+        [--tokens 1,4,16,64,256] [--lean] [--alt-knobs NAME=value,...]
+
+``--alt-knobs``: moekit also with those kernel-choice knobs pinned (``MOEKIT_KNOBS``' form), in
+the same process on the same inputs (default / knobs / knobs / default): an A/B that a process's
+own slow or fast mode does not decide (``alt_us``, ``alt/moekit``; ``layer_bench.run``).
 
 vLLM's harness is found at $MOEKIT_VLLM_HARNESS, .peers/vllm_fused_moe or ../shared/peers/vllm_fused_moe.
 """
@@ -31,7 +35,16 @@ def main() -> int:
     p.add_argument("--dtype", default="bf16,fp8")
     p.add_argument("--tokens", default=None)
     p.add_argument("--lean", action="store_true", help="moekit's automatic pipeline and vLLM only (A/B lanes)")
+    p.add_argument(
+        "--alt-knobs", default="", help="also time moekit with these knobs pinned, e.g. DECODE_FUSED_MIN_TOP_K=4"
+    )
     a = p.parse_args()
+    from moekit.settings import parse_knobs
+
+    try:
+        alt = parse_knobs(a.alt_knobs)
+    except ValueError as exc:
+        p.error(f"--alt-knobs: {exc}")
     if not torch.cuda.is_available():
         print("bench_layer needs CUDA; nothing to do on this machine")
         return 0
@@ -48,7 +61,7 @@ def main() -> int:
         for m in models:
             print(f"== {m} {dt}", flush=True)
             try:
-                rows += layer_bench.run(m, tokens, dt == "fp8", a.quick, lean=a.lean)
+                rows += layer_bench.run(m, tokens, dt == "fp8", a.quick, lean=a.lean, alt_knobs=alt or None)
                 save_rows("bench_layer", rows)  # after every model: a run cut short keeps its rows
             except AssertionError as exc:  # a wrong result: fail the benchmark (after the other models)
                 print(f"   {m} {dt} WRONG RESULT: {exc}")
@@ -57,6 +70,9 @@ def main() -> int:
                 print(f"   {m} {dt} failed: {type(exc).__name__}: {exc}")
     cols = ["model", "T", "dtype", "path", "floor_us", "moekit_us", "decode_us", "sorted_us", "det_us", "vllm_us", "torch_us",
             "mslk_us", "floor/moekit", "moekit/vllm", "moekit/mslk", "moekit/torch"]  # fmt: skip
+    if alt:  # the same-process A/B's columns after moekit's own
+        at = cols.index("moekit_us") + 1
+        cols[at:at] = ["moekit_us_2", "alt_path", "alt_us", "alt_us_2", "alt/moekit"]
     print(markdown_table(rows, cols))
     save_rows("bench_layer", rows)
     if wrong:

@@ -164,13 +164,19 @@ def _reference_routed(x, w13, w2, ids, weights, on_input):
     return out
 
 
-def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = False) -> list[dict]:
+def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = False,
+        alt_knobs: Optional[dict] = None) -> list[dict]:  # fmt: skip
     """One row per T: the routed experts of one layer, **from router logits to output**, for
     moekit (``moe_forward(logits_TE=...)``, the automatic pipeline, and the sorted one pinned),
     vLLM 0.33's Triton fused_moe with the routing precomputed (its ``us_moe_only``), MSLK's
     pipeline (top-1 sigmoid) and plain torch; each checked against a float32 reference before it
     is timed. Inputs rotate over several routings so the experts' weights are not served from L2.
-    ``lean``: moekit's automatic pipeline and vLLM only (same-call A/B lanes of a setting)."""
+    ``lean``: moekit's automatic pipeline and vLLM only (same-call A/B lanes of a setting).
+    ``alt_knobs``: also moekit with these knobs pinned (``settings.override(knobs=...)``), in the
+    same process on the same inputs, timed default / knobs / knobs / default (``moekit_us``,
+    ``alt_us``, ``alt_us_2``, ``moekit_us_2``): ``alt/moekit`` is the ratio of the two means.
+    Lanes in separate processes are not a fair A/B where a process can draw a slow mode (session
+    43, H100: Mixtral-8x7B bf16 T=1 234 or 275 µs, one or the other per process, on one path)."""
     from moekit import settings
     from moekit.benchmarking import rotations
     from moekit.reference.routing import routing_weights
@@ -232,12 +238,23 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = Fals
 
         from moekit.layers.experts import choose_path, decode_fused
 
-        row["path"] = choose_path(T * s.top_k, s.E, fp8=fp8, top_k=s.top_k)
-        if (torch.bfloat16 if fp8 else dtype) == dtype and decode_fused(T * s.top_k, s.E, s.top_k, fp8,
-                                                                        n_group=cfg.n_group):  # fmt: skip
-            row["path"] = "fused"  # moe_decode: two launches from the logits
+        def path_now() -> str:  # the pipeline moe_forward takes under the current settings
+            if (torch.bfloat16 if fp8 else dtype) == dtype and decode_fused(T * s.top_k, s.E, s.top_k, fp8,
+                                                                            n_group=cfg.n_group):  # fmt: skip
+                return "fused"  # moe_decode: two launches from the logits
+            return choose_path(T * s.top_k, s.E, fp8=fp8, top_k=s.top_k)
+
+        row["path"] = path_now()
         row["moekit_err"] = _check("moekit", ours(sets[0]), ref0, tol)
         row["moekit_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
+        if alt_knobs:
+            with settings.override(knobs=alt_knobs):
+                row["alt_path"] = path_now()
+                row["alt_err"] = _check("moekit alt", ours(sets[0]), ref0, tol)
+                row["alt_us"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
+                row["alt_us_2"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
+            row["moekit_us_2"] = bench_us([lambda st=st: ours(st) for st in sets], replays=reps)
+            row["alt/moekit"] = (row["alt_us"] + row["alt_us_2"]) / (row["moekit_us"] + row["moekit_us_2"])
         if cuda and T <= 2048 and not lean:  # the other pipeline on the same rows
             alt = "sorted" if row["path"] in ("decode", "fused") else "decode"
             with settings.override(moe_path=alt):

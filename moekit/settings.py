@@ -215,7 +215,12 @@ def _choice(env: dict, name: str, default: str, choices: tuple) -> str:
 
 def _knobs(env: dict) -> dict:
     """``MOEKIT_KNOBS``: ``NAME=value`` pairs, comma-separated; integers, or true / false."""
-    v = env.get("MOEKIT_KNOBS") or ""
+    return parse_knobs(env.get("MOEKIT_KNOBS") or "")
+
+
+def parse_knobs(v: str) -> dict:
+    """``"NAME=value,NAME=value"`` (``MOEKIT_KNOBS``' form; integers, or true / false) as the dict
+    ``override(knobs=...)`` takes. ValueError names the knobs on an unknown name or value."""
     out: dict = {}
     for item in (i.strip() for i in v.split(",")):
         if not item:

@@ -345,6 +345,28 @@ def test_combine_few_4kb_verdict_holds_on_its_sweep_rows():
 
 
 @pytest.mark.reference
+def test_bench_layer_alt_knobs_same_process_ab():
+    """``bench_layer.py --alt-knobs`` refuses a malformed knob list before it looks for a GPU, and
+    ``layer_bench.run(alt_knobs=...)`` adds the same-process A/B's columns: default, knobs, knobs,
+    default on the same inputs, the knobs' output checked against the reference, the pipeline the
+    knobs select named (on the CPU the torch path times, so only the columns are checked)."""
+    from moekit import layer_bench
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, os.path.join("benchmarks", "bench_layer.py"), "--alt-knobs", "NOPE=1"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "--alt-knobs: MOEKIT_KNOBS takes NAME=value pairs" in r.stderr, r.stderr[-500:]
+    rows = layer_bench.run("tiny", [1, 3], False, True, lean=True, alt_knobs={"DECODE_FUSED_MIN_TOP_K": 4})
+    assert [r["T"] for r in rows] == [1, 3]
+    for row in rows:
+        assert row["alt_err"] < 2e-2 and row["alt_path"] in ("fused", "decode", "sorted", "dense"), row
+        assert all(row[k] > 0 for k in ("moekit_us", "alt_us", "alt_us_2", "moekit_us_2")), row
+        want = (row["alt_us"] + row["alt_us_2"]) / (row["moekit_us"] + row["moekit_us_2"])
+        assert abs(row["alt/moekit"] - want) < 1e-12
+    assert "alt_us" not in layer_bench.run("tiny", [1], False, True, lean=True)[0]
+
+
+@pytest.mark.reference
 def test_top12_decode_layer_ab_holds_on_its_lanes():
     """Session 43's layer A/B from logits (H100, ``bench_layer.py --lean --quick``; five lanes each
     way over two calls, Maverick two): the sorted decode pipeline (``DECODE_FUSED_MIN_TOP_K=4,

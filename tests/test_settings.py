@@ -89,3 +89,16 @@ def test_knobs_from_the_environment():
         settings.from_environ({"MOEKIT_KNOBS": "SCAN_CB"})
     with pytest.raises(ValueError, match="MOEKIT_KNOBS: SCAN_CB takes an integer"):
         settings.from_environ({"MOEKIT_KNOBS": "SCAN_CB=1.5"})
+
+
+@pytest.mark.reference
+def test_parse_knobs_is_the_environment_form():
+    """``parse_knobs``: the ``MOEKIT_KNOBS`` form as ``override(knobs=...)``'s dict (bench_layer's
+    ``--alt-knobs``), with the same refusals."""
+    assert settings.parse_knobs("DECODE_FUSED_MIN_TOP_K=4, COMBINE_FEW_4KB=false") == {
+        "DECODE_FUSED_MIN_TOP_K": 4, "COMBINE_FEW_4KB": False}  # fmt: skip
+    assert settings.parse_knobs("") == {}
+    with pytest.raises(ValueError, match="NAME one of"):
+        settings.parse_knobs("DECODE_FUSED_MIN_TOP_K")
+    with pytest.raises(ValueError, match="COMBINE_FEW_4KB takes an integer or true / false, got 'maybe'"):
+        settings.parse_knobs("COMBINE_FEW_4KB=maybe")
