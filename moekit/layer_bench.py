@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from moekit.benchmarking import bench_us, environment, floor_us, markdown_table, save_rows, try_import_mslk
+from moekit.benchmarking import bench_us, environment, floor_us, markdown_table, rotations, save_rows, try_import_mslk
 from moekit.layers.functional import RoutingConfig, moe_forward, quantize_expert_weights, route
 from moekit.testing import MODEL_SHAPES, ModelShape, random_expert_weights
 
@@ -164,13 +164,29 @@ def _reference_routed(x, w13, w2, ids, weights, on_input):
     return out
 
 
+# Routings rotated at T <= DECODE_SETS_MAX_T whatever the bytes. One routing read the same experts
+# every replay, and their time moved with the process: Llama 4 Scout bf16 T=1 on one H100 read
+# 85.5-109.0 µs across lanes of the same code (sessions 42-43, one set: 252 MB of one expert),
+# while sweep_decode.py, eight routings rotated, read 88.1 and 88.0 in two calls. Each set's
+# x and logits are T rows: nothing at these sizes.
+DECODE_SETS = 8
+DECODE_SETS_MAX_T = 64
+
+
+def routing_sets(touched: float, T: int) -> int:
+    """Routings a row rotates: enough that together they outgrow the L2 (``rotations``, at most 8),
+    and ``DECODE_SETS`` at decode sizes even where one set does (each set reads other experts)."""
+    return max(rotations(touched, max_sets=8), DECODE_SETS if T <= DECODE_SETS_MAX_T else 1)
+
+
 def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = False,
         alt_knobs: Optional[dict] = None) -> list[dict]:  # fmt: skip
     """One row per T: the routed experts of one layer, **from router logits to output**, for
     moekit (``moe_forward(logits_TE=...)``, the automatic pipeline, and the sorted one pinned),
     vLLM 0.33's Triton fused_moe with the routing precomputed (its ``us_moe_only``), MSLK's
     pipeline (top-1 sigmoid) and plain torch; each checked against a float32 reference before it
-    is timed. Inputs rotate over several routings so the experts' weights are not served from L2.
+    is timed. Inputs rotate over several routings so the experts' weights are not served from L2
+    (and at decode sizes over eight: ``routing_sets``).
     ``lean``: moekit's automatic pipeline and vLLM only (same-call A/B lanes of a setting).
     ``alt_knobs``: also moekit with these knobs pinned (``settings.override(knobs=...)``), in the
     same process on the same inputs, timed default / knobs / knobs / default (``moekit_us``,
@@ -178,7 +194,6 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = Fals
     Lanes in separate processes are not a fair A/B where a process can draw a slow mode (session
     43, H100: Mixtral-8x7B bf16 T=1 234 or 275 µs, one or the other per process, on one path)."""
     from moekit import settings
-    from moekit.benchmarking import rotations
     from moekit.reference.routing import routing_weights
 
     cuda = torch.cuda.is_available()
@@ -212,7 +227,7 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = Fals
         x0 = torch.randn(T, s.D, generator=g).to(dtype).to(device)
         l0 = (x0 @ w["router_DE"]).float()
         touched = routed_bytes(s, route(l0, cfg, bias)[0], cfg.top_k, fp8, dtype.itemsize, x0)
-        n_sets = rotations(touched, max_sets=8) if cuda else 1
+        n_sets = routing_sets(touched, T) if cuda else 1
         sets = []
         for i in range(n_sets):
             x = x0 if i == 0 else torch.randn(T, s.D, generator=g).to(dtype).to(device)

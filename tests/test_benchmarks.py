@@ -423,3 +423,17 @@ def test_acceptance_gemm_verdict_names_missing_and_slower_cells():
     assert lines[0] == f"full grid: {n - 1} of {n} cells timed"
     assert lines[1] == "  not timed: qwen3-w2 M = 1 fp8"
     assert "1 cell(s) slower" in lines[2] and lines[3].startswith("  slower than MSLK: deepseek-tp8-w2 M=16 bf16")
+
+
+@pytest.mark.reference
+def test_layer_rows_rotate_eight_routings_at_decode_sizes():
+    """``layer_bench.routing_sets``: decode sizes (T <= 64) rotate eight routings even where one
+    routing's experts outgrow the L2 (Llama 4 Scout T=1: 252 MB, one set before session 43, whose
+    time then moved with the process); larger T rotate only as many as the L2 asks for."""
+    from moekit.benchmarking import L2_BYTES
+    from moekit.layer_bench import DECODE_SETS, routing_sets
+
+    assert routing_sets(252e6, 1) == DECODE_SETS == 8
+    assert routing_sets(1e6, 64) == 8
+    assert routing_sets(252e6, 65) == 1 and routing_sets(4e9, 16384) == 1
+    assert routing_sets(L2_BYTES, 1024) == 4  # together past 3x the L2
