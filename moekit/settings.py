@@ -150,6 +150,8 @@ class Settings:
     #                                     256: 128-wide K, up to 3 stages)                      1
     #   COMBINE_FEW_4KB                   gg_combine (per-token combine of top-1 / top-2: 4 KB
     #                                     weight tiles per choice, 512-wide F, 3 stages)     True
+    #   SWIGLU_PTR_PAIR                   gg_swiglu (the paired gate|up tile also through
+    #                                     pointers, where no TMA descriptor is taken)        True
     #   SCATTER_SHORT_K                   gg_config (scatter-added tiled GEMMs with K up to this
     #                                     keep 64-row tiles at any rows/group; 0 off)        1024
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
@@ -180,7 +182,7 @@ KNOBS = (
     "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS", "SWIGLU_TILED_STAGES", "SWIGLU_SMALL_MAX_ROWS",
     "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES", "SCATTER_SHORT_K",
     "BF16_TALL_TILES", "NARROW_TILES_WAVES", "STREAM_DEEP_K", "FP8_TALL_SHORT_K",
-    "STREAM_DEEP_K32", "COMBINE_FEW_4KB",
+    "STREAM_DEEP_K32", "COMBINE_FEW_4KB", "SWIGLU_PTR_PAIR",
 )  # fmt: skip
 
 

@@ -9,7 +9,8 @@ arguments are typed ``fp64``, as torch.compile (inductor) passes them to user-de
 kernels; ints equal to 1 are specialized as Triton's launcher does. Returns one dict per launch
 (``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``regs`` per thread, ``stack``
 frame bytes (spills; None when ``cuobjdump`` is missing), ``loop_spills`` (local-memory accesses
-inside the MMA loops), ``error`` or None). With
+inside the MMA loops), ``serialized`` (with ``serialized=True``: ptxas's reason for making the
+wgmma instructions synchronous, else False), ``error`` or None). With
 ``SM90_DUMP_DIR=<folder>`` each launch's TTGIR, PTX and cubin are written there (for
 ``cuobjdump -sass``).
 """
@@ -87,13 +88,15 @@ def compile_one(kernel, args, kwargs):
             raise TypeError(f"{kernel.__name__}: unsupported argument {name}={v!r}")
     rec = {"kernel": kernel.__name__, "num_warps": opts.get("num_warps", 4), "launch_pdl": opts.get("launch_pdl", False),
            "constants": {k: repr(v) for k, v in consts.items()}, "shared": None, "regs": None, "stack": None, "loop_spills": None,
-           "error": None}
+           "serialized": None, "error": None}
     try:
         k = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=opts)
         assert k.asm.get("cubin"), "no cubin"
         rec["shared"] = int(k.metadata.shared)
         rec["regs"], rec["stack"], rec["loop_spills"] = registers(k.asm["cubin"])
+        if SERIALIZED:
+            rec["serialized"] = wgmma_serialized(k.asm["ptx"])
         dump = os.environ.get("SM90_DUMP_DIR")  # a folder: each launch's TTGIR, PTX and cubin
         if dump:
             base = os.path.join(dump, "%s_%d" % (kernel.__name__, len(RECORDS)))
@@ -112,6 +115,20 @@ def compile_one(kernel, args, kwargs):
     RECORDS.append(rec)
 
 
+def wgmma_serialized(ptx):
+    # ptxas's reason for making every wgmma of the kernel synchronous (its info C7515, which
+    # triton.compile does not show), or False: the PTX compiled again with ptxas -v.
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        err = subprocess.run([os.environ.get("TRITON_PTXAS_PATH") or tool, "--gpu-name", "sm_90a", "-v", src, "-o",
+                              os.path.join(d, "k.cubin")], capture_output=True, text=True).stderr
+    m = re.search(r"serialized due to (.*?) in the function", err)
+    return m.group(1) if m else False
+
+
 class Recorder:
     def __init__(self, kernel):
         self.kernel = kernel
@@ -127,6 +144,7 @@ class Recorder:
 
 import moekit.ops._common as common
 PDL = json.loads(sys.argv[2])
+SERIALIZED = json.loads(sys.argv[3])
 for name in json.loads(sys.argv[1]):
     mod = importlib.import_module(name)
     mod.launch = Recorder
@@ -165,14 +183,17 @@ def _ptxas_available() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 
 
-def compile_launches(snippet: str, modules: list[str], timeout: int = 600, pdl: bool = False) -> list[dict]:
+def compile_launches(snippet: str, modules: list[str], timeout: int = 600, pdl: bool = False,
+                     serialized: bool = False) -> list[dict]:  # fmt: skip
     """``pdl``: launch every kernel that has a ``USE_PDL`` parameter as the launcher does on an
-    sm_90 GPU (``USE_PDL`` 1 or 2, ``launch_pdl=True``)."""
+    sm_90 GPU (``USE_PDL`` 1 or 2, ``launch_pdl=True``). ``serialized``: each record's
+    ``serialized`` is ptxas's reason for making the kernel's wgmma instructions synchronous
+    (its info C7515), else False (the PTX compiled once more, with ``ptxas -v``)."""
     if not _ptxas_available():
         pytest.skip("triton's NVIDIA backend (ptxas) is not available")
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run(
-        [sys.executable, "-c", _with_helpers(_DRIVER), json.dumps(modules), json.dumps(pdl)],
+        [sys.executable, "-c", _with_helpers(_DRIVER), json.dumps(modules), json.dumps(pdl), json.dumps(serialized)],
         input="import torch\n" + textwrap.dedent(snippet),
         capture_output=True,
         text=True,

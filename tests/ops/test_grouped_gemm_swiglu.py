@@ -167,6 +167,92 @@ def test_interp_swiglu_pair(pin_knobs, w_kind, gather):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("w_kind", ["same", "fp8", "fp8x"])
+@pytest.mark.parametrize("flatten", [False, True], ids=["tile_loop", "fused_loop"])
+def test_interp_swiglu_pair_through_pointers(pin_knobs, w_kind, flatten):
+    """Knob ``SWIGLU_PTR_PAIR`` with no TMA descriptor (``gg_tma`` off, as torch.compile's traced
+    graphs run): the paired gate|up tile through masked pointers, rows gate then up of each
+    column block, F = 24 leaving the second block half past F and K = 40 a masked last K step;
+    ragged groups read by index, on both tile loops. Off, the two-MMA tiles."""
+    from moekit import settings
+    from moekit.ops._triton import gg_swiglu as SW
+    from moekit.ops._triton.gg_config import GemmConfig
+
+    T, k, G, F, K = 20, 3, 3, 24, 40
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, K, torch.float16, w_kind, seed=17)
+    cfg = GemmConfig("tiled", 16, 16, 16, 2, 4, group_m=2, use_tma=True, flatten=flatten)
+    want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    ok = _valid_rows(gi, T)
+    seen = []
+    orig = SW.launch
+
+    def spy(kernel):
+        launcher = orig(kernel)
+
+        def run(grid):
+            def go(*args, **kw):
+                seen.append((kw.get("USE_TMA"), kw.get("PAIR"), kw.get("FLATTEN")))
+                return launcher[grid](*args, **kw)
+
+            return go
+
+        return type("L", (), {"__getitem__": lambda self, grid: run(grid)})()
+
+    SW.launch = spy
+    try:
+        for ptr_pair in (True, False):
+            pin_knobs(SWIGLU_PAIR=True, SWIGLU_PTR_PAIR=ptr_pair)
+            with settings.override(gg_tma=False):
+                got = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=cfg)
+            assert_close(got[ok].float(), want[ok].float(), tol=1e-2 if w_kind == "fp8x" else 2e-3)
+    finally:
+        SW.launch = orig
+    assert seen == [(False, True, flatten), (False, False, flatten)], seen
+
+
+@pytest.mark.reference
+def test_tiled_tiles_keep_their_mmas_in_flight_on_sm90():
+    """The tiled SwiGLU tiles at prefill sizes (64-row tiles on the fused loop and 128-row ones,
+    bf16 and FP8), compiled for sm_90 with the weights through TMA descriptors (the GPU's eager
+    path) and through pointers (torch.compile's traced graphs): ptxas keeps their wgmma
+    instructions asynchronous. Two accumulators on the fused loop made it serialize every one
+    (C7515), the pointer path's tiles until ``SWIGLU_PTR_PAIR``; still so with the knob off."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    snippet = """
+        from moekit import settings
+        from moekit.ops._triton import gg_swiglu as SW
+        from moekit.ops._triton import grouped_gemm as GG
+        m = "meta"
+        f8 = torch.float8_e4m3fn
+        plain = GG._tma_ok
+        for tma in (False, True):
+            GG._tma_ok = (lambda t, block: t.stride(-1) == 1) if tma else plain  # meta tensors: never TMA
+            for T, k, G, F, D in ((2048, 8, 128, 768, 2048), (8192, 8, 256, 256, 7168)):
+                for dt in (torch.bfloat16, f8):
+                    x = torch.empty(T, D, dtype=dt, device=m)
+                    w13 = torch.empty(G * 2 * F, D, dtype=dt, device=m)
+                    xs = torch.empty(T, device=m) if dt == f8 else None
+                    ws = torch.empty(G * 2 * F, device=m) if dt == f8 else None
+                    with settings.override(knobs=KNOBS):
+                        SW.grouped_gemm_swiglu(x, w13, torch.empty(G, dtype=torch.int32, device=m),
+                                               torch.empty(T * k, dtype=torch.int32, device=m), None, xs, ws)
+    """
+    records = compile_launches(snippet.replace("KNOBS", "{}"), ["moekit.ops._triton.gg_swiglu"], serialized=True)
+    assert_all_compiled(records, 8)
+    assert {(r["constants"]["USE_TMA"], r["constants"]["PAIR"]) for r in records} == {("False", "True"),
+                                                                                   ("True", "True")}  # fmt: skip
+    assert [r["constants"]["FLATTEN"] for r in records].count("True") == 4, records
+    assert all(r["serialized"] is False and not r["stack"] for r in records), [
+        (r["constants"], r["serialized"], r["stack"]) for r in records]  # fmt: skip
+    off = compile_launches(snippet.replace("KNOBS", '{"SWIGLU_PTR_PAIR": False}'), ["moekit.ops._triton.gg_swiglu"],
+                           serialized=True)  # fmt: skip
+    bad = [r for r in off if r["serialized"]]
+    assert {(r["constants"]["USE_TMA"], r["constants"]["PAIR"], r["constants"]["FLATTEN"]) for r in bad} == {
+        ("False", "False", "True")}, [(r["constants"], r["serialized"]) for r in off]  # fmt: skip
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("pair", [False, True], ids=["two_mmas", "pair"])
 @pytest.mark.parametrize("gather", [True, False], ids=["by_index", "in_order"])
 def test_interp_swiglu_quantized_rows(pin_knobs, pair, gather):
@@ -678,6 +764,32 @@ def test_gpu_swiglu_pair_matches(shape, gather, w_kind, pin_knobs, cuda):
     want = ref.grouped_gemm_swiglu(x, w, ms, **args)
     assert_close(one.float(), want.float(), tol=1e-2)
     assert_close(one.float(), two.float(), tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_kind", ["same", "fp8", "fp8x"])
+@pytest.mark.parametrize("shape", [(1024, 8, 128, 768, 2048), (2048, 8, 128, 768, 2048), (1024, 1, 4, 8192, 5120)],
+                         ids=["qwen3-64rows", "qwen3-128rows", "llama4"])  # fmt: skip
+def test_gpu_swiglu_pair_through_pointers(shape, w_kind, cuda):
+    """Knob ``SWIGLU_PTR_PAIR`` with TMA off (``gg_tma``, as in torch.compile's traced graphs): the
+    paired tiles through pointers (64-row ones on the fused loop, 128-row ones) against the
+    reference, and against the TMA path's paired tiles bit for bit (same tiles, same K order)."""
+    from moekit import settings
+
+    T, k, G, F, D = shape
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, D, torch.bfloat16, w_kind, seed=T + 11, device=cuda)
+    args = dict(gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    with settings.override(knobs={"SWIGLU_PAIR": True}):
+        tma = grouped_gemm_swiglu(x, w, ms, **args)
+        with settings.override(gg_tma=False):
+            ptr = grouped_gemm_swiglu(x, w, ms, **args)
+            with settings.override(knobs={"SWIGLU_PTR_PAIR": False}):
+                two = grouped_gemm_swiglu(x, w, ms, **args)
+    ok = _valid_rows(gi, T)
+    want = ref.grouped_gemm_swiglu(x, w, ms, **args)
+    assert_close(ptr[ok].float(), want[ok].float(), tol=1e-2)
+    assert_close(two[ok].float(), want[ok].float(), tol=1e-2)
+    assert torch.equal(ptr[ok], tma[ok])
 
 
 @pytest.mark.gpu

@@ -281,6 +281,11 @@ def _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate,
     MMA with ``PAIR``, split at the end)."""
     if PAIR:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        # Without TMA the same [gate | up] tile through masked pointers: rows gate_row0 + j, then
+        # up_row0 + j (j < BLOCK_N), the columns past F masked.
+        half = tl.arange(0, 2 * BLOCK_N) % BLOCK_N
+        pair_rows = gate_row0.to(tl.int64) + half + tl.where(tl.arange(0, 2 * BLOCK_N) < BLOCK_N, 0, F)
+        pair_ok = (n0 + half) < F
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -292,7 +297,11 @@ def _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate,
         else:
             a = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
         if PAIR:  # gate and up rows in one tile, one MMA
-            wgu = tl.reshape(w_ptr.load([g, 0, n0, k0]), [2 * BLOCK_N, BLOCK_K])
+            if USE_TMA:
+                wgu = tl.reshape(w_ptr.load([g, 0, n0, k0]), [2 * BLOCK_N, BLOCK_K])
+            else:
+                wgu = tl.load(w_ptr + pair_rows[:, None] * stride_wn + offs_k[None, :],
+                              mask=pair_ok[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
             if W_CAST:
                 wgu = wgu.to(a.dtype)
             if FAST_ACCUM:
@@ -505,6 +514,17 @@ def _swiglu_tiled_quant_kernel(
 SWIGLU_PAIR_MIN_ROWS = 128
 
 
+# Knob SWIGLU_PTR_PAIR: the tiled kernel's paired gate|up tile (``swiglu_pair``) also where the
+# weights are read through pointers, not a TMA descriptor (torch.compile's traced graphs, whose
+# tracing takes no descriptors; weights whose strides TMA cannot take). Without it those tiles
+# ran two MMAs into two accumulators, and on the fused tile loop (``SWIGLU_FLATTEN``, the 64-row
+# tiles) sm_90's ptxas then serializes every wgmma (C7515: "non wgmma instructions defining
+# accumulator registers of a wgmma between start and end of the pipeline stage"): each 64 x 64 x
+# 32 MMA waited for before the next issued (CPU-side compile, session 43; the TMA path's paired
+# tiles and every unfused tile keep their MMAs in flight). Not yet timed on a GPU.
+SWIGLU_PTR_PAIR = True
+
+
 def swiglu_pair(M: int, G: int, small: bool = False) -> bool:
     """Whether the tiled kernel takes its gate and up tiles through one descriptor of the weights
     viewed ``[G, 2, F, K]`` and one m64n256 MMA instead of two m64n128 (``PAIR``; the sm_90
@@ -640,8 +660,11 @@ def _tiled_operands(x, w13, cfg: GemmConfig, gathered: bool, M: int, G: int):
     x_block = [cfg.block_m, cfg.block_k]
     x_tma = use_tma and not gathered and _tma_ok(x, tuple(x_block))
     x_arg = _descriptor(x, x_block) if x_tma else x
-    pair = use_tma and w13.is_contiguous() and swiglu_pair(M, G, cfg.block_m == 64)
-    if pair:
+    if use_tma:
+        pair = w13.is_contiguous() and swiglu_pair(M, G, cfg.block_m == 64)
+    else:  # (knob SWIGLU_PTR_PAIR: the paired tile through pointers)
+        pair = bool(settings.get().knob("SWIGLU_PTR_PAIR", SWIGLU_PTR_PAIR)) and swiglu_pair(M, G, cfg.block_m == 64)
+    if pair and use_tma:
         w_arg = _descriptor(w13.view(G, 2, F, K), [1, 2, cfg.block_n, cfg.block_k])
     return x_arg, w_arg, use_tma, x_tma, pair
 
