@@ -660,10 +660,9 @@ def _tiled_operands(x, w13, cfg: GemmConfig, gathered: bool, M: int, G: int):
     x_block = [cfg.block_m, cfg.block_k]
     x_tma = use_tma and not gathered and _tma_ok(x, tuple(x_block))
     x_arg = _descriptor(x, x_block) if x_tma else x
-    if use_tma:
-        pair = w13.is_contiguous() and swiglu_pair(M, G, cfg.block_m == 64)
-    else:  # (knob SWIGLU_PTR_PAIR: the paired tile through pointers)
-        pair = bool(settings.get().knob("SWIGLU_PTR_PAIR", SWIGLU_PTR_PAIR)) and swiglu_pair(M, G, cfg.block_m == 64)
+    # through the [G, 2, F, K] view's descriptor, else through pointers (knob SWIGLU_PTR_PAIR)
+    through = w13.is_contiguous() if use_tma else bool(settings.get().knob("SWIGLU_PTR_PAIR", SWIGLU_PTR_PAIR))
+    pair = through and swiglu_pair(M, G, cfg.block_m == 64)
     if pair and use_tma:
         w_arg = _descriptor(w13.view(G, 2, F, K), [1, 2, cfg.block_n, cfg.block_k])
     return x_arg, w_arg, use_tma, x_tma, pair
