@@ -40,6 +40,19 @@ def rotations(bytes_per_set: float, max_sets: int = 16) -> int:
     return max(1, min(max_sets, need))
 
 
+def warm_up(run: Callable[[], Any], timed_ms: Callable[[Callable[[], Any]], float], warmup_ms: float,
+            max_runs: int = 1000) -> int:  # fmt: skip
+    """Call ``run`` through ``timed_ms`` (which runs it and returns its milliseconds) until the
+    runs add up to ``warmup_ms``; at least once, at most ``max_runs`` times. Returns the count."""
+    if warmup_ms < 0:
+        raise ValueError(f"warm_up: warmup_ms must be >= 0, got {warmup_ms}")
+    spent, runs = 0.0, 0
+    while runs < max_runs and (runs == 0 or spent < warmup_ms):
+        spent += max(0.0, float(timed_ms(run)))
+        runs += 1
+    return runs
+
+
 def bench_us(
     fns: Callable[[], Any] | Sequence[Callable[[], Any]],
     *,
@@ -47,8 +60,17 @@ def bench_us(
     replays: int = 20,
     warmup: int = 3,
     use_graph: bool = True,
+    warmup_ms: Optional[float] = None,
 ) -> float:
-    """Median µs per call of ``fns`` (one callable or several cycled in order)."""
+    """Median µs per call of ``fns`` (one callable or several cycled in order).
+
+    Before the timed replays the graph (or the eager calls) replays until the GPU has run it for
+    ``warmup_ms`` (``warm_up``; default ``settings.bench_warmup_ms``, ``MOEKIT_BENCH_WARMUP_MS``).
+    Without it, a cell timed first after its layer was built (seconds of host work) could read up
+    to 17% slow through all of its timed replays (session 44, H100, ``bench_layer.py --quick
+    --alt-knobs``: the same cell default / knobs / knobs / default in one process, Llama 4 Scout
+    bf16 T=1 100.4 then 85.5 µs, Mixtral-8x7B bf16 T=1 259.4 then 227.8, Scout FP8 T=1 54.4 then
+    47.4; never at the second T of a model)."""
     fns = [fns] if callable(fns) else list(fns)
     if not torch.cuda.is_available():
         for f in fns:
@@ -75,8 +97,6 @@ def bench_us(
         with torch.cuda.graph(g):
             for i in range(n):
                 fns[i % len(fns)]()
-        g.replay()
-        torch.cuda.synchronize()
         run = g.replay
     else:
 
@@ -84,13 +104,17 @@ def bench_us(
             for i in range(n):
                 fns[i % len(fns)]()
 
-    samples = []
-    for _ in range(replays):
+    def timed_ms(f: Callable[[], Any]) -> float:
         start.record()
-        run()
+        f()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / n)
+        return start.elapsed_time(end)
+
+    warm_up(run, timed_ms, settings.get().bench_warmup_ms if warmup_ms is None else warmup_ms)
+    samples = []
+    for _ in range(replays):
+        samples.append(timed_ms(run) * 1e3 / n)
     if use_graph:
         g.reset()  # its memory pool now, not when a reference cycle is collected (sweeps ran out of memory)
     return statistics.median(samples)

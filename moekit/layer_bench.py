@@ -191,8 +191,9 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = Fals
     ``alt_knobs``: also moekit with these knobs pinned (``settings.override(knobs=...)``), in the
     same process on the same inputs, timed default / knobs / knobs / default (``moekit_us``,
     ``alt_us``, ``alt_us_2``, ``moekit_us_2``): ``alt/moekit`` is the ratio of the two means.
-    Lanes in separate processes are not a fair A/B where a process can draw a slow mode (session
-    43, H100: Mixtral-8x7B bf16 T=1 234 or 275 µs, one or the other per process, on one path)."""
+    Session 43's lanes in separate processes drew a fast or a slow mode per process (H100:
+    Mixtral-8x7B bf16 T=1 234 or 275 µs on one path); session 44 found the slow readings were a
+    cell's first ones, before ``bench_us`` warmed up for 50 ms (``MOEKIT_BENCH_WARMUP_MS``)."""
     from moekit import settings
     from moekit.reference.routing import routing_weights
 

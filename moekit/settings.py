@@ -30,6 +30,7 @@ Environment variables (all optional; README.md lists them too):
 | ``MOEKIT_F8_DENSE`` | ``f8_dense`` | auto | dense FP8 GEMM backend: ``auto``, ``triton``, ``scaled_mm`` |
 | ``MOEKIT_COMM_HOST_ERRORS`` | ``comm_host_errors`` | 1 | the collective mirrors timeouts to pinned host memory |
 | ``MOEKIT_BENCH_DIR`` | ``bench_dir`` | ``$OUT`` | where benchmarks write their JSON rows |
+| ``MOEKIT_BENCH_WARMUP_MS`` | ``bench_warmup_ms`` | 50 | GPU milliseconds ``benchmarking.bench_us`` replays a case before timing it |
 | ``MOEKIT_KNOBS`` | ``knobs`` | none | experiments: pin kernel-choice knobs (below), ``NAME=value,NAME=value`` (integers, or ``true`` / ``false``) |
 
 A malformed value raises ``ValueError`` naming the variable when the settings are first read.
@@ -75,6 +76,7 @@ class Settings:
     f8_dense: str = "auto"
     comm_host_errors: bool = True
     bench_dir: Optional[str] = None
+    bench_warmup_ms: int = 50
     # Kernel-choice knobs that tests pin to reach every path (and device A/B runs through
     # ``MOEKIT_KNOBS``). Each
     # overrides the module constant of the same name (a leading underscore dropped), the default
@@ -271,6 +273,7 @@ def from_environ(env: Optional[dict] = None) -> Settings:
         f8_dense=_choice(env, "MOEKIT_F8_DENSE", "auto", F8_DENSE),
         comm_host_errors=_flag(env, "MOEKIT_COMM_HOST_ERRORS", True),
         bench_dir=env.get("MOEKIT_BENCH_DIR") or env.get("OUT") or None,
+        bench_warmup_ms=_int(env, "MOEKIT_BENCH_WARMUP_MS", 50),
         knobs=_knobs(env),
     )
 

@@ -102,3 +102,15 @@ def test_parse_knobs_is_the_environment_form():
         settings.parse_knobs("DECODE_FUSED_MIN_TOP_K")
     with pytest.raises(ValueError, match="COMBINE_FEW_4KB takes an integer or true / false, got 'maybe'"):
         settings.parse_knobs("COMBINE_FEW_4KB=maybe")
+
+
+@pytest.mark.reference
+def test_bench_warmup_from_the_environment():
+    """``MOEKIT_BENCH_WARMUP_MS``: the GPU milliseconds ``bench_us`` replays a case before timing it
+    (50 unset; 0 still replays once); a malformed or negative value names the variable."""
+    assert settings.from_environ({}).bench_warmup_ms == 50
+    assert settings.from_environ({"MOEKIT_BENCH_WARMUP_MS": "0"}).bench_warmup_ms == 0
+    assert settings.from_environ({"MOEKIT_BENCH_WARMUP_MS": "200"}).bench_warmup_ms == 200
+    for bad in ("-1", "fast", "2.5"):
+        with pytest.raises(ValueError, match=f"MOEKIT_BENCH_WARMUP_MS must be an integer >= 0, got '{bad}'"):
+            settings.from_environ({"MOEKIT_BENCH_WARMUP_MS": bad})
