@@ -154,6 +154,9 @@ class Settings:
     #                                     weight tiles per choice, 512-wide F, 3 stages)     True
     #   SWIGLU_PTR_PAIR                   gg_swiglu (the paired gate|up tile also through
     #                                     pointers, where no TMA descriptor is taken)        True
+    #   GG_DEVICE_TMA                     grouped_gemm + gg_swiglu (TMA descriptors made in the
+    #                                     kernel: 0 never, 1 under tracing (torch.compile),
+    #                                     2 every TMA launch)                                   0
     #   SCATTER_SHORT_K                   gg_config (scatter-added tiled GEMMs with K up to this
     #                                     keep 64-row tiles at any rows/group; 0 off)        1024
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
@@ -184,7 +187,7 @@ KNOBS = (
     "SWIGLU_PAIR", "SWIGLU_FLATTEN", "TOPK_ROWS_BLOCKS", "SWIGLU_TILED_STAGES", "SWIGLU_SMALL_MAX_ROWS",
     "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES", "SCATTER_SHORT_K",
     "BF16_TALL_TILES", "NARROW_TILES_WAVES", "STREAM_DEEP_K", "FP8_TALL_SHORT_K",
-    "STREAM_DEEP_K32", "COMBINE_FEW_4KB", "SWIGLU_PTR_PAIR",
+    "STREAM_DEEP_K32", "COMBINE_FEW_4KB", "SWIGLU_PTR_PAIR", "GG_DEVICE_TMA",
 )  # fmt: skip
 
 

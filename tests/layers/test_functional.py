@@ -769,6 +769,59 @@ def test_gpu_decode_compiles_fullgraph():
     assert_close(fn(x, logits).float(), _reference(x.float(), {k: v.float() for k, v in w.items()}, s), tol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_gpu_compiled_prefill_makes_its_descriptors(pin_knobs, dtype):
+    """Knob ``GG_DEVICE_TMA``: 1, torch.compile(fullgraph=True) of the sorted pipeline at a
+    prefill size (Qwen3-30B's routing, experts scaled down, 512 rows per expert: the tiled
+    kernels) traces its TMA launches with the descriptors made in the kernel (``DEV_TMA``, the
+    tensors passed), and its output matches eager's; 2, the eager layer (the same kernels that
+    take host descriptors by default) gives the default's bits (``deterministic=True``: no atomics),
+    CUDA-graph replays included."""
+    from dataclasses import replace
+
+    from moekit.ops._triton import gg_swiglu as SW
+    from moekit.ops._triton import grouped_gemm as GG
+    from tests.ops.test_grouped_gemm import _spy_launches
+
+    s = replace(MODEL_SHAPES["qwen3-30b-a3b"], D=512, F=256, E=16)
+    w = random_expert_weights(s, dtype=torch.bfloat16, device="cuda", seed=3)
+    fp8 = dtype == "fp8"
+    if fp8:
+        (w13, w13s), (w2, w2s) = quantize_expert_weights(w["w13_e2FD"]), quantize_expert_weights(w["w2_eDF"])
+        kw = dict(w13_scale_e2F=w13s, w2_scale_eD=w2s)
+    else:
+        w13, w2, kw = w["w13_e2FD"], w["w2_eDF"], {}
+    x = torch.randn(1024, s.D, device="cuda").bfloat16()
+    logits = x.float() @ w["router_DE"].float()
+
+    def f(x, l, det=False):
+        return moe_forward(x, None, w13, w2, s.routing_config, logits_TE=l, deterministic=det, **kw)
+
+    want = f(x, logits)
+    bits = f(x, logits, True)  # (bit for bit: the deterministic sum, no atomics)
+    pin_knobs(GG_DEVICE_TMA=2)
+    assert torch.equal(f(x, logits, True), bits)
+    out = torch.empty_like(want)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(f(x, logits, True))
+    g.replay()
+    assert torch.equal(out, bits)
+    pin_knobs(GG_DEVICE_TMA=1)
+    seen = []
+    origs = [_spy_launches(GG, seen), _spy_launches(SW, seen)]
+    try:
+        torch._dynamo.reset()
+        got = torch.compile(f, fullgraph=True)(x, logits)
+    finally:
+        GG.launch, SW.launch = origs
+    tma = [r for r in seen if r[2]]  # the launches through TMA, traced: descriptors made in the kernel
+    assert {r[0] for r in tma} >= {"_gg_tiled_kernel", "_swiglu_tiled_kernel"} and all(r[1] for r in tma), seen
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err < (8e-2 if fp8 else 1e-2), err  # (FP8: a rounding flip of the activations' quantization)
+
+
 # The first moekit call of a process, made under torch.compile: every lazily filled cache
 # (multiprocessor count, L2 size, compiled kernels) is filled while Dynamo traces. Session 37 found
 # torch 2.11 failing such a compile ("Guard failed on the same frame it was created") on the

@@ -360,6 +360,107 @@ def test_interp_stream_x_through_tma(dtype, scatter):
     assert_close(y[:n].float(), want[:n].float(), tol=1e-2)
 
 
+def _spy_launches(module, seen):
+    """Replace ``module.launch`` by a recorder of each launch's ``(kernel, DEV_TMA, USE_TMA, X_TMA,
+    type of x argument, type of w argument)``; returns the original to put back."""
+    orig = module.launch
+
+    def spy(kernel):
+        launcher = orig(kernel)
+
+        def run(grid):
+            def go(*args, **kw):
+                seen.append((getattr(kernel, "__name__", str(kernel)), kw.get("DEV_TMA"), kw.get("USE_TMA"),
+                             kw.get("X_TMA"), type(args[0]).__name__, type(args[1]).__name__))  # fmt: skip
+                return launcher[grid](*args, **kw)
+
+            return go
+
+        return type("L", (), {"__getitem__": lambda self, grid: run(grid)})()
+
+    module.launch = spy
+    return orig
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [FP8, torch.float16], ids=["fp8", "fp16"])
+@pytest.mark.parametrize("kind", ["tiled", "stream_x", "persist_x", "stream_w"])
+def test_interp_descriptors_made_in_the_kernel(pin_knobs, dtype, kind):
+    """Knob ``GG_DEVICE_TMA=2``: the kernels take the tensors and make the TMA descriptors
+    themselves (``DEV_TMA``, ``tl.make_tensor_descriptor``; torch.compile's traced graphs, knob 1),
+    and compute bit for bit what the host descriptors give: the tiled kernel (x and w), the
+    streaming kernel and its persistent tile loop with x row tiles through TMA, and the streaming
+    kernel with only w through TMA; ragged groups (an empty one), M and N not multiples of the
+    tiles, a masked last K step."""
+    from dataclasses import replace
+
+    tri = _tri()
+    M, G, N, K = 53, 4, 40, 80  # (rows of 80 / 160 bytes: 16-byte aligned, as TMA needs)
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=8)
+    ms = torch.tensor([0, 30, 3, 20], dtype=torch.int32)
+    tw = torch.rand(M, generator=_gen(9)) + 0.5
+    cfg = {
+        "tiled": _cfg("tiled", 16, 16, 32, tma=True),
+        "stream_x": replace(_cfg("stream", 16, 16, 32, tma=True), x_tma=True),
+        "persist_x": replace(_cfg("stream", 16, 16, 32, tma=True), x_tma=True, persist=True, stages=3),
+        "stream_w": _cfg("stream", 16, 16, 32, tma=True),
+    }[kind]
+    refk = dict(x_scale=xs, w_scale=ws) if dtype == FP8 else {}
+    seen = []
+    orig = _spy_launches(tri, seen)
+    try:
+        host = tri.grouped_gemm(x, w, ms, token_weights=tw, config=cfg, **refk)
+        pin_knobs(GG_DEVICE_TMA=2)
+        dev = tri.grouped_gemm(x, w, ms, token_weights=tw, config=cfg, **refk)
+    finally:
+        tri.launch = orig
+    x_tma = kind != "stream_w"
+    assert [s[1:4] for s in seen] == [(False, True, x_tma), (True, True, x_tma)], seen
+    assert seen[0][5] == "TensorDescriptor" and seen[1][4:] == ("Tensor", "Tensor"), seen
+    n = int(ms.sum())
+    assert torch.equal(dev[:n], host[:n])
+    want = ref.grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw) if dtype == FP8 else \
+        ref.grouped_gemm(x, w, ms, None, tw)  # fmt: skip
+    assert_close(dev[:n].float(), want[:n].float(), tol=1e-2)
+
+
+@pytest.mark.reference
+def test_device_descriptors_where_the_knob_says():
+    """``grouped_gemm.device_tma``: knob ``GG_DEVICE_TMA`` 0 never (the default), 1 only for a
+    traced (fake) tensor, whose shapes and strides ``_tma_fits`` checks as a real one's, 2 always;
+    never with ``gg_tma`` off. ``ensure_allocator`` keeps an allocator already set."""
+    import triton
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from triton.runtime import _allocation
+
+    tri = _tri()
+    real = torch.empty(64, 64, dtype=torch.bfloat16)
+    with FakeTensorMode():
+        fake = torch.empty(64, 64, dtype=torch.bfloat16)
+        odd = torch.empty(64, 63, dtype=torch.bfloat16)[:, :62]  # rows of 126 bytes: no TMA
+    for mode, want_real, want_fake in ((0, False, False), (1, False, True), (2, True, True)):
+        with settings.override(knobs={"GG_DEVICE_TMA": mode}):
+            assert (tri.device_tma(real), tri.device_tma(fake)) == (want_real, want_fake), mode
+            with settings.override(gg_tma=False):
+                assert not tri.device_tma(real) and not tri.device_tma(fake)
+    assert tri.GG_DEVICE_TMA == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")  # (the CPU tensors' TMA rules: the interpreter's)
+        assert tri._tma_fits(fake, (16, 16)) and not tri._tma_ok(fake, (16, 16))
+        assert not tri._tma_fits(odd, (16, 16))
+    before = _allocation._allocator.get()
+
+    def mine(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    try:
+        triton.set_allocator(mine)
+        tri.ensure_allocator()
+        assert _allocation._allocator.get() is mine
+    finally:
+        _allocation._allocator.set(before)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("slab", [16, 32, 48], ids=["slab1", "slab2-partial", "slab3-whole"])
 def test_interp_scatter_add_column_slabs(pin_knobs, slab):
@@ -1903,6 +2004,48 @@ def test_gpu_torch_compile(cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [FP8, torch.bfloat16], ids=["fp8", "bf16"])
+def test_gpu_descriptors_made_in_the_kernel(cuda, pin_knobs, dtype):
+    """Knob ``GG_DEVICE_TMA=2`` on the GPU (``tl.make_tensor_descriptor`` in global scratch from
+    Triton's allocator, ``ensure_allocator``): the tiled kernel (x and w), the streaming kernel
+    with x row tiles through TMA and its persistent tile loop give the host descriptors' bits,
+    in a CUDA graph too, and the SwiGLU GEMM's paired tiles likewise."""
+    from dataclasses import replace
+
+    from moekit.ops._triton import gg_swiglu as SW
+
+    tri = _tri()
+    G, N, K = 16, 1024, 2048
+    for M, cfg in (
+        (4096, None),
+        (512, replace(_cfg("stream", 32, 128, 128, tma=True, stages=3), x_tma=True)),
+        (512, replace(_cfg("stream", 32, 128, 128, tma=True, stages=3), x_tma=True, persist=True)),
+    ):
+        x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=M, device=cuda)
+        ms = random_m_sizes(M, G, device=cuda)
+        kw = dict(x_scale=xs, w_scale=ws) if dtype == FP8 else {}
+        host = tri.grouped_gemm(x, w, ms, config=cfg, **kw)
+        with settings.override(knobs={"GG_DEVICE_TMA": 2}):
+            dev = tri.grouped_gemm(x, w, ms, config=cfg, **kw)
+            y = torch.empty_like(dev)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y.copy_(tri.grouped_gemm(x, w, ms, config=cfg, **kw))
+            g.replay()
+        n = int(ms.sum())
+        assert torch.equal(dev[:n], host[:n]) and torch.equal(y[:n], host[:n]), (M, cfg)
+    F, T = 768, 2048
+    x, w13, xs, ws = _inputs(T, G, 2 * F, K, dtype, seed=5, device=cuda)
+    ms = random_m_sizes(T, G, device=cuda)
+    kw = dict(x_scale=xs, w_scale=ws) if dtype == FP8 else dict(x_scale=None, w_scale=None)
+    pin_knobs(SWIGLU_PAIR=True)
+    host = SW.grouped_gemm_swiglu(x, w13, ms, None, None, **kw)
+    pin_knobs(SWIGLU_PAIR=True, GG_DEVICE_TMA=2)
+    dev = SW.grouped_gemm_swiglu(x, w13, ms, None, None, **kw)
+    assert torch.equal(dev, host)
+
+
+@pytest.mark.gpu
 def test_gpu_strided_and_int64_sizes(cuda):
     G, M, N, K = 8, 200, 1536, 768
     base = torch.randn(M, 2 * K, device=cuda).to(torch.bfloat16)
@@ -1984,20 +2127,41 @@ base = dict(x_ptr=t(M, K, dt=torch.float8_e4m3fn), w_ptr=t(G * N, K, dt=torch.fl
 cases = {
     "gemv": dict(base, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, STAGES=5, USE_PDL=0),
     "stream": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False, EARLY_EPI=1,
-                   USE_PDL=0),
+                   DEV_TMA=False, USE_PDL=0),
     "stream_dst": dict(base, USE_TMA=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=False,
-                       EARLY_EPI=2, USE_PDL=0),
+                       EARLY_EPI=2, DEV_TMA=False, USE_PDL=0),
     "tiled": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
-                  GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=0, N_SLAB=0, USE_PDL=0),
+                  GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=0, N_SLAB=0, DEV_TMA=False, USE_PDL=0),
     "tiled_dst": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
                       GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=False, EARLY_EPI=2, N_SLAB=2,
-                      USE_PDL=0),
+                      DEV_TMA=False, USE_PDL=0),
     "persist": dict(base, USE_TMA=False, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
-                    GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, EARLY_EPI=1, N_SLAB=0, USE_PDL=0),
+                    GROUP_M=8, STAGES=3, SWAP_AB=True, X_TMA=False, EARLY_EPI=1, N_SLAB=0, DEV_TMA=False, USE_PDL=0),
+    # the descriptors made in the kernel from the tensors (knob GG_DEVICE_TMA)
+    "tiled_dev": dict(base, USE_TMA=True, FAST_ACCUM=True, FLATTEN=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+                      GROUP_M=8, STAGES=3, SWAP_AB=False, X_TMA=True, EARLY_EPI=0, N_SLAB=0, DEV_TMA=True, USE_PDL=0),
+    "stream_dev": dict(base, USE_TMA=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, STAGES=3, X_TMA=True, EARLY_EPI=1,
+                       DEV_TMA=True, USE_PDL=0),
 }
 out = {}
 for name, kw in cases.items():
     kernel = getattr(GG, "_gg_%s_kernel" % name.split("_")[0].replace("persist", "tiled"))
+    acc = identify_accessed_tensors(kernel, kw, {})
+    out[name] = sorted(d.name for d in acc.read_writes.writes)
+import moekit.ops._triton.gg_swiglu as SW
+F = 768
+sw = dict(x_ptr=t(M, K, dt=torch.bfloat16), w_ptr=t(G * 2 * F, K, dt=torch.bfloat16), z_ptr=t(M, F, dt=torch.bfloat16),
+          m_sizes_ptr=t(G, dt=torch.int32), gather_ptr=t(M, dt=torch.int32), xs_ptr=t(M), ws_ptr=t(G * 2 * F),
+          rs_ptr=t(M), M=M, F=F, K=K, G=G, T_IN=M, stride_xm=K, stride_wn=K, stride_zm=F, GATHER=False, HAS_XS=False,
+          HAS_WS=False, HAS_RS=True, W_CAST=False, USE_TMA=True, G_BLOCK=16, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
+          STAGES=3, DEV_TMA=True, USE_PDL=0)
+for name, kernel, kw in (
+    ("swiglu_pair_dev", SW._swiglu_tiled_kernel, dict(sw, FAST_ACCUM=True, GROUP_M=8, FLATTEN=True, X_TMA=True,
+                                                       PAIR=True)),
+    ("swiglu_tiled_dev", SW._swiglu_tiled_kernel, dict(sw, FAST_ACCUM=True, GROUP_M=8, FLATTEN=True, X_TMA=False,
+                                                        PAIR=False, GATHER=True)),
+    ("swiglu_stream_dev", SW._swiglu_stream_kernel, dict(sw, BLOCK_M=16, GATHER=True)),
+):
     acc = identify_accessed_tensors(kernel, kw, {})
     out[name] = sorted(d.name for d in acc.read_writes.writes)
 print("@@" + json.dumps(out))
@@ -2007,7 +2171,8 @@ print("@@" + json.dumps(out))
 @pytest.mark.reference
 def test_inductor_sees_only_the_output_written():
     """torch.compile's mutation analysis of the three kernels (every feature on, distinct
-    tensors; the epilogue's operands and destination rows loaded before or after the K loop): only
+    tensors; the epilogue's operands and destination rows loaded before or after the K loop; also
+    with the TMA descriptors made in the kernel, and the SwiGLU kernels so): only
     the output is written (the tiled kernel's m_sizes is a known over-approximation
     of the analysis: a [G] clone). A wider set makes inductor clone and copy back user tensors, and
     an aliased argument once wrote an untouched clone over the result."""
@@ -2029,6 +2194,11 @@ def test_inductor_sees_only_the_output_written():
     # the destination rows loaded before the K loop (knob GG_EARLY_DST) in the kernel's own body
     assert writes["tiled_dst"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes
     assert writes["persist"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]), writes  # the swap-AB tiles on it
+    # descriptors made in the kernel from x and w (GG_DEVICE_TMA): read through them, never written
+    assert writes["tiled_dev"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]) and writes["stream_dev"] == ["y_ptr"], writes
+    assert writes["swiglu_pair_dev"] in (["z_ptr"], ["m_sizes_ptr", "z_ptr"]), writes
+    assert writes["swiglu_tiled_dev"] in (["z_ptr"], ["m_sizes_ptr", "z_ptr"]), writes
+    assert writes["swiglu_stream_dev"] == ["z_ptr"], writes
 
 
 # ---------------------------------------------------------------------------- non-tensor arguments

@@ -210,6 +210,45 @@ def test_interp_swiglu_pair_through_pointers(pin_knobs, w_kind, flatten):
     assert seen == [(False, True, flatten), (False, False, flatten)], seen
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("w_kind", ["same", "fp8x"])
+@pytest.mark.parametrize("case", ["pair_by_index", "pair_in_order", "two_mmas_in_order", "stream"])
+def test_interp_swiglu_descriptors_made_in_the_kernel(pin_knobs, w_kind, case):
+    """Knob ``GG_DEVICE_TMA=2``: the SwiGLU kernels make their TMA descriptors themselves from the
+    tensors (``DEV_TMA``; the paired tile's ``[G, 2, F, K]`` view, the rows given in order through
+    an x descriptor too) and compute bit for bit what the host descriptors give; F = 24 leaves the
+    second column block half past F, K = 48 a masked last K step, rows -1 / out of range skipped."""
+    from tests.ops.test_grouped_gemm import _spy_launches
+    from moekit.ops._triton import gg_swiglu as SW
+    from moekit.ops._triton.gg_config import GemmConfig
+
+    T, k, G, F, K = 20, 3, 3, 24, 48
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, K, torch.float16, w_kind, seed=23)
+    in_order = case.endswith("in_order")
+    if in_order:  # the sorted rows themselves (no index): x through its descriptor too
+        gi = None
+        x = x.repeat(k, 1)
+        xs = xs.repeat(k) if xs is not None else None
+    kind = "stream" if case == "stream" else "tiled"
+    cfg = GemmConfig(kind, 16, 16, 16, 2, 4, group_m=2, use_tma=True, flatten=True)
+    pin_knobs(SWIGLU_PAIR=case.startswith("pair"))
+    seen = []
+    orig = _spy_launches(SW, seen)
+    try:
+        host = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=cfg)
+        pin_knobs(GG_DEVICE_TMA=2, SWIGLU_PAIR=case.startswith("pair"))
+        dev = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=cfg)
+    finally:
+        SW.launch = orig
+    x_tma = None if kind == "stream" else in_order  # (the streaming kernel reads its rows by pointer)
+    assert [s[1:4] for s in seen] == [(False, True, x_tma), (True, True, x_tma)], seen
+    assert seen[0][5] == "TensorDescriptor" and seen[1][4:] == ("Tensor", "Tensor"), seen
+    ok = _valid_rows(gi, T) if gi is not None else torch.ones(x.shape[0], dtype=torch.bool)
+    assert torch.equal(dev[ok], host[ok])
+    want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    assert_close(dev[ok].float(), want[ok].float(), tol=1e-2 if w_kind == "fp8x" else 2e-3)
+
+
 @pytest.mark.reference
 def test_tiled_tiles_keep_their_mmas_in_flight_on_sm90():
     """The tiled SwiGLU tiles at prefill sizes (64-row tiles on the fused loop and 128-row ones,
@@ -250,6 +289,51 @@ def test_tiled_tiles_keep_their_mmas_in_flight_on_sm90():
     bad = [r for r in off if r["serialized"]]
     assert {(r["constants"]["USE_TMA"], r["constants"]["PAIR"], r["constants"]["FLATTEN"]) for r in bad} == {
         ("False", "False", "True")}, [(r["constants"], r["serialized"]) for r in off]  # fmt: skip
+
+
+@pytest.mark.reference
+def test_kernel_made_descriptors_compile_as_the_host_ones_on_sm90():
+    """Knob ``GG_DEVICE_TMA=2`` at prefill sizes (Qwen3-30B's gate|up with the SwiGLU on 64-row
+    paired tiles and its down GEMM on 128 x 256 tiles, DeepSeek-V3 TP8's at T=8192; bf16 and FP8),
+    compiled for sm_90: the kernels that make their TMA descriptors take the same shared memory
+    as with host descriptors, at most 8 registers more, no stack, and their wgmma instructions
+    stay asynchronous."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    snippet = """
+        from moekit import settings
+        from moekit.ops._triton import gg_swiglu as SW
+        from moekit.ops._triton import grouped_gemm as GG
+        m = "meta"
+        f8 = torch.float8_e4m3fn
+        GG._tma_ok = GG._tma_fits = lambda t, block: t.stride(-1) == 1  # meta tensors: never TMA
+        for dev in (0, 2):
+            with settings.override(knobs={"GG_DEVICE_TMA": dev}):
+                for T, k, G, F, D in ((2048, 8, 128, 768, 2048), (8192, 8, 256, 256, 7168)):
+                    for dt in (torch.bfloat16, f8):
+                        fp8 = dt == f8
+                        ms = torch.empty(G, dtype=torch.int32, device=m)
+                        SW.grouped_gemm_swiglu(torch.empty(T, D, dtype=dt, device=m),
+                                               torch.empty(G * 2 * F, D, dtype=dt, device=m), ms,
+                                               torch.empty(T * k, dtype=torch.int32, device=m), None,
+                                               torch.empty(T, device=m) if fp8 else None,
+                                               torch.empty(G * 2 * F, device=m) if fp8 else None)
+                        GG.grouped_gemm(torch.empty(T * k, F, dtype=dt, device=m),
+                                        torch.empty(G * D, F, dtype=dt, device=m), ms,
+                                        x_scale=torch.empty(T * k, device=m) if fp8 else None,
+                                        w_scale=torch.empty(G * D, device=m) if fp8 else None)
+    """
+    records = compile_launches(snippet, ["moekit.ops._triton.gg_swiglu", "moekit.ops._triton.grouped_gemm"],
+                               serialized=True)  # fmt: skip
+    assert_all_compiled(records, 16)
+    host, dev = records[:8], records[8:]
+    assert all(r["constants"]["DEV_TMA"] == "False" for r in host), [r["constants"] for r in host]
+    assert all(r["constants"]["DEV_TMA"] == "True" and r["constants"]["USE_TMA"] == "True" for r in dev)
+    for h, d in zip(host, dev):
+        same = {k: v for k, v in h["constants"].items() if k != "DEV_TMA"}
+        assert same == {k: v for k, v in d["constants"].items() if k != "DEV_TMA"}, (h["constants"], d["constants"])
+        assert d["shared"] == h["shared"] and d["regs"] <= h["regs"] + 8, (h["kernel"], h["regs"], d["regs"])
+        assert not d["stack"] and d["serialized"] is False, (d["kernel"], d["constants"], d["stack"], d["serialized"])
 
 
 @pytest.mark.interpreter

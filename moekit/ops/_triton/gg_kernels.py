@@ -168,6 +168,23 @@ def _epilogue(
         tl.store(ptrs, val, mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _make_descriptors(x_ptr, w_ptr, x_rows, K, w_rows, stride_xm, stride_wn, USE_TMA: tl.constexpr,
+                      X_TMA: tl.constexpr, DEV_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):  # fmt: skip
+    """``(x, w)`` as the kernels read them: with ``DEV_TMA`` the TMA descriptors the host would
+    have made (``grouped_gemm._descriptor``: ``x [x_rows, K]`` in ``[BLOCK_M, BLOCK_K]`` tiles
+    where ``X_TMA``, ``w [w_rows, K]`` in ``[BLOCK_N, BLOCK_K]`` tiles where ``USE_TMA``), made
+    here from the pointers (``tl.make_tensor_descriptor``: torch.compile's traced graphs pass
+    tensors, not host descriptors); else the arguments unchanged."""
+    if DEV_TMA:
+        if USE_TMA:
+            w_ptr = tl.make_tensor_descriptor(w_ptr, [w_rows, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
+        if X_TMA:
+            x_ptr = tl.make_tensor_descriptor(x_ptr, [x_rows, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+    return x_ptr, w_ptr
+
+
 # ----------------------------------------------------------------------------------------------
 # Streaming (swap-AB) kernel: few rows per group
 # ----------------------------------------------------------------------------------------------
@@ -206,13 +223,17 @@ def _gg_stream_kernel(
     STAGES: tl.constexpr,
     X_TMA: tl.constexpr,
     EARLY_EPI: tl.constexpr,
+    DEV_TMA: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     """``X_TMA``: ``x_ptr`` is a TMA descriptor too: the row tile is read whole from ``m0`` (rows of
     the next group or past M come along, zero past M, and are never stored), which frees the
     ``[BLOCK_M, BLOCK_K]`` pointer tile's registers for more resident programs. ``EARLY_EPI`` as
-    the tiled kernel's."""
+    the tiled kernel's. ``DEV_TMA``: ``x_ptr`` / ``w_ptr`` are the tensors, and the descriptors
+    ``USE_TMA`` / ``X_TMA`` ask for are made here (``_make_descriptors``)."""
     pdl_prologue(USE_PDL)
+    x_ptr, w_ptr = _make_descriptors(x_ptr, w_ptr, M, K, G * N, stride_xm, stride_wn, USE_TMA, X_TMA, DEV_TMA,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -418,6 +439,7 @@ def _gg_tiled_kernel(
     X_TMA: tl.constexpr,
     EARLY_EPI: tl.constexpr,
     N_SLAB: tl.constexpr = 0,
+    DEV_TMA: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     """``SWAP_AB``: the MMA takes the weight tile as its left operand (``[BLOCK_N, BLOCK_M] = w @
@@ -428,8 +450,11 @@ def _gg_tiled_kernel(
     (``grouped_gemm.early_epilogue`` says for which tiles). ``N_SLAB`` (> 0): the tiles walk the
     output in column slabs of ``N_SLAB`` N tiles, every group's tiles of one slab before the next
     slab's (``grouped_gemm.n_slab_tiles``: a scatter-add whose ``[T, slab]`` destination stays in
-    L2 while every expert adds into it); 0: each group's tiles over all of N in turn."""
+    L2 while every expert adds into it); 0: each group's tiles over all of N in turn. ``DEV_TMA``
+    as the streaming kernel's."""
     pdl_prologue(USE_PDL)
+    x_ptr, w_ptr = _make_descriptors(x_ptr, w_ptr, M, K, G * N, stride_xm, stride_wn, USE_TMA, X_TMA, DEV_TMA,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     gi, starts, rows = _group_table(m_sizes_ptr, G, M, HAS_MSIZES, G_BLOCK)

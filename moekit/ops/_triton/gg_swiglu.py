@@ -45,7 +45,7 @@ from moekit.ops._triton.gg_config import (
     use_gemv,
     widest_slice,
 )
-from moekit.ops._triton.gg_kernels import _group_table, _pick, _tile_at, _tile_table
+from moekit.ops._triton.gg_kernels import _group_table, _make_descriptors, _pick, _tile_at, _tile_table
 from moekit.ops._triton.quantize import _store_fp8, max_nan, row_amax, row_scales
 
 
@@ -215,9 +215,13 @@ def _swiglu_stream_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    DEV_TMA: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
+    """``DEV_TMA``: ``w_ptr`` is the tensor and its descriptor (``USE_TMA``) is made here."""
     pdl_prologue(USE_PDL)
+    x_ptr, w_ptr = _make_descriptors(x_ptr, w_ptr, T_IN, K, G * 2 * F, stride_xm, stride_wn, USE_TMA, False,
+                                     DEV_TMA, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     n_blocks = tl.cdiv(F, BLOCK_N)
@@ -326,6 +330,26 @@ def _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate,
 
 
 @triton.jit
+def _pair_descriptors(x_ptr, w_ptr, T_IN, F, K, G, stride_xm, stride_wn, USE_TMA: tl.constexpr, X_TMA: tl.constexpr,
+                      PAIR: tl.constexpr, DEV_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):  # fmt: skip
+    """The tiled kernel's ``(x, w)``: with ``DEV_TMA`` the descriptors ``_tiled_operands`` would
+    have made on the host, made here (``PAIR``: the weights viewed ``[G, 2, F, K]`` in ``[1, 2,
+    BLOCK_N, BLOCK_K]`` tiles, else ``[G * 2F, K]`` in ``[BLOCK_N, BLOCK_K]`` ones; ``x [T_IN, K]`` in
+    ``[BLOCK_M, BLOCK_K]`` ones where ``X_TMA``); else unchanged."""
+    if DEV_TMA:
+        if USE_TMA and PAIR:
+            fk = stride_wn.to(tl.int64) * F
+            w_ptr = tl.make_tensor_descriptor(w_ptr, [G, 2, F, K], [2 * fk, fk, stride_wn, 1],
+                                              [1, 2, BLOCK_N, BLOCK_K])  # fmt: skip
+        elif USE_TMA:
+            w_ptr = tl.make_tensor_descriptor(w_ptr, [G * 2 * F, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
+        if X_TMA:
+            x_ptr = tl.make_tensor_descriptor(x_ptr, [T_IN, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+    return x_ptr, w_ptr
+
+
+@triton.jit
 def _swiglu_tiled_kernel(
     x_ptr,
     w_ptr,
@@ -359,6 +383,7 @@ def _swiglu_tiled_kernel(
     FLATTEN: tl.constexpr = False,
     X_TMA: tl.constexpr = False,
     PAIR: tl.constexpr = False,
+    DEV_TMA: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     """Persistent ``[BLOCK_M, BLOCK_N]`` output tiles (expert, row tile, column tile): the rows'
@@ -370,8 +395,12 @@ def _swiglu_tiled_kernel(
     zeros), as the grouped GEMM's tiled kernel reads its x. ``PAIR``: ``w_ptr`` is a descriptor
     of the weights viewed ``[G, 2, F, K]``: one load brings a tile's gate and up rows together
     (``[2 * BLOCK_N, BLOCK_K]``), one MMA of twice the width computes both halves into one
-    accumulator, split in the epilogue (the plain GEMM's 128 x 256 tile for a 128-column pair)."""
+    accumulator, split in the epilogue (the plain GEMM's 128 x 256 tile for a 128-column pair).
+    ``DEV_TMA``: ``x_ptr`` / ``w_ptr`` are the tensors, their descriptors made here
+    (``_pair_descriptors``)."""
     pdl_prologue(USE_PDL)
+    x_ptr, w_ptr = _pair_descriptors(x_ptr, w_ptr, T_IN, F, K, G, stride_xm, stride_wn, USE_TMA, X_TMA, PAIR, DEV_TMA,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     gi, starts, rows = _group_table(m_sizes_ptr, G, M, True, G_BLOCK)
@@ -645,27 +674,35 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     return replace(cfg, stages=max(2, min(cfg.stages, budget // stage)))
 
 
-def _tiled_operands(x, w13, cfg: GemmConfig, gathered: bool, M: int, G: int):
-    """The tiled kernels' operands: ``(x_arg, w_arg, use_tma, x_tma, pair)``. The weights through
-    a TMA descriptor where the strides allow (``[G, 2, F, K]``: a tile's gate and up rows in one
-    load, ``swiglu_pair``); rows given in order (not gathered) whole row tiles through one too, as
-    the grouped GEMM's tiled kernel reads them."""
-    from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok
+def _tiled_operands(x, w13, cfg: GemmConfig, gathered: bool, M: int, G: int, allow_dev: bool = True):
+    """The tiled kernels' operands: ``(x_arg, w_arg, use_tma, x_tma, pair, dev)``. The weights
+    through a TMA descriptor where the strides allow (``[G, 2, F, K]``: a tile's gate and up rows
+    in one load, ``swiglu_pair``); rows given in order (not gathered) whole row tiles through one
+    too, as the grouped GEMM's tiled kernel reads them. ``dev`` (``grouped_gemm.device_tma``,
+    where ``allow_dev``): the kernel makes those descriptors itself (``DEV_TMA``) from the
+    tensors, which are then the arguments."""
+    from moekit.ops._triton.grouped_gemm import _descriptor, _tma_fits, _tma_ok, device_tma, ensure_allocator
 
     K = int(x.shape[1])
     F = int(w13.shape[0]) // (2 * G)
+    dev = allow_dev and device_tma(w13)
+    ok = _tma_fits if dev else _tma_ok
     w_block = [cfg.block_n, cfg.block_k]
-    use_tma = cfg.use_tma and _tma_ok(w13, tuple(w_block))
-    w_arg = _descriptor(w13, w_block) if use_tma else w13
+    use_tma = cfg.use_tma and ok(w13, tuple(w_block))
     x_block = [cfg.block_m, cfg.block_k]
-    x_tma = use_tma and not gathered and _tma_ok(x, tuple(x_block))
-    x_arg = _descriptor(x, x_block) if x_tma else x
+    x_tma = use_tma and not gathered and ok(x, tuple(x_block))
     # through the [G, 2, F, K] view's descriptor, else through pointers (knob SWIGLU_PTR_PAIR)
     through = w13.is_contiguous() if use_tma else bool(settings.get().knob("SWIGLU_PTR_PAIR", SWIGLU_PTR_PAIR))
     pair = through and swiglu_pair(M, G, cfg.block_m == 64)
+    dev = dev and use_tma
+    if dev:
+        ensure_allocator()
+        return x, w13, use_tma, x_tma, pair, True
+    w_arg = _descriptor(w13, w_block) if use_tma else w13
+    x_arg = _descriptor(x, x_block) if x_tma else x
     if pair and use_tma:
         w_arg = _descriptor(w13.view(G, 2, F, K), [1, 2, cfg.block_n, cfg.block_k])
-    return x_arg, w_arg, use_tma, x_tma, pair
+    return x_arg, w_arg, use_tma, x_tma, pair, False
 
 
 def grouped_gemm_swiglu(
@@ -683,7 +720,14 @@ def grouped_gemm_swiglu(
     """Launcher (validated arguments): ``z [M, F]`` (``out`` when given: contiguous, the output
     dtype), rows not computed left unwritten. ``fast_accum`` False: the FP8 tensor-core tiles
     promote their sums to float32 every K step (the other kernels accumulate in float32 anyway)."""
-    from moekit.ops._triton.grouped_gemm import _descriptor, _tma_ok, _unit_last
+    from moekit.ops._triton.grouped_gemm import (
+        _descriptor,
+        _tma_fits,
+        _tma_ok,
+        _unit_last,
+        device_tma,
+        ensure_allocator,
+    )
 
     T_IN, K = (int(d) for d in x.shape)
     M = int(gather_indices.shape[0]) if gather_indices is not None else T_IN
@@ -714,24 +758,29 @@ def grouped_gemm_swiglu(
             num_warps=cfg.warps, num_stages=cfg.stages, **flags,
         )  # fmt: skip
         return z
-    w_block = [cfg.block_n, cfg.block_k]
-    use_tma = cfg.use_tma and _tma_ok(w13, tuple(w_block))
-    w_arg = _descriptor(w13, w_block) if use_tma else w13
     if cfg.kind == "tiled":
         tiles = (cdiv(M, cfg.block_m) + min(G, M)) * cdiv(F, cfg.block_n)  # at most, over any m_sizes
-        x_arg, w_arg, use_tma, x_tma, pair = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G)
+        x_arg, w_arg, use_tma, x_tma, pair, dev = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G)
         launch(_swiglu_tiled_kernel)[(max(1, min(tiles, sms)),)](
             x_arg, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
             W_CAST=w13.dtype != x.dtype, USE_TMA=use_tma, FAST_ACCUM=fast_accum, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
-            FLATTEN=cfg.flatten, X_TMA=x_tma, PAIR=pair, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
+            FLATTEN=cfg.flatten, X_TMA=x_tma, PAIR=pair, DEV_TMA=dev, num_warps=cfg.warps, num_stages=cfg.stages,
+            **flags,
         )  # fmt: skip
         return z
+    w_block = [cfg.block_n, cfg.block_k]
+    dev = device_tma(w13)
+    use_tma = cfg.use_tma and (_tma_fits if dev else _tma_ok)(w13, tuple(w_block))
+    dev = dev and use_tma
+    if dev:
+        ensure_allocator()
+    w_arg = _descriptor(w13, w_block) if use_tma and not dev else w13
     grid = (max(1, min(min(G, M) * cdiv(F, cfg.block_n), 4 * sms)),)
     launch(_swiglu_stream_kernel)[grid](
         x, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
         W_CAST=w13.dtype != x.dtype, USE_TMA=use_tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
+        BLOCK_K=cfg.block_k, STAGES=cfg.stages, DEV_TMA=dev, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
     )  # fmt: skip
     return z
 
@@ -767,7 +816,8 @@ def grouped_gemm_swiglu_quant(
     cfg = config or swiglu_config(M, F, K, G, True, 1, sms, w_elem=1, by_index=gather_indices is not None)
     if cfg.kind != "tiled":
         return None
-    x_arg, w_arg, use_tma, x_tma, pair = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G)
+    # (host descriptors only: the quantizing kernel, off the layer's path, takes no DEV_TMA)
+    x_arg, w_arg, use_tma, x_tma, pair, _ = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G, False)
     units = cdiv(M, cfg.block_m) + min(G, M)  # row tiles, at most, over any m_sizes
     progs = max(1, min(units, sms))
     zq = torch.empty((M, F), dtype=FP8_DTYPE, device=x.device)

@@ -78,12 +78,25 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
+def _fake(t: torch.Tensor) -> bool:
+    return type(t) is not torch.Tensor and _is_fake(t)  # (a plain tensor is never fake: no import, no call)
+
+
 def _tma_ok(t: torch.Tensor, block: tuple[int, int]) -> bool:
     """Host TMA descriptor usable for ``t`` (2-D, unit last stride, 16-byte aligned rows/base)?
     Never under tracing (torch.compile): non-dynamo tracing of ``wrap_triton`` does not capture
-    descriptors, so traced graphs use the pointer path."""
-    if not settings.get().gg_tma or (type(t) is not torch.Tensor and _is_fake(t)):
-        return False  # (a plain tensor is never fake: no import and call on the eager path)
+    descriptors, so traced graphs use the pointer path, or descriptors made in the kernel
+    (``device_tma``)."""
+    if not settings.get().gg_tma or _fake(t):
+        return False
+    return _tma_fits(t, block)
+
+
+def _tma_fits(t: torch.Tensor, block: tuple[int, int]) -> bool:
+    """``t`` and a ``block`` tile meet TMA's rules on this device (sm_90+: 2-D, unit last stride,
+    16-byte aligned rows and base, a block row of at least 16 bytes and at most 256 rows), whether
+    the descriptor is made on the host or in the kernel. The shapes and strides of a traced (fake)
+    tensor answer as the real one's will."""
     if not (t.is_cuda or interpreting()):
         return False
     if (
@@ -97,6 +110,44 @@ def _tma_ok(t: torch.Tensor, block: tuple[int, int]) -> bool:
     if block[1] * es < 16 or block[0] > 256:
         return False
     return t.shape[0] > 0 and t.shape[1] > 0
+
+
+# Knob GG_DEVICE_TMA: where the grouped GEMM's and the SwiGLU GEMM's TMA kernels make their
+# descriptors in the kernel (``tl.make_tensor_descriptor``, from the pointers and strides, in
+# global scratch memory that Triton's allocator gives each launch) instead of taking host
+# ``TensorDescriptor`` arguments: 0 never; 1 where tracing hides the tensors (torch.compile's
+# graphs, which otherwise take the pointer loads: H100, session 44, the layer with the pointer
+# loads (``MOEKIT_GG_TMA=0``) against the TMA path of the same code in other calls, µs: Qwen3-30B
+# bf16 T=2048 620 against 534, FP8 440 against 355, T=1024 FP8 314 against 274; gpt-oss-120b 1-4%);
+# 2 every TMA launch (A/B runs, tests). Off until its GPU tests run: 0.
+GG_DEVICE_TMA = 0
+
+
+def device_tma(t: torch.Tensor) -> bool:
+    """Whether a launch whose operand ``t`` would go through TMA makes its descriptors in the
+    kernel (knob ``GG_DEVICE_TMA``): the launchers then pass the tensors themselves (``DEV_TMA``)
+    and check them with ``_tma_fits``."""
+    mode = int(settings.get().knob("GG_DEVICE_TMA", GG_DEVICE_TMA))
+    if mode <= 0 or not settings.get().gg_tma:
+        return False
+    return mode >= 2 or _fake(t)
+
+
+def ensure_allocator() -> None:
+    """Give Triton an allocator for the kernels' global scratch (the in-kernel descriptors) where
+    none is set in this context: torch's caching allocator on the current device (so CUDA-graph
+    captures take it from the graph's pool). Inductor sets its own before it launches a compiled
+    graph's kernels; one set by the user is kept."""
+    import triton
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR:
+        return
+
+    def alloc(size: int, alignment: int, stream) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(alloc)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
@@ -195,11 +246,16 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         return None if scatter else y
     x_block, w_block = [bm, bk], [bn, bk]
     stream = cfg.kind == "stream"
+    dev = device_tma(w)  # descriptors made in the kernel (DEV_TMA), from the tensors passed
+    ok = _tma_fits if dev else _tma_ok
     # The streaming kernel reads x through masked pointers (only the group's rows move).
-    use_tma = cfg.use_tma and _tma_ok(w, tuple(w_block)) and (stream or _tma_ok(x, tuple(x_block)))
-    x_tma = stream and use_tma and cfg.x_tma and _tma_ok(x, tuple(x_block))
-    x_arg = _descriptor(x, x_block) if use_tma and (not stream or x_tma) else x
-    w_arg = _descriptor(w, w_block) if use_tma else w
+    use_tma = cfg.use_tma and ok(w, tuple(w_block)) and (stream or ok(x, tuple(x_block)))
+    x_tma = stream and use_tma and cfg.x_tma and ok(x, tuple(x_block))
+    dev = dev and use_tma
+    if dev:
+        ensure_allocator()
+    x_arg = _descriptor(x, x_block) if use_tma and (not stream or x_tma) and not dev else x
+    w_arg = _descriptor(w, w_block) if use_tma and not dev else w
     common = dict(
         HAS_MSIZES=m_sizes is not None,
         FP8=fp8,
@@ -208,6 +264,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         SCATTER=scatter,
         W_ONLY=w_only,
         USE_TMA=use_tma,
+        DEV_TMA=dev,
         G_BLOCK=max(16, next_pow2(G)),
         BLOCK_M=bm,
         BLOCK_N=bn,
