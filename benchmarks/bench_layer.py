@@ -4,11 +4,15 @@ and the sorted one pinned) vs vLLM 0.33's Triton fused_moe (routing precomputed:
 PyTorch, one process, every output checked against a float32 reference before it is timed.
 
     python benchmarks/bench_layer.py [--quick] [--models qwen3-30b-a3b,deepseek-v3-tp8] [--dtype bf16,fp8]
-        [--tokens 1,4,16,64,256] [--lean] [--alt-knobs NAME=value,...]
+        [--tokens 1,4,16,64,256] [--lean] [--alt-knobs NAME=value,...] [--compile]
 
 ``--alt-knobs``: moekit also with those kernel-choice knobs pinned (``MOEKIT_KNOBS``' form), in
 the same process on the same inputs (default / knobs / knobs / default): an A/B that a process's
 own slow or fast mode does not decide (``alt_us``, ``alt/moekit``; ``layer_bench.run``).
+``--compile``: moekit's forward through ``torch.compile(fullgraph=True)`` (as a serving engine
+that compiles its model runs it; traced again whenever the knobs change), e.g. with
+``--alt-knobs GG_DEVICE_TMA=1``: the traced graphs' pointer loads against descriptors made in the
+kernels.
 
 vLLM's harness is found at $MOEKIT_VLLM_HARNESS, .peers/vllm_fused_moe or ../shared/peers/vllm_fused_moe.
 """
@@ -38,6 +42,7 @@ def main() -> int:
     p.add_argument(
         "--alt-knobs", default="", help="also time moekit with these knobs pinned, e.g. DECODE_FUSED_MIN_TOP_K=4"
     )
+    p.add_argument("--compile", action="store_true", help="moekit through torch.compile(fullgraph=True)")
     a = p.parse_args()
     from moekit.settings import parse_knobs
 
@@ -61,7 +66,8 @@ def main() -> int:
         for m in models:
             print(f"== {m} {dt}", flush=True)
             try:
-                rows += layer_bench.run(m, tokens, dt == "fp8", a.quick, lean=a.lean, alt_knobs=alt or None)
+                rows += layer_bench.run(m, tokens, dt == "fp8", a.quick, lean=a.lean, alt_knobs=alt or None,
+                                        compiled=a.compile)  # fmt: skip
                 save_rows("bench_layer", rows)  # after every model: a run cut short keeps its rows
             except AssertionError as exc:  # a wrong result: fail the benchmark (after the other models)
                 print(f"   {m} {dt} WRONG RESULT: {exc}")

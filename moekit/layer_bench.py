@@ -173,6 +173,23 @@ DECODE_SETS = 8
 DECODE_SETS_MAX_T = 64
 
 
+_COMPILED: dict = {}
+
+
+def compiled_forward():
+    """``torch.compile(moe_forward, fullgraph=True)`` for the settings in force: the launchers read
+    the settings and knobs while Dynamo traces and its guards do not see them, so a change of
+    settings resets Dynamo and compiles again (the same settings reuse the compiled graphs)."""
+    from moekit import settings
+
+    key = repr(settings.get())
+    if key not in _COMPILED:
+        torch._dynamo.reset()
+        _COMPILED.clear()
+        _COMPILED[key] = torch.compile(moe_forward, fullgraph=True, dynamic=False)
+    return _COMPILED[key]
+
+
 def routing_sets(touched: float, T: int) -> int:
     """Routings a row rotates: enough that together they outgrow the L2 (``rotations``, at most 8),
     and ``DECODE_SETS`` at decode sizes even where one set does (each set reads other experts)."""
@@ -180,7 +197,7 @@ def routing_sets(touched: float, T: int) -> int:
 
 
 def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = False,
-        alt_knobs: Optional[dict] = None) -> list[dict]:  # fmt: skip
+        alt_knobs: Optional[dict] = None, compiled: bool = False) -> list[dict]:  # fmt: skip
     """One row per T: the routed experts of one layer, **from router logits to output**, for
     moekit (``moe_forward(logits_TE=...)``, the automatic pipeline, and the sorted one pinned),
     vLLM 0.33's Triton fused_moe with the routing precomputed (its ``us_moe_only``), MSLK's
@@ -191,6 +208,7 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = Fals
     ``alt_knobs``: also moekit with these knobs pinned (``settings.override(knobs=...)``), in the
     same process on the same inputs, timed default / knobs / knobs / default (``moekit_us``,
     ``alt_us``, ``alt_us_2``, ``moekit_us_2``): ``alt/moekit`` is the ratio of the two means.
+    ``compiled``: moekit's forward through ``torch.compile(fullgraph=True)`` (``compiled_forward``).
     Session 43's lanes in separate processes drew a fast or a slow mode per process (H100:
     Mixtral-8x7B bf16 T=1 234 or 275 µs on one path); session 44 found the slow readings were a
     cell's first ones, before ``bench_us`` warmed up for 50 ms (``MOEKIT_BENCH_WARMUP_MS``)."""
@@ -246,7 +264,8 @@ def run(model: str, tokens: list[int], fp8: bool, quick: bool, lean: bool = Fals
         ref0 = _reference_routed(sets[0]["x"], deq13, deq2, sets[0]["ti"], sets[0]["tw"], on_input)
 
         def ours(st, path=None, det=False):
-            return moe_forward(
+            fwd = compiled_forward() if compiled else moe_forward
+            return fwd(
                 st["x"], None, w13, w2, cfg, e_score_correction_bias=bias, logits_TE=st["logits"],
                 w13_scale_e2F=q["w13_scale"] if fp8 else None, w2_scale_eD=q["w2_scale"] if fp8 else None,
                 deterministic=det, path=path,

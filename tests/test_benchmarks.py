@@ -533,3 +533,19 @@ def test_bench_warm_up_verdict_holds_on_its_lanes():
         cold[1]["moekit_us"] > 1.15 * warm[1]["moekit_us"]
         and abs(warm[4]["moekit_us"] / cold[4]["moekit_us"] - 1) < 0.01
     )
+
+
+@pytest.mark.reference
+def test_layer_bench_compiled_forward_follows_the_settings():
+    """``bench_layer.py --compile``: one compiled ``moe_forward`` per settings in force (the knobs
+    are read while Dynamo traces, and its guards do not see them): the same settings reuse it, a
+    change of knobs compiles anew, and coming back compiles anew too."""
+    from moekit import settings
+    from moekit.layer_bench import compiled_forward
+
+    a = compiled_forward()
+    assert compiled_forward() is a
+    with settings.override(knobs={"GG_DEVICE_TMA": 1}):
+        b = compiled_forward()
+        assert b is not a and compiled_forward() is b
+    assert compiled_forward() is not b
