@@ -330,23 +330,14 @@ def _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate,
 
 
 @triton.jit
-def _pair_descriptors(x_ptr, w_ptr, T_IN, F, K, G, stride_xm, stride_wn, USE_TMA: tl.constexpr, X_TMA: tl.constexpr,
-                      PAIR: tl.constexpr, DEV_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):  # fmt: skip
-    """The tiled kernel's ``(x, w)``: with ``DEV_TMA`` the descriptors ``_tiled_operands`` would
-    have made on the host, made here (``PAIR``: the weights viewed ``[G, 2, F, K]`` in ``[1, 2,
-    BLOCK_N, BLOCK_K]`` tiles, else ``[G * 2F, K]`` in ``[BLOCK_N, BLOCK_K]`` ones; ``x [T_IN, K]`` in
-    ``[BLOCK_M, BLOCK_K]`` ones where ``X_TMA``); else unchanged."""
-    if DEV_TMA:
-        if USE_TMA and PAIR:
-            fk = stride_wn.to(tl.int64) * F
-            w_ptr = tl.make_tensor_descriptor(w_ptr, [G, 2, F, K], [2 * fk, fk, stride_wn, 1],
-                                              [1, 2, BLOCK_N, BLOCK_K])  # fmt: skip
-        elif USE_TMA:
-            w_ptr = tl.make_tensor_descriptor(w_ptr, [G * 2 * F, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
-        if X_TMA:
-            x_ptr = tl.make_tensor_descriptor(x_ptr, [T_IN, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
-    return x_ptr, w_ptr
+def _pair_descriptor(w_ptr, F, K, G, stride_wn, MAKE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """With ``MAKE`` (``DEV_TMA`` and a paired tile through TMA) the descriptor ``_tiled_operands``
+    would have made on the host for the paired tile, made here: the weights viewed ``[G, 2, F, K]``
+    in ``[1, 2, BLOCK_N, BLOCK_K]`` tiles; else ``w_ptr`` unchanged."""
+    if MAKE:
+        fk = stride_wn.to(tl.int64) * F
+        w_ptr = tl.make_tensor_descriptor(w_ptr, [G, 2, F, K], [2 * fk, fk, stride_wn, 1], [1, 2, BLOCK_N, BLOCK_K])
+    return w_ptr
 
 
 @triton.jit
@@ -397,10 +388,11 @@ def _swiglu_tiled_kernel(
     (``[2 * BLOCK_N, BLOCK_K]``), one MMA of twice the width computes both halves into one
     accumulator, split in the epilogue (the plain GEMM's 128 x 256 tile for a 128-column pair).
     ``DEV_TMA``: ``x_ptr`` / ``w_ptr`` are the tensors, their descriptors made here
-    (``_pair_descriptors``)."""
+    (``gg_kernels._make_descriptors``, ``_pair_descriptor``)."""
     pdl_prologue(USE_PDL)
-    x_ptr, w_ptr = _pair_descriptors(x_ptr, w_ptr, T_IN, F, K, G, stride_xm, stride_wn, USE_TMA, X_TMA, PAIR, DEV_TMA,
-                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    x_ptr, w_ptr = _make_descriptors(x_ptr, w_ptr, T_IN, K, G * 2 * F, stride_xm, stride_wn, USE_TMA and not PAIR,
+                                     X_TMA, DEV_TMA, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    w_ptr = _pair_descriptor(w_ptr, F, K, G, stride_wn, DEV_TMA and USE_TMA and PAIR, BLOCK_N, BLOCK_K)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     gi, starts, rows = _group_table(m_sizes_ptr, G, M, True, G_BLOCK)
