@@ -267,8 +267,74 @@ def direct_ok(args: tuple, kwargs: dict) -> bool:
 
 
 def call_op(opdef: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call the registered op ``opdef`` (a ``triton_op`` / ``custom_op`` definition): its
-    implementation directly when ``direct_ok``, else through ``torch.ops.moekit``."""
+    """Call the registered op ``opdef`` (a ``triton_op`` definition): its implementation directly
+    when ``direct_ok``, else through ``torch.ops.moekit``; under torch.compile with its
+    ``cache_tag`` (``compile_cache_tag``)."""
     if direct_ok(args, kwargs):
         return opdef._init_fn(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        kwargs["cache_tag"] = compile_cache_tag(_device_index(args))
     return opdef._opoverload(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile's caches
+# ----------------------------------------------------------------------------------------------
+#
+# torch.compile's AOTAutograd cache (on by default, on disk) keys a graph by what Dynamo traced:
+# for a moekit op, its name and arguments (and the Triton kernels' source). What the op's launcher
+# then decides, its tiles, its kernels, TMA or pointer loads, comes from moekit's settings, its
+# knobs, tuned tables, the GPU and moekit's own Python, none of which that key held: a graph
+# compiled under one state was served under another (H100, session 45: the A/B of knob
+# GG_DEVICE_TMA under torch.compile timed the first setting's graph twice, in one process and
+# across processes). Every op therefore takes a ``cache_tag`` string, ignored by its
+# implementation, which ``call_op`` fills while Dynamo traces with a digest of that state: the
+# traced graph, and so the key, changes with it.
+
+_CODE_DIGEST: list = []
+
+
+def _code_digest() -> str:
+    """Digest of moekit's Python and JSON files (its launchers and tuned tables), read once."""
+    if not _CODE_DIGEST:
+        import hashlib
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        h = hashlib.sha256()
+        paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith((".py", ".json")))
+        for path in paths:
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as fh:
+                h.update(fh.read())
+        _CODE_DIGEST.append(h.hexdigest()[:16])
+    return _CODE_DIGEST[0]
+
+
+def _device_index(args: tuple) -> int:
+    t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if t is None or t.device.type != "cuda":
+        return -1
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+@torch.compiler.assume_constant_result
+def compile_cache_tag(device_index: int) -> str:
+    """The ``cache_tag`` of an op traced now on CUDA device ``device_index`` (-1: not CUDA): a
+    digest of moekit's code, its settings and knobs, the tuned table in use (and the time its file
+    was written) and the device (name, capability, multiprocessors). Dynamo takes the result for a
+    constant of the graph."""
+    import hashlib
+
+    table = 0
+    if HAS_TRITON:
+        from moekit.ops._triton import gg_config
+
+        table = gg_config.table_generation()
+    dev = "cpu"
+    if device_index >= 0:
+        p = torch.cuda.get_device_properties(device_index)
+        dev = f"{p.name}/{p.major}.{p.minor}/{p.multi_processor_count}"
+    s = settings.get()
+    tuned = s.gg_tuned and os.path.exists(s.gg_tuned) and os.stat(s.gg_tuned).st_mtime_ns  # (its file rewritten)
+    state = f"{_code_digest()}|{s!r}|{table}|{tuned}|{dev}"
+    return "moekit-" + hashlib.sha256(state.encode()).hexdigest()[:24]

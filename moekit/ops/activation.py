@@ -20,7 +20,9 @@ __all__ = ["silu_mul", "silu_mul_quant"]
 
 
 @triton_op("moekit::silu_mul", mutates_args=())
-def _silu_mul_op(x0: torch.Tensor, x1: torch.Tensor, valid_token_count: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _silu_mul_op(
+    x0: torch.Tensor, x1: torch.Tensor, valid_token_count: Optional[torch.Tensor] = None, cache_tag: str = ""
+) -> torch.Tensor:
     if use_triton(x0):
         from moekit.ops._triton import activation as _tri
 
@@ -34,6 +36,7 @@ def _silu_mul_quant_op(
     x1: torch.Tensor,
     scale_ub: Optional[torch.Tensor] = None,
     valid_token_count: Optional[torch.Tensor] = None,
+    cache_tag: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x0):
         from moekit.ops._triton import activation as _tri

@@ -56,6 +56,7 @@ def _moe_decode_op(
     w13_scale: Optional[torch.Tensor],
     w2_scale: Optional[torch.Tensor],
     accumulate: bool,
+    cache_tag: str = "",
 ) -> None:
     if use_triton(x):
         from moekit.ops._triton import decode as _dec

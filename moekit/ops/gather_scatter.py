@@ -138,6 +138,7 @@ def _gather_scale_dense_tokens_op(
     expert_indices: torch.Tensor,
     scores: Optional[torch.Tensor],
     valid_token_count: Optional[torch.Tensor] = None,
+    cache_tag: str = "",
 ) -> torch.Tensor:
     if use_triton(x):
         from moekit.ops._triton import gather_scatter as _tri
@@ -154,6 +155,7 @@ def _gather_scale_quant_dense_tokens_op(
     scores: Optional[torch.Tensor],
     scale_ub: Optional[torch.Tensor] = None,
     valid_token_count: Optional[torch.Tensor] = None,
+    cache_tag: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
         from moekit.ops._triton import gather_scatter as _tri
@@ -170,6 +172,7 @@ def _scatter_add_dense_tokens_op(
     in_tokens: torch.Tensor,
     token_indices: torch.Tensor,
     valid_token_count: Optional[torch.Tensor] = None,
+    cache_tag: str = "",
 ) -> None:
     if use_triton(out_tokens):
         from moekit.ops._triton import gather_scatter as _tri
@@ -185,6 +188,7 @@ def _scatter_add_dense_tokens_deterministic_op(
     in_tokens: torch.Tensor,
     token_indices: torch.Tensor,
     valid_token_count: Optional[torch.Tensor] = None,
+    cache_tag: str = "",
 ) -> None:
     if use_triton(out_tokens):
         from moekit.ops._triton import gather_scatter as _tri
@@ -200,6 +204,7 @@ def _scatter_add_padded_tokens_op(
     token_counts: torch.Tensor,
     token_indices: torch.Tensor,
     out_tokens: torch.Tensor,
+    cache_tag: str = "",
 ) -> None:
     if use_triton(in_tokens):
         from moekit.ops._triton import gather_scatter as _tri

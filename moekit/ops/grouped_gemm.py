@@ -144,6 +144,7 @@ def _grouped_gemm_op(
     token_weights: Optional[torch.Tensor] = None,
     use_fast_accum: bool = True,
     w_scale: Optional[torch.Tensor] = None,
+    cache_tag: str = "",
 ) -> torch.Tensor:
     if use_triton(x):
         from moekit.ops._triton import grouped_gemm as _tri
@@ -164,6 +165,7 @@ def _grouped_gemm_scatter_add_op(
     use_fast_accum: bool = True,
     deterministic: bool = False,
     w_scale: Optional[torch.Tensor] = None,
+    cache_tag: str = "",
 ) -> None:
     if use_triton(x):
         from moekit.ops._triton import grouped_gemm as _tri
@@ -194,6 +196,7 @@ def _grouped_gemm_fp8_rowwise_op(
     w_scale: torch.Tensor,
     token_weights: Optional[torch.Tensor] = None,
     use_fast_accum: bool = True,
+    cache_tag: str = "",
 ) -> torch.Tensor:
     if use_triton(x):
         from moekit.ops._triton import grouped_gemm as _tri
@@ -217,6 +220,7 @@ def _grouped_gemm_fp8_rowwise_scatter_add_op(
     token_weights: Optional[torch.Tensor] = None,
     use_fast_accum: bool = True,
     deterministic: bool = False,
+    cache_tag: str = "",
 ) -> None:
     if use_triton(x):
         from moekit.ops._triton import grouped_gemm as _tri
@@ -242,6 +246,7 @@ def _grouped_gemm_swiglu_op(
     x_scale: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
     use_fast_accum: bool = True,
+    cache_tag: str = "",
 ) -> torch.Tensor:
     if use_triton(x):
         from moekit.ops._triton import gg_swiglu as _sw
@@ -262,6 +267,7 @@ def _grouped_gemm_combine_op(
     out: torch.Tensor,
     row_weights: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
+    cache_tag: str = "",
 ) -> None:
     if use_triton(z):
         from moekit.ops._triton import gg_combine as _cb
@@ -273,7 +279,7 @@ def _grouped_gemm_combine_op(
 
 @triton_op("moekit::combine_rows", mutates_args=("out",))
 def _combine_rows_op(
-    out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor, accumulate: bool = True
+    out: torch.Tensor, rows: torch.Tensor, selection_rows: torch.Tensor, accumulate: bool = True, cache_tag: str = ""
 ) -> None:
     if use_triton(rows):
         from moekit.ops._triton import combine_rows as _cr
@@ -318,6 +324,7 @@ def _f8f8bf16_rowwise_op(
     w_scale: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     use_fast_accum: bool = True,
+    cache_tag: str = "",
 ) -> torch.Tensor:
     if use_triton(XQ):
         if _dense_backend(XQ, WQ, bias) == "scaled_mm":

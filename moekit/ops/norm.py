@@ -25,7 +25,11 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton_op("moekit::rms_norm", mutates_args=())
 def _rms_norm_op(
-    x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float = 1e-6,
+    residual: Optional[torch.Tensor] = None,
+    cache_tag: str = "",
 ) -> torch.Tensor:
     if use_triton(x):
         from moekit.ops._triton import norm as _tri

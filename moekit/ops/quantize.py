@@ -62,6 +62,7 @@ def _quantize_fp8_row_op(
     use_triton: bool = True,
     eps: float = DEFAULT_EPS,
     align_rows_to: int = 1,
+    cache_tag: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton and _on_triton(a):
         from moekit.ops._triton import quantize as _tri

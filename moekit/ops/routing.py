@@ -150,6 +150,7 @@ def _index_shuffling_op(
     expert_index_end: Optional[int] = None,
     valid_token_count: Optional[torch.Tensor] = None,
     top_k: int = 1,
+    cache_tag: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if use_triton(routing_scores):
         from moekit.ops._triton import routing as _tri
@@ -248,6 +249,7 @@ def _route_and_shuffle_op(
     quant_rows: Optional[torch.Tensor],
     quant_out: Optional[torch.Tensor],
     quant_scale_out: Optional[torch.Tensor],
+    cache_tag: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     quant = (quant_rows, quant_out, quant_scale_out) if quant_rows is not None else None
     if use_triton(logits_TE):
@@ -405,6 +407,7 @@ def _shuffle_top_k_op(
     expert_index_start: int,
     expert_index_end: int,
     zero_buffer: Optional[torch.Tensor],
+    cache_tag: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     T, K = top_k_index.shape
     if use_triton(top_k_index):

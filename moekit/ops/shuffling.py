@@ -63,6 +63,7 @@ def _combine_shuffling_op(
     expert_start: Optional[int] = None,
     expert_end: Optional[int] = None,
     is_padded: bool = False,
+    cache_tag: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(tokens):
         from moekit.ops._triton import shuffling as _tri
@@ -83,6 +84,7 @@ def _split_shuffling_op(
     expert_end: Optional[int] = None,
     is_padded: bool = False,
     init_with_zeros: bool = False,
+    cache_tag: str = "",
 ) -> torch.Tensor:
     if use_triton(tokens):
         from moekit.ops._triton import shuffling as _tri

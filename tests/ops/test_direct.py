@@ -92,6 +92,46 @@ def test_compiled_call_matches_eager():
     torch.testing.assert_close(fn(x), ops.silu_mul(x[:, :4], x[:, 4:]), rtol=0, atol=0)
 
 
+def _traced_tags(fn, *args) -> list:
+    """The ``cache_tag`` of every moekit op in the graph Dynamo traces from ``fn(*args)``."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=record)(*args)
+    (gm,) = graphs
+    return [n.kwargs.get("cache_tag") for n in gm.graph.nodes if n.op == "call_function" and "moekit" in str(n.target)]
+
+
+def test_compiled_graphs_carry_moekit_state():
+    """torch.compile's AOTAutograd cache keys a graph by what Dynamo traced, and moekit's launchers
+    decide their kernels from state it never saw (settings, knobs, tuned tables, moekit's code, the
+    GPU): each traced op carries a digest of that state (``compile_cache_tag``), so a changed state
+    is a changed graph, never a cached one compiled under another. Eager calls pass none."""
+    from moekit.ops._triton import gg_config
+
+    x = torch.randn(4, 8)
+
+    def fn(t):
+        return ops.silu_mul(t[:, :4], t[:, 4:])
+
+    base = _traced_tags(fn, x)
+    assert len(base) == 1 and base[0].startswith("moekit-"), base
+    assert _traced_tags(fn, x) == base  # the same state: the same graph, a cache hit
+    with settings.override(knobs={"GG_DEVICE_TMA": 1}):
+        knob = _traced_tags(fn, x)
+    with settings.override(gg_tma=False):
+        other = _traced_tags(fn, x)
+    gg_config.use_table(None)  # a tuned table installed (here the default one again)
+    table = _traced_tags(fn, x)
+    assert len({base[0], knob[0], other[0], table[0]}) == 4, (base, knob, other, table)
+    assert "cache_tag" in str(torch.ops.moekit.silu_mul.default._schema)
+    torch._dynamo.reset()
+
+
 def test_private_launchers_launch_directly_outside_a_trace():
     """A private launcher called outside a trace (benchmarks, sweeps) launches its kernel itself,
     not through ``wrap_triton``'s higher-order op, which files every call's non-tensor arguments

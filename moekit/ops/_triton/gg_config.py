@@ -73,11 +73,21 @@ def save_table(table: dict, path: str) -> None:
         json.dump(table, f, indent=1, sort_keys=True)
 
 
+_TABLE_GENERATION = [0]
+
+
 def use_table(table: Optional[dict]) -> None:
     """Install a tuned table for this process (None: re-read ``settings.gg_tuned`` / the default)."""
     global _TUNED
     _TUNED = table
+    _TABLE_GENERATION[0] += 1
     select_config.cache_clear()
+
+
+def table_generation() -> int:
+    """How many times ``use_table`` has run in this process (a part of torch.compile's cache tag:
+    ``moekit.ops._common.compile_cache_tag``)."""
+    return _TABLE_GENERATION[0]
 
 
 def config_key(M: int, N: int, K: int, G: int, fp8: bool, elem: int) -> str:
