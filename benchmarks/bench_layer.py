@@ -11,8 +11,8 @@ the same process on the same inputs (default / knobs / knobs / default): an A/B 
 own slow or fast mode does not decide (``alt_us``, ``alt/moekit``; ``layer_bench.run``).
 ``--compile``: moekit's forward through ``torch.compile(fullgraph=True)`` (as a serving engine
 that compiles its model runs it; traced again whenever the knobs change), e.g. with
-``--alt-knobs GG_DEVICE_TMA=1``: the traced graphs' pointer loads against descriptors made in the
-kernels.
+``--alt-knobs GG_DEVICE_TMA=0``: the traced graphs' descriptors made in the kernels against the
+pointer loads.
 
 vLLM's harness is found at $MOEKIT_VLLM_HARNESS, .peers/vllm_fused_moe or ../shared/peers/vllm_fused_moe.
 """

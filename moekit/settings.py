@@ -155,8 +155,9 @@ class Settings:
     #   SWIGLU_PTR_PAIR                   gg_swiglu (the paired gate|up tile also through
     #                                     pointers, where no TMA descriptor is taken)        True
     #   GG_DEVICE_TMA                     grouped_gemm + gg_swiglu (TMA descriptors made in the
-    #                                     kernel: 0 never, 1 under tracing (torch.compile),
-    #                                     2 every TMA launch)                                   0
+    #                                     kernel: 0 never, 1 the tiled kernels under tracing
+    #                                     (torch.compile), 2 every TMA launch, 3 every
+    #                                     launch under tracing)                                 1
     #   SCATTER_SHORT_K                   gg_config (scatter-added tiled GEMMs with K up to this
     #                                     keep 64-row tiles at any rows/group; 0 off)        1024
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8

@@ -1,5 +1,7 @@
 """The MetaShuffling forward built from moekit ops vs the whole-layer reference."""
 
+import logging
+
 import pytest
 import torch
 
@@ -809,16 +811,26 @@ def test_gpu_compiled_prefill_makes_its_descriptors(pin_knobs, dtype):
     g.replay()
     assert torch.equal(out, bits)
     pin_knobs(GG_DEVICE_TMA=1)
-    seen = []
+    seen, gave_up = [], []
     origs = [_spy_launches(GG, seen), _spy_launches(SW, seen)]
+    # inductor's analysis of what a kernel writes, where it fails, takes every tensor as written
+    # and clones and copies back the weights (torch 2.11, the paired SwiGLU tile, session 45)
+    log = logging.getLogger("torch._higher_order_ops.triton_kernel_wrap")
+    handler = logging.Handler()
+    handler.emit = lambda r: gave_up.append(r.getMessage()) if "Encountered an exception" in r.getMessage() else None
+    log.addHandler(handler)
     try:
         torch._dynamo.reset()
-        got = torch.compile(f, fullgraph=True)(x, logits)
+        got = torch.compile(f, fullgraph=True)(x, logits, True)
     finally:
         GG.launch, SW.launch = origs
+        log.removeHandler(handler)
+    assert not gave_up, gave_up
     tma = [r for r in seen if r[2]]  # the launches through TMA, traced: descriptors made in the kernel
     assert {r[0] for r in tma} >= {"_gg_tiled_kernel", "_swiglu_tiled_kernel"} and all(r[1] for r in tma), seen
-    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    # Against eager's deterministic sum (H100, session 45: the atomic sums of two runs differed by
+    # 1.4% of the largest output in bf16, one rounding of eight adds in another order).
+    err = ((got.float() - bits.float()).abs().max() / bits.float().abs().max()).item()
     assert err < (8e-2 if fp8 else 1e-2), err  # (FP8: a rounding flip of the activations' quantization)
 
 

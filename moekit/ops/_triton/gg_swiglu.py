@@ -335,7 +335,7 @@ def _pair_descriptor(w_ptr, F, K, G, stride_wn, MAKE: tl.constexpr, BLOCK_N: tl.
     would have made on the host for the paired tile, made here: the weights viewed ``[G, 2, F, K]``
     in ``[1, 2, BLOCK_N, BLOCK_K]`` tiles; else ``w_ptr`` unchanged."""
     if MAKE:
-        fk = stride_wn.to(tl.int64) * F
+        fk = tl.cast(stride_wn, tl.int64) * F  # (not .to: a stride traced as a constant is a Python int)
         w_ptr = tl.make_tensor_descriptor(w_ptr, [G, 2, F, K], [2 * fk, fk, stride_wn, 1], [1, 2, BLOCK_N, BLOCK_K])
     return w_ptr
 
@@ -762,7 +762,7 @@ def grouped_gemm_swiglu(
         )  # fmt: skip
         return z
     w_block = [cfg.block_n, cfg.block_k]
-    dev = device_tma(w13)
+    dev = device_tma(w13, tiled=False)
     use_tma = cfg.use_tma and (_tma_fits if dev else _tma_ok)(w13, tuple(w_block))
     dev = dev and use_tma
     if dev:

@@ -115,22 +115,29 @@ def _tma_fits(t: torch.Tensor, block: tuple[int, int]) -> bool:
 # Knob GG_DEVICE_TMA: where the grouped GEMM's and the SwiGLU GEMM's TMA kernels make their
 # descriptors in the kernel (``tl.make_tensor_descriptor``, from the pointers and strides, in
 # global scratch memory that Triton's allocator gives each launch) instead of taking host
-# ``TensorDescriptor`` arguments: 0 never; 1 where tracing hides the tensors (torch.compile's
-# graphs, which otherwise take the pointer loads: H100, session 44, the layer with the pointer
-# loads (``MOEKIT_GG_TMA=0``) against the TMA path of the same code in other calls, µs: Qwen3-30B
-# bf16 T=2048 620 against 534, FP8 440 against 355, T=1024 FP8 314 against 274; gpt-oss-120b 1-4%);
-# 2 every TMA launch (A/B runs, tests). Off until its GPU tests run: 0.
-GG_DEVICE_TMA = 0
+# ``TensorDescriptor`` arguments. Tracing (torch.compile's graphs) hides the tensors, so without it
+# a traced launch takes the pointer loads.
+#   0 never; 1 the tiled kernels' traced launches (the default); 2 every TMA launch, eager too
+#   (A/B runs, tests); 3 every traced launch, the streaming kernels' too.
+# H100, session 45, torch.compile(moe_forward) in one process, 1 against 0 (µs): Qwen3-30B T=2048
+# bf16 663 -> 577, FP8 457 -> 375, FP8 T=1024 320 -> 289; DeepSeek-V3 TP8 T=2048 bf16 1310 -> 1180,
+# FP8 800 -> 752; gpt-oss-120b level; bf16 T=1024 level. Eagerly the host descriptors stay
+# faster (mode 2: 0-7% slower at T = 1024-2048). The streaming kernels keep pointer loads
+# under tracing (mode 3 against 1: Qwen3-30B FP8 T=256 2% slower, gpt-oss-120b FP8 T=64 2%).
+GG_DEVICE_TMA = 1
 
 
-def device_tma(t: torch.Tensor) -> bool:
+def device_tma(t: torch.Tensor, tiled: bool = True) -> bool:
     """Whether a launch whose operand ``t`` would go through TMA makes its descriptors in the
-    kernel (knob ``GG_DEVICE_TMA``): the launchers then pass the tensors themselves (``DEV_TMA``)
-    and check them with ``_tma_fits``."""
+    kernel (knob ``GG_DEVICE_TMA``; ``tiled``: the launch is of a tiled kernel, not a streaming
+    one): the launchers then pass the tensors themselves (``DEV_TMA``) and check them with
+    ``_tma_fits``."""
     mode = int(settings.get().knob("GG_DEVICE_TMA", GG_DEVICE_TMA))
     if mode <= 0 or not settings.get().gg_tma:
         return False
-    return mode >= 2 or _fake(t)
+    if mode == 2:
+        return True
+    return (tiled or mode == 3) and _fake(t)
 
 
 def ensure_allocator() -> None:
@@ -246,7 +253,7 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         return None if scatter else y
     x_block, w_block = [bm, bk], [bn, bk]
     stream = cfg.kind == "stream"
-    dev = device_tma(w)  # descriptors made in the kernel (DEV_TMA), from the tensors passed
+    dev = device_tma(w, tiled=not stream)  # descriptors made in the kernel (DEV_TMA), from the tensors passed
     ok = _tma_fits if dev else _tma_ok
     # The streaming kernel reads x through masked pointers (only the group's rows move).
     use_tma = cfg.use_tma and ok(w, tuple(w_block)) and (stream or ok(x, tuple(x_block)))
