@@ -3,12 +3,14 @@
 pipeline ``bench_layer.py`` times), with its duration, from ``torch.profiler``.
 
     python benchmarks/profile_layer.py [--models qwen3-30b-a3b,llama4-scout] [--tokens 1,128] [--dtype bf16,fp8]
-        [--vllm]
+        [--vllm] [--compile] [--knobs NAME=V,...]
 
 For each (model, T, dtype): the kernels in launch order (name, µs), the count of launches, the
 sum of kernel time and the wall time of the same forward replayed in a CUDA graph, so the gap
 (launch latency and idle GPU between small kernels) is visible next to the kernels themselves.
 A diagnosis aid for decode latency (which kernels to fuse), not a benchmark of record.
+``--compile`` profiles the forward through ``torch.compile(fullgraph=True)`` as well (the kernels
+a compiled graph adds or changes, beside eager's); ``--knobs`` pins launcher knobs for both.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def _profile_vllm(x, w, s, cfg, fp8: bool) -> None:
     _print_kernels(kernels, 40)
 
 
-def profile_one(model: str, T: int, fp8: bool, top: int, vllm: bool = False) -> dict:
+def profile_one(model: str, T: int, fp8: bool, top: int, vllm: bool = False, compiled: bool = False) -> dict:
     from moekit import layer_bench
     from moekit.layers.functional import quantize_expert_weights
     from moekit.testing import MODEL_SHAPES, random_expert_weights
@@ -105,9 +107,11 @@ def profile_one(model: str, T: int, fp8: bool, top: int, vllm: bool = False) -> 
     logits = (x @ w["router_DE"]).float()
     from moekit.layers.functional import moe_forward
 
+    fwd = layer_bench.compiled_forward() if compiled else moe_forward
+
     def step() -> torch.Tensor:  # the routed experts from router logits (what bench_layer times)
         if q is None:
-            return moe_forward(
+            return fwd(
                 x,
                 None,
                 w["w13_e2FD"],
@@ -116,7 +120,7 @@ def profile_one(model: str, T: int, fp8: bool, top: int, vllm: bool = False) -> 
                 logits_TE=logits,
                 e_score_correction_bias=w.get("e_score_correction_bias"),
             )
-        return moe_forward(
+        return fwd(
             x,
             None,
             q["w13"],
@@ -131,7 +135,7 @@ def profile_one(model: str, T: int, fp8: bool, top: int, vllm: bool = False) -> 
     kernels, wall = _kernels_and_wall(step)
     total = sum(t for _, t in kernels)
     print(
-        f"== {model} T={T} {'fp8' if fp8 else 'bf16'}: {len(kernels)} kernels, {total:.1f} µs of kernel time, "
+        f"== {model} T={T} {'fp8' if fp8 else 'bf16'}{' compiled' if compiled else ''}: {len(kernels)} kernels, {total:.1f} µs of kernel time, "
         f"{wall:.1f} µs per forward in a CUDA graph",
         flush=True,
     )
@@ -142,6 +146,7 @@ def profile_one(model: str, T: int, fp8: bool, top: int, vllm: bool = False) -> 
         "model": model,
         "T": T,
         "dtype": "fp8" if fp8 else "bf16",
+        "compiled": compiled,
         "kernels": len(kernels),
         "kernel_us": total,
         "graph_us": wall,
@@ -156,8 +161,13 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16,fp8")
     ap.add_argument("--top", type=int, default=60, help="kernels listed per forward")
     ap.add_argument("--vllm", action="store_true", help="also profile vLLM's fused_moe on the same rows")
+    ap.add_argument("--compile", action="store_true", help="also the forward through torch.compile(fullgraph=True)")
+    ap.add_argument("--knobs", default="", help="launcher knobs pinned for every forward: NAME=V,...")
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh (QUICK=1); no effect")
     args = ap.parse_args()
+    from moekit import settings
+
+    knobs = {k: int(v) for k, v in (kv.split("=") for kv in args.knobs.split(",") if kv)}
     if not torch.cuda.is_available():
         print("profile_layer: needs a CUDA GPU; nothing to do on this machine.")
         return 0
@@ -167,11 +177,13 @@ def main() -> int:
     for m in args.models.split(","):
         for T in (int(t) for t in args.tokens.split(",")):
             for dt in args.dtype.split(","):
-                try:
-                    rows.append(profile_one(m, T, dt == "fp8", args.top, args.vllm))
-                except Exception as exc:  # keep the other rows
-                    print(f"   {m} T={T} {dt} failed: {type(exc).__name__}: {exc}")
-    print(markdown_table(rows, ["model", "T", "dtype", "kernels", "kernel_us", "graph_us", "gap_us"]))
+                for comp in (False, True) if args.compile else (False,):
+                    try:
+                        with settings.override(knobs=knobs):
+                            rows.append(profile_one(m, T, dt == "fp8", args.top, args.vllm and not comp, comp))
+                    except Exception as exc:  # keep the other rows
+                        print(f"   {m} T={T} {dt} failed: {type(exc).__name__}: {exc}")
+    print(markdown_table(rows, ["model", "T", "dtype", "compiled", "kernels", "kernel_us", "graph_us", "gap_us"]))
     save_rows("profile_layer", rows)
     return 0
 
