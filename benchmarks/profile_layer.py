@@ -167,7 +167,7 @@ def main() -> int:
     args = ap.parse_args()
     from moekit import settings
 
-    knobs = {k: int(v) for k, v in (kv.split("=") for kv in args.knobs.split(",") if kv)}
+    knobs = settings.parse_knobs(args.knobs)  # (MOEKIT_KNOBS' form: integers, or true / false)
     if not torch.cuda.is_available():
         print("profile_layer: needs a CUDA GPU; nothing to do on this machine.")
         return 0

@@ -542,7 +542,8 @@ SWIGLU_PAIR_MIN_ROWS = 128
 # tiles) sm_90's ptxas then serializes every wgmma (C7515: "non wgmma instructions defining
 # accumulator registers of a wgmma between start and end of the pipeline stage"): each 64 x 64 x
 # 32 MMA waited for before the next issued (CPU-side compile, session 43; the TMA path's paired
-# tiles and every unfused tile keep their MMAs in flight). Not yet timed on a GPU.
+# tiles and every unfused tile keep their MMAs in flight). H100, session 44, the layer on the
+# pointer path: Qwen3-30B 2.7-12.2% faster with it, gpt-oss-120b level.
 SWIGLU_PTR_PAIR = True
 
 
