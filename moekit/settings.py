@@ -158,6 +158,9 @@ class Settings:
     #                                     kernel: 0 never, 1 the tiled kernels under tracing
     #                                     (torch.compile), 2 every TMA launch, 3 every
     #                                     launch under tracing)                                 1
+    #   GG_TRACED_HOST                    grouped_gemm + gg_swiglu (traced tiled TMA launches
+    #                                     recorded as opaque ops that launch at run time with
+    #                                     host descriptors)                                     0
     #   SCATTER_SHORT_K                   gg_config (scatter-added tiled GEMMs with K up to this
     #                                     keep 64-row tiles at any rows/group; 0 off)        1024
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
@@ -189,6 +192,7 @@ KNOBS = (
     "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES", "SCATTER_SHORT_K",
     "BF16_TALL_TILES", "NARROW_TILES_WAVES", "STREAM_DEEP_K", "FP8_TALL_SHORT_K",
     "STREAM_DEEP_K32", "COMBINE_FEW_4KB", "SWIGLU_PTR_PAIR", "GG_DEVICE_TMA",
+    "GG_TRACED_HOST",
 )  # fmt: skip
 
 

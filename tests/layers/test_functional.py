@@ -779,7 +779,8 @@ def test_gpu_compiled_prefill_makes_its_descriptors(pin_knobs, dtype):
     kernels) traces its TMA launches with the descriptors made in the kernel (``DEV_TMA``, the
     tensors passed), and its output matches eager's; 2, the eager layer (the same kernels that
     take host descriptors by default) gives the default's bits (``deterministic=True``: no atomics),
-    CUDA-graph replays included."""
+    CUDA-graph replays included; knob ``GG_TRACED_HOST``, the compiled graph launches the tiled
+    kernels at run time with host descriptors."""
     from dataclasses import replace
 
     from moekit.ops._triton import gg_swiglu as SW
@@ -832,6 +833,20 @@ def test_gpu_compiled_prefill_makes_its_descriptors(pin_knobs, dtype):
     # 1.4% of the largest output in bf16, one rounding of eight adds in another order).
     err = ((got.float() - bits.float()).abs().max() / bits.float().abs().max()).item()
     assert err < (8e-2 if fp8 else 1e-2), err  # (FP8: a rounding flip of the activations' quantization)
+    # knob GG_TRACED_HOST: the graph launches those kernels at run time, host descriptors: eager's bits
+    pin_knobs(GG_TRACED_HOST=1)
+    seen.clear()
+    origs = [_spy_launches(GG, seen), _spy_launches(SW, seen)]
+    try:
+        torch._dynamo.reset()
+        got = torch.compile(f, fullgraph=True)(x, logits, True)
+    finally:
+        GG.launch, SW.launch = origs
+    tma = [r for r in seen if r[2]]
+    assert {r[0] for r in tma} >= {"_gg_tiled_kernel", "_swiglu_tiled_kernel"}, seen
+    assert all(r[1] is False and r[5] == "TensorDescriptor" for r in tma if "tiled" in r[0]), seen
+    err = ((got.float() - bits.float()).abs().max() / bits.float().abs().max()).item()
+    assert err < (8e-2 if fp8 else 1e-2), err
 
 
 # The first moekit call of a process, made under torch.compile: every lazily filled cache

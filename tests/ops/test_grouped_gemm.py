@@ -424,6 +424,67 @@ def test_interp_descriptors_made_in_the_kernel(pin_knobs, dtype, kind):
     assert_close(dev[:n].float(), want[:n].float(), tol=1e-2)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [FP8, torch.float16], ids=["fp8", "fp16"])
+def test_interp_traced_tiled_launches_run_at_run_time(pin_knobs, monkeypatch, dtype):
+    """Knob ``GG_TRACED_HOST``: a traced graph (AOTAutograd, as torch.compile traces moekit's ops)
+    records the tiled TMA launches of the grouped GEMM (rows stored, rows scatter-added) and of the
+    SwiGLU GEMM as the opaque ops ``moekit::_grouped_gemm_launch`` /
+    ``moekit::_grouped_gemm_swiglu_launch``, not their kernels; at run time those launch with host
+    TMA descriptors and give eager's bits (knob off: ``test_gpu_compiled_prefill_makes_its_descriptors``)."""
+    from dataclasses import replace
+
+    from torch._functorch.aot_autograd import aot_function
+
+    from moekit.ops._triton import gg_swiglu as SW
+    from tests.ops.test_grouped_gemm_swiglu import _case
+
+    tri = _tri()
+    small = _cfg("tiled", 16, 16, 32, tma=True)  # the rules' tiles would take the interpreter minutes
+    monkeypatch.setattr(tri, "select_config", lambda *a, **k: small)
+    monkeypatch.setattr(SW, "swiglu_config", lambda *a, **k: replace(small, block_n=16))
+    M, G, N, K, T = 53, 4, 40, 80, 9
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=11)
+    ms = torch.tensor([0, 30, 3, 20], dtype=torch.int32)
+    idx = torch.randint(-1, T, (M,), generator=_gen(12))
+    fp8 = dtype == FP8
+    zargs = _case(6, 3, 3, 24, 64, torch.float16, "fp8x" if fp8 else "same", seed=13)
+
+    def f(x, w, ms, xs, ws, idx, out, zx, zw, zms, zgi, zrs, zxs, zws):
+        sk = dict(x_scale=xs, w_scale=ws) if fp8 else {}
+        a = tri.grouped_gemm(x, w, ms, **sk)
+        tri.grouped_gemm(x, w, ms, out=out, scatter_indices=idx, **sk)
+        z = SW.grouped_gemm_swiglu(zx, zw, zms, zgi, zrs, zxs, zws)
+        return a, out, z
+
+    out0 = torch.randn(T, N, generator=_gen(14)).to(torch.float16)  # (the interpreter adds no bf16 atomically)
+    args = (x, w, ms, xs, ws, idx)
+    want = f(*args, out0.clone(), *zargs)
+    n, zgi = int(ms.sum()), zargs[3]
+    zrow = ((zgi >= 0) & (zgi < zargs[0].shape[0]) & (torch.arange(zgi.numel()) < int(zargs[2].sum()))).nonzero()[:, 0]
+
+    pin_knobs(GG_TRACED_HOST=1)
+    graphs, seen = [], []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    origs = [_spy_launches(tri, seen), _spy_launches(SW, seen)]
+    try:
+        got = aot_function(f, fw_compiler=keep)(*args, out0.clone(), *zargs)
+    finally:
+        tri.launch, SW.launch = origs
+    text = str(graphs[0].graph)
+    assert text.count("moekit._grouped_gemm_launch") == 2 and text.count("moekit._grouped_gemm_swiglu_launch") == 1
+    assert "triton_kernel_wrapper" not in text, text
+    # run time: the tiled kernels, host descriptors
+    assert {s[0] for s in seen} == {"_gg_tiled_kernel", "_swiglu_tiled_kernel"} and len(seen) == 3, seen
+    assert all(s[1] is False and s[2] and s[5] == "TensorDescriptor" for s in seen), seen
+    assert torch.equal(got[0][:n], want[0][:n]) and torch.equal(got[1], want[1])
+    assert zrow.numel() > 10 and torch.equal(got[2][zrow], want[2][zrow])  # (rows read from no token: unwritten)
+
+
 @pytest.mark.reference
 def test_device_descriptors_where_the_knob_says():
     """``grouped_gemm.device_tma``: knob ``GG_DEVICE_TMA`` 0 never, 1 (the default) only for a
@@ -874,6 +935,49 @@ def test_prefill_tiles_compile_without_spills_for_sm90():
     # the fused loop everywhere; no spills
     assert all(t[4] == "True" for t in tiles), tiles
     assert all(not t[5] for t in tiles), tiles
+
+
+@pytest.mark.reference
+def test_kernel_made_descriptors_keep_the_atomics_reading_back_on_sm90():
+    """Why knob ``GG_TRACED_HOST`` exists: the scatter-added tiled GEMM (Qwen3-30B's down GEMM at
+    T=2048, bf16 and FP8) compiles its relaxed atomic adds into fire-and-forget REDG with host TMA
+    descriptors, and, with its descriptors made in the kernel (``GG_DEVICE_TMA``), into ATOMG,
+    which reads the old value back: ptxas keeps ``atom`` after the kernel's
+    ``fence.proxy.tensormap::generic.acquire`` (Triton 3.6 emits ``atom`` with its result unused
+    and leaves the choice to ptxas). When this fails with REDG on both sides, a toolchain has
+    mended it and the knob's reason is gone."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit import settings
+        from moekit.ops._triton import grouped_gemm as GG
+        m = "meta"
+        GG._tma_ok = GG._tma_fits = lambda t, block: t.stride(-1) == 1  # (meta tensors: TMA as on the GPU)
+        T, k, G, F, D = 2048, 8, 128, 768, 2048
+        for dev in (0, 2):
+            with settings.override(knobs={"GG_DEVICE_TMA": dev}):
+                for dt in (torch.bfloat16, torch.float8_e4m3fn):
+                    fp8 = dt != torch.bfloat16
+                    GG.grouped_gemm(torch.empty(T * k, F, dtype=dt, device=m), torch.empty(G * D, F, dtype=dt, device=m),
+                                    torch.empty(G, dtype=torch.int32, device=m),
+                                    x_scale=torch.empty(T * k, device=m) if fp8 else None,
+                                    w_scale=torch.empty(G * D, device=m) if fp8 else None,
+                                    token_weights=torch.empty(T * k, device=m), out=torch.empty(T, D, dtype=torch.bfloat16, device=m),
+                                    scatter_indices=torch.empty(T * k, dtype=torch.int32, device=m))
+        """,
+        ["moekit.ops._triton.grouped_gemm"],
+    )
+    assert_all_compiled(records, 4)
+    if records[0]["adds"] is None:
+        pytest.skip("cuobjdump is not available")
+    got = [
+        (r["constants"]["DEV_TMA"], r["constants"]["USE_TMA"], r["constants"]["SCATTER"], r["adds"]) for r in records
+    ]
+    for dev, tma, scatter, adds in got:
+        assert tma == "True" and scatter == "True", got
+        assert adds["ATOMG" if dev == "True" else "REDG"] > 0, got
+        assert adds["REDG" if dev == "True" else "ATOMG"] == 0, got
 
 
 _FP8_TALL = ("tiled", 128, 128, 256, 3)

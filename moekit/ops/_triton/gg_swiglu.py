@@ -720,6 +720,7 @@ def grouped_gemm_swiglu(
         _unit_last,
         device_tma,
         ensure_allocator,
+        traced_host,
     )
 
     T_IN, K = (int(d) for d in x.shape)
@@ -752,6 +753,11 @@ def grouped_gemm_swiglu(
         )  # fmt: skip
         return z
     if cfg.kind == "tiled":
+        if cfg.use_tma and traced_host(x, config) and _tma_fits(w13, (cfg.block_n, cfg.block_k)):
+            # the trace records the run-time launch (knob GG_TRACED_HOST): host descriptors there
+            torch.ops.moekit._grouped_gemm_swiglu_launch(x, w13, m_sizes, gather_indices, row_scales, x_scale,
+                                                         w_scale, z, bool(fast_accum))  # fmt: skip
+            return z
         tiles = (cdiv(M, cfg.block_m) + min(G, M)) * cdiv(F, cfg.block_n)  # at most, over any m_sizes
         x_arg, w_arg, use_tma, x_tma, pair, dev = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G)
         launch(_swiglu_tiled_kernel)[(max(1, min(tiles, sms)),)](
@@ -776,6 +782,28 @@ def grouped_gemm_swiglu(
         BLOCK_K=cfg.block_k, STAGES=cfg.stages, DEV_TMA=dev, num_warps=cfg.warps, num_stages=cfg.stages, **flags,
     )  # fmt: skip
     return z
+
+
+@torch.library.custom_op("moekit::_grouped_gemm_swiglu_launch", mutates_args=("z",))
+def _grouped_gemm_swiglu_launch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    m_sizes: torch.Tensor,
+    gather_indices: Optional[torch.Tensor],
+    row_scales: Optional[torch.Tensor],
+    x_scale: Optional[torch.Tensor],
+    w_scale: Optional[torch.Tensor],
+    z: torch.Tensor,
+    fast_accum: bool,
+) -> None:
+    """``grouped_gemm_swiglu`` at run time into ``z`` (knob ``GG_TRACED_HOST``, see
+    ``grouped_gemm.traced_host``)."""
+    grouped_gemm_swiglu(x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale, out=z, fast_accum=fast_accum)
+
+
+@_grouped_gemm_swiglu_launch.register_fake
+def _(x, w13, m_sizes, gather_indices, row_scales, x_scale, w_scale, z, fast_accum) -> None:
+    return None
 
 
 def grouped_gemm_swiglu_quant(

@@ -126,6 +126,27 @@ def _tma_fits(t: torch.Tensor, block: tuple[int, int]) -> bool:
 # under tracing (mode 3 against 1: Qwen3-30B FP8 T=256 2% slower, gpt-oss-120b FP8 T=64 2%).
 GG_DEVICE_TMA = 1
 
+# Knob GG_TRACED_HOST: where a traced launch (torch.compile's graphs) of a tiled kernel would read
+# through TMA, the trace instead records an opaque op (``moekit::_grouped_gemm_launch``,
+# ``moekit::_grouped_gemm_swiglu_launch``) that runs this launcher at run time on the real tensors:
+# host TMA descriptors, eager's kernels bit for bit. The in-kernel descriptors of GG_DEVICE_TMA
+# need a ``fence.proxy.tensormap::generic.acquire`` in the kernel, after which ptxas (CUDA 12.8,
+# Triton 3.6) keeps the scatter-add's relaxed ``atom`` as ATOMG (the value read back) instead of
+# turning it into the fire-and-forget REDG it makes everywhere else (sm_90 SASS of Qwen3-30B's
+# down GEMM; ``tests/ops/test_grouped_gemm.py``); and session 45 timed the compiled tiled kernels
+# 5-12% behind eager's (H100, Qwen3-30B T=2048 bf16: SwiGLU GEMM 343.7 against 328.4 µs, down
+# GEMM 207.4 against 184.0). The price: the launcher's Python and one dispatch per call at run
+# time (tiled sizes only: hundreds of µs of GPU work each). 0 off (default until timed), 1 on.
+GG_TRACED_HOST = 0
+
+
+def traced_host(t: torch.Tensor, config: Optional[GemmConfig]) -> bool:
+    """Whether a traced launch of a tiled TMA kernel with operand ``t`` goes through the opaque
+    run-time launch (knob ``GG_TRACED_HOST``): a fake ``t`` (under tracing), TMA on, no explicit
+    ``config`` (the run-time launch chooses its own, from the same shapes and settings)."""
+    s = settings.get()
+    return config is None and bool(s.knob("GG_TRACED_HOST", GG_TRACED_HOST)) and s.gg_tma and _fake(t)
+
 
 def device_tma(t: torch.Tensor, tiled: bool = True) -> bool:
     """Whether a launch whose operand ``t`` would go through TMA makes its descriptors in the
@@ -253,6 +274,12 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         return None if scatter else y
     x_block, w_block = [bm, bk], [bn, bk]
     stream = cfg.kind == "stream"
+    if (not stream and cfg.use_tma and traced_host(x, config) and _tma_fits(w, tuple(w_block))
+            and _tma_fits(x, tuple(x_block))):  # fmt: skip
+        # the trace records the run-time launch (knob GG_TRACED_HOST): host descriptors there
+        torch.ops.moekit._grouped_gemm_launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, y,
+                                              scatter_indices, bool(fast_accum))  # fmt: skip
+        return None if scatter else y
     dev = device_tma(w, tiled=not stream)  # descriptors made in the kernel (DEV_TMA), from the tensors passed
     ok = _tma_fits if dev else _tma_ok
     # The streaming kernel reads x through masked pointers (only the group's rows move).
@@ -338,6 +365,34 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
             **common,
         )
     return None if scatter else y
+
+
+@torch.library.custom_op("moekit::_grouped_gemm_launch", mutates_args=("y",))
+def _grouped_gemm_launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    m_sizes: Optional[torch.Tensor],
+    x_scale: Optional[torch.Tensor],
+    w_scale: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    token_weights: Optional[torch.Tensor],
+    y: torch.Tensor,
+    scatter_indices: Optional[torch.Tensor],
+    fast_accum: bool,
+) -> None:
+    """``_launch`` at run time (knob ``GG_TRACED_HOST``): the rows stored into ``y`` ``[M, N]``,
+    or, with ``scatter_indices``, added into ``y[idx[row]]``."""
+    M, K = x.shape
+    G = 1 if m_sizes is None else m_sizes.shape[0]
+    scatter = scatter_indices is not None
+    _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, y if scatter else None, scatter_indices,
+            fast_accum, None, M, w.shape[0] // G, K, G, x.dtype == FP8_DTYPE, y.dtype,
+            rows_out=None if scatter else y)  # fmt: skip
+
+
+@_grouped_gemm_launch.register_fake
+def _(x, w, m_sizes, x_scale, w_scale, bias, token_weights, y, scatter_indices, fast_accum) -> None:
+    return None
 
 
 def n_slab_tiles(cfg: GemmConfig, scatter: bool, M: int, N: int, K: int, out_rows: int, x_bytes: int,
