@@ -160,7 +160,7 @@ class Settings:
     #                                     launch under tracing)                                 1
     #   GG_TRACED_HOST                    grouped_gemm + gg_swiglu (traced tiled TMA launches
     #                                     recorded as opaque ops that launch at run time with
-    #                                     host descriptors)                                     0
+    #                                     host descriptors)                                     1
     #   SCATTER_SHORT_K                   gg_config (scatter-added tiled GEMMs with K up to this
     #                                     keep 64-row tiles at any rows/group; 0 off)        1024
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8

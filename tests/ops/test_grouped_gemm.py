@@ -483,6 +483,7 @@ def test_interp_traced_tiled_launches_run_at_run_time(pin_knobs, monkeypatch, dt
     assert all(s[1] is False and s[2] and s[5] == "TensorDescriptor" for s in seen), seen
     assert torch.equal(got[0][:n], want[0][:n]) and torch.equal(got[1], want[1])
     assert zrow.numel() > 10 and torch.equal(got[2][zrow], want[2][zrow])  # (rows read from no token: unwritten)
+    assert tri.GG_TRACED_HOST == 1  # the default
 
 
 @pytest.mark.reference

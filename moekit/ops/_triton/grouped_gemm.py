@@ -124,20 +124,27 @@ def _tma_fits(t: torch.Tensor, block: tuple[int, int]) -> bool:
 # FP8 800 -> 752; gpt-oss-120b level; bf16 T=1024 level. Eagerly the host descriptors stay
 # faster (mode 2: 0-7% slower at T = 1024-2048). The streaming kernels keep pointer loads
 # under tracing (mode 3 against 1: Qwen3-30B FP8 T=256 2% slower, gpt-oss-120b FP8 T=64 2%).
+# Since session 46 knob GG_TRACED_HOST (on) takes those traced tiled launches to run time, where
+# they take host descriptors: mode 1 applies to them only with it off (or an explicit config).
 GG_DEVICE_TMA = 1
 
 # Knob GG_TRACED_HOST: where a traced launch (torch.compile's graphs) of a tiled kernel would read
 # through TMA, the trace instead records an opaque op (``moekit::_grouped_gemm_launch``,
 # ``moekit::_grouped_gemm_swiglu_launch``) that runs this launcher at run time on the real tensors:
-# host TMA descriptors, eager's kernels bit for bit. The in-kernel descriptors of GG_DEVICE_TMA
-# need a ``fence.proxy.tensormap::generic.acquire`` in the kernel, after which ptxas (CUDA 12.8,
-# Triton 3.6) keeps the scatter-add's relaxed ``atom`` as ATOMG (the value read back) instead of
-# turning it into the fire-and-forget REDG it makes everywhere else (sm_90 SASS of Qwen3-30B's
-# down GEMM; ``tests/ops/test_grouped_gemm.py``); and session 45 timed the compiled tiled kernels
-# 5-12% behind eager's (H100, Qwen3-30B T=2048 bf16: SwiGLU GEMM 343.7 against 328.4 µs, down
-# GEMM 207.4 against 184.0). The price: the launcher's Python and one dispatch per call at run
-# time (tiled sizes only: hundreds of µs of GPU work each). 0 off (default until timed), 1 on.
-GG_TRACED_HOST = 0
+# host TMA descriptors, eager's kernels. The in-kernel descriptors of GG_DEVICE_TMA need a
+# ``fence.proxy.tensormap::generic.acquire`` in the kernel, after which ptxas (Triton 3.6's) keeps
+# the scatter-add's relaxed ``atom`` as ATOMG (the old value read back) instead of the
+# fire-and-forget REDG it makes everywhere else (sm_90 SASS of Qwen3-30B's down GEMM,
+# ``test_kernel_made_descriptors_keep_the_atomics_reading_back_on_sm90``); session 45 had the
+# compiled tiled kernels 5-12% behind eager's (H100, Qwen3-30B T=2048 bf16: SwiGLU GEMM 343.7
+# against 328.4 µs, down GEMM 207.4 against 184.0). The price: the launcher's Python and one
+# dispatch per call at run time (tiled sizes only: hundreds of µs of GPU work each; none inside
+# a CUDA graph). 0 off, 1 on (default). H100, session 46, torch.compile(moe_forward), same
+# process, 0 -> 1 (µs): Qwen3-30B T = 1024 / 2048 bf16 525 / 588 -> 491 / 565, FP8 297 / 382 ->
+# 282 / 369; DeepSeek-V3 TP8 bf16 1116 / 1225 -> 1105 / 1161, FP8 663 / 773 -> 620 / 724;
+# gpt-oss-120b FP8 T=2048 1444 -> 1363; gpt-oss bf16, Llama 4 Scout level to 0.7% faster. The
+# compiled layer then runs as eager does (Qwen3-30B T=2048 bf16 565 against 561 eager).
+GG_TRACED_HOST = 1
 
 
 def traced_host(t: torch.Tensor, config: Optional[GemmConfig]) -> bool:
