@@ -833,7 +833,7 @@ def test_gpu_compiled_prefill_makes_its_descriptors(pin_knobs, dtype):
     # 1.4% of the largest output in bf16, one rounding of eight adds in another order).
     err = ((got.float() - bits.float()).abs().max() / bits.float().abs().max()).item()
     assert err < (8e-2 if fp8 else 1e-2), err  # (FP8: a rounding flip of the activations' quantization)
-    # knob GG_TRACED_HOST: the graph launches those kernels at run time, host descriptors: eager's bits
+    # knob GG_TRACED_HOST: the graph launches those kernels at run time, with host descriptors
     pin_knobs(GG_TRACED_HOST=1)
     seen.clear()
     origs = [_spy_launches(GG, seen), _spy_launches(SW, seen)]

@@ -10,8 +10,9 @@ kernels; ints equal to 1 are specialized as Triton's launcher does. Returns one 
 (``kernel``, ``constants``, ``num_warps``, ``shared`` bytes, ``regs`` per thread, ``stack``
 frame bytes (spills; None when ``cuobjdump`` is missing), ``loop_spills`` (local-memory accesses
 inside the MMA loops), ``adds`` (the global atomic adds in the SASS: ``{"ATOMG": n, "REDG": n}``,
-those that read the old value back and the fire-and-forget ones), ``serialized`` (with ``serialized=True``: ptxas's reason for making the
-wgmma instructions synchronous, else False), ``error`` or None). With
+those that read the old value back and the fire-and-forget ones), ``serialized`` (with
+``serialized=True``: ptxas's reason for making the wgmma instructions synchronous, else False),
+``error`` or None). With
 ``SM90_DUMP_DIR=<folder>`` each launch's TTGIR, PTX and cubin are written there (for
 ``cuobjdump -sass``).
 """
