@@ -3,7 +3,7 @@
 logits, as ``bench_layer.py`` times them), read by Nsight Compute: duration, DRAM bytes and
 throughput, achieved occupancy, registers and grid, each kernel replayed from a cold L2.
 
-    python benchmarks/ncu_layer.py [--models qwen3-30b-a3b,deepseek-v3-tp8] [--tokens 1,4] [--dtype bf16,fp8] [--stalls] [--sol]
+    python benchmarks/ncu_layer.py [--models qwen3-30b-a3b,deepseek-v3-tp8] [--tokens 1,4] [--dtype bf16,fp8] [--stalls] [--sol] [--atomics]
 
 runs ``ncu`` on itself (``--clock-control none``: the clocks as they are) over one forward per
 case, after warm-up calls that compile every kernel, and prints one table row per kernel. A
@@ -15,7 +15,8 @@ and the average number of warps stalled per issue for each reason (ncu's
 global memory, ``wait``/``short_sb``/``math``: fixed latencies and pipes, ``barrier``,
 ``not_sel``: ready but another warp issued). ``--sol`` adds L2 and SM throughput, the tensor-core
 pipes' active cycles (% of peak over the kernel's duration) and the bytes through L2 and written
-to DRAM. Each case's forward starts with a marker launch
+to DRAM. ``--atomics`` adds the L2 reductions a scatter-add epilogue sends (``red`` / ``atom``
+sectors) and the share of time L2's atomic units are busy. Each case's forward starts with a marker launch
 (``torch.cuda._sleep``), which splits the rows into cases whatever kernels the path launches.
 """
 
@@ -64,6 +65,17 @@ SOL = {
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "SM %",
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed": "gmma %",
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed": "hmma %",
+}
+#: ``--atomics``: the reductions a scatter-add epilogue sends to L2 (fire-and-forget ``red`` and
+#: value-returning ``atom``, in 32-byte sectors), the L2's atomic units' busy share (% of peak over
+#: the kernel's duration) and the SM-side global reduction instructions, against L2's plain writes.
+ATOMICS = {
+    "smsp__inst_executed_op_global_red.sum": "red inst",
+    "lts__t_sectors_op_red.sum": "red sectors",
+    "lts__t_sectors_op_atom.sum": "atom sectors",
+    "lts__t_sectors_op_write.sum": "write sectors",
+    "lts__d_atomic_input_cycles_active.avg.pct_of_peak_sustained_elapsed": "L2 atomic %",
+    "lts__t_sectors_op_red_lookup_hit.sum": "red hit sectors",
 }
 MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: the first launch of every profiled case
 
@@ -124,6 +136,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16,fp8")
     ap.add_argument("--stalls", action="store_true", help="add instructions, cycles and warp stall reasons")
     ap.add_argument("--sol", action="store_true", help="add L2 / SM / tensor-pipe throughput and L2 bytes")
+    ap.add_argument("--atomics", action="store_true", help="add L2 reductions (red/atom sectors, atomic-unit busy %%)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="accepted for device_session.sh; no effect")
     a = ap.parse_args()
@@ -136,7 +149,7 @@ def main() -> int:
     if a.child:
         run_cases(models, tokens, dtypes)
         return 0
-    metrics = {**METRICS, **(STALLS if a.stalls else {}), **(SOL if a.sol else {})}
+    metrics = {**METRICS, **(STALLS if a.stalls else {}), **(SOL if a.sol else {}), **(ATOMICS if a.atomics else {})}
     metrics = _available(metrics)
     cmd = [_ncu(), "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw", "--print-units",
            "base",
@@ -187,7 +200,7 @@ def table(out: str, metrics: dict) -> str:
                     f /= 1000.0  # ns
                 elif label.startswith("MB") or label.endswith(" MB"):
                     f /= 1e6
-                counts = label in ("inst", "cycles", "regs", "grid", "block")
+                counts = label in ("inst", "cycles", "regs", "grid", "block") or label.endswith(("sectors", " inst"))
                 v = f"{f:.1f}" if f < 1e6 and not counts else f"{f:.0f}"
             except ValueError:
                 pass
