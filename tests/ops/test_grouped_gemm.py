@@ -1177,6 +1177,69 @@ def test_scatter_short_k_rule():
 
 
 @pytest.mark.reference
+def test_scatter_w16_rule():
+    """Knob ``SCATTER_W16_ROWS`` (0, off, by default): from that many rows per group a scatter-added
+    tiled GEMM with 16-bit or FP8 rows and N >= 256 takes 128 x 256 tiles on 16 warps, three stages,
+    the fused loop (Qwen3-30B's and DeepSeek-V3 TP8's down GEMMs at T=2048); rows stored, fewer rows
+    per group, narrow N and weight-only FP8 keep the heuristic's tiles."""
+    from moekit import settings
+
+    sel = _tri().heuristic_config
+    W16 = {"SCATTER_W16_ROWS": 64}
+    # (M, N, K, G): Qwen3-30B down (128 rows per expert), DeepSeek-V3 TP8 down (64) at T=2048
+    for M, N, K, G in ((16384, 2048, 768, 128), (16384, 7168, 256, 256)):
+        for fp8, elem in ((True, 1), (False, 2)):
+            off = sel(M, N, K, G, fp8, elem, 132)
+            assert (off.block_m, off.block_n, off.warps) == (64, 256, 8), off
+            with settings.override(knobs=W16):
+                got = sel(M, N, K, G, fp8, elem, 132)
+                assert got == _tri().GemmConfig("tiled", 128, 256, 128 if fp8 else 64, 3, 16, flatten=True), got
+                assert sel(M, N, K, G, fp8, elem, 132, stored=True).warps == 8
+            with settings.override(knobs={"SCATTER_W16_ROWS": 65}):  # DeepSeek's 64 rows per group: below
+                assert (sel(M, N, K, G, fp8, elem, 132).warps == 16) == (G == 128)
+        with settings.override(knobs=W16):
+            assert sel(M, N, K, G, False, 2, 132, w_only=True).warps == 8  # weight-only FP8
+            assert sel(M, 128, K, G, True, 1, 132).warps == 8  # narrow N
+
+
+@pytest.mark.reference
+def test_scatter_w16_tiles_compile_for_sm90():
+    """``SCATTER_W16_ROWS``' tiles as the layer launches them (Qwen3-30B's FP8 and DeepSeek-V3 TP8's
+    bf16 down GEMM at T=2048, router weights on the rows, scatter-added): 16 warps on the fused tile
+    loop, at most 128 registers, within shared memory, fire-and-forget REDG adds, at most one
+    local-memory access inside the MMA loops (the FP8 tile keeps an 8-byte frame)."""
+    from tests.ops._sm90 import assert_all_compiled, compile_launches
+
+    records = compile_launches(
+        """
+        from moekit import settings
+        from moekit.ops._triton import grouped_gemm as GG
+        m = "meta"
+        GG._tma_ok = GG._tma_fits = lambda t, block: t.stride(-1) == 1  # (meta tensors: TMA as on the GPU)
+        with settings.override(knobs={"SCATTER_W16_ROWS": 64}):
+            for dt, (T, k, G, F, D) in ((torch.float8_e4m3fn, (2048, 8, 128, 768, 2048)),
+                                        (torch.bfloat16, (2048, 8, 256, 256, 7168))):
+                fp8 = dt != torch.bfloat16
+                GG.grouped_gemm(torch.empty(T * k, F, dtype=dt, device=m), torch.empty(G * D, F, dtype=dt, device=m),
+                                torch.empty(G, dtype=torch.int32, device=m),
+                                x_scale=torch.empty(T * k, device=m) if fp8 else None,
+                                w_scale=torch.empty(G * D, device=m) if fp8 else None,
+                                token_weights=torch.empty(T * k, device=m), out=torch.empty(T, D, dtype=torch.bfloat16, device=m),
+                                scatter_indices=torch.empty(T * k, dtype=torch.int32, device=m))
+        """,
+        ["moekit.ops._triton.grouped_gemm"],
+    )
+    assert_all_compiled(records, 2)
+    for r in records:
+        c = r["constants"]
+        assert r["num_warps"] == 16 and (c["BLOCK_M"], c["BLOCK_N"], c["FLATTEN"]) == ("128", "256", "True"), r
+        assert r["regs"] is None or r["regs"] <= 128, r
+        if r["adds"] is not None:
+            assert r["adds"]["REDG"] > 0 and r["adds"]["ATOMG"] == 0, r
+            assert r["loop_spills"] <= 1 and r["stack"] <= 16, r
+
+
+@pytest.mark.reference
 def test_fp8_tall_tiles_compile_without_spills_for_sm90():
     """The FP8 128 x 128 x 256 tiles of ``FP8_TALL_TILES`` (rows stored, the fused tile loop, three
     64 KB stages) compile for sm_90 with no stack frame, with and without router weights on the
@@ -1976,6 +2039,26 @@ def test_gpu_scatter_short_k_tiles(K, dtype, pin_knobs, cuda):
 
     _scatter_add_each(({}, {"SCATTER_SHORT_K": 0}), check, x, w, ms, xs, ws, tw, idx, T, N, dtype, pin_knobs)
     assert block_m == [64, 128], block_m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("K", [256, 768])
+def test_gpu_scatter_w16_tiles(K, dtype, pin_knobs, cuda):
+    """``SCATTER_W16_ROWS``' 16-warp 128 x 256 tiles: a scatter-add at 128 rows per group (the
+    layer's layout, ``_layer_rows``; ragged groups, router weights), against the float32 oracle and
+    against the 8-warp 64 x 256 tiles of the default."""
+    G, N, T, k = 64, 2048, 1024, 8
+    x, w, xs, ws = _inputs(T * k, G, N, K, dtype, seed=7, device=cuda)
+    ms, idx, tw = _layer_rows(T, G, k, 8, cuda)
+    tiles = []
+
+    def check(cfg):
+        assert cfg.kind == "tiled", cfg
+        tiles.append((cfg.block_m, cfg.block_n, cfg.warps))
+
+    _scatter_add_each(({"SCATTER_W16_ROWS": 64}, {}), check, x, w, ms, xs, ws, tw, idx, T, N, dtype, pin_knobs)
+    assert tiles == [(128, 256, 16), (64, 256, 8)], tiles
 
 
 @pytest.mark.gpu
