@@ -2046,8 +2046,8 @@ def test_gpu_scatter_short_k_tiles(K, dtype, pin_knobs, cuda):
 @pytest.mark.parametrize("K", [256, 768])
 def test_gpu_scatter_w16_tiles(K, dtype, pin_knobs, cuda):
     """``SCATTER_W16_ROWS``' 16-warp 128 x 256 tiles: a scatter-add at 128 rows per group (the
-    layer's layout, ``_layer_rows``; ragged groups, router weights), against the float32 oracle and
-    against the 8-warp 64 x 256 tiles of the default."""
+    layer's layout, ``_layer_rows``; ragged groups, router weights) against the 8-warp 64 x 256
+    tiles of the default, those against the float32 oracle."""
     G, N, T, k = 64, 2048, 1024, 8
     x, w, xs, ws = _inputs(T * k, G, N, K, dtype, seed=7, device=cuda)
     ms, idx, tw = _layer_rows(T, G, k, 8, cuda)
@@ -2057,8 +2057,9 @@ def test_gpu_scatter_w16_tiles(K, dtype, pin_knobs, cuda):
         assert cfg.kind == "tiled", cfg
         tiles.append((cfg.block_m, cfg.block_n, cfg.warps))
 
-    _scatter_add_each(({"SCATTER_W16_ROWS": 64}, {}), check, x, w, ms, xs, ws, tw, idx, T, N, dtype, pin_knobs)
-    assert tiles == [(128, 256, 16), (64, 256, 8)], tiles
+    # (knob sets merge into the pins: the default first)
+    _scatter_add_each(({}, {"SCATTER_W16_ROWS": 64}), check, x, w, ms, xs, ws, tw, idx, T, N, dtype, pin_knobs)
+    assert tiles == [(64, 256, 8), (128, 256, 16)], tiles
 
 
 @pytest.mark.gpu
