@@ -6,7 +6,11 @@ launchers' rules pick and the share of its rows that hold routed rows on a unifo
 (each expert's last row tile is partly empty), beside what 32-, 64- and 128-row tiles would give.
 CPU only: the rules and a random routing, no kernel runs.
 
-    python scripts/tile_use.py [--models qwen3-30b-a3b,...] [--tokens 1024,2048,8192] [--seed 0]
+    python scripts/tile_use.py [--models qwen3-30b-a3b,...] [--tokens 1024,2048,8192] [--seed 0] [--traffic]
+
+``--traffic``: instead, the bytes the down projection's tiles read into the SMs (each weight tile
+once per row tile of its expert, each row tile once per column tile; whole tiles, as TMA loads
+them) on 64 x 256 and 128 x 256 tiles (knob ``SCATTER_W16_ROWS``'), FP8 and bf16.
 """
 
 from __future__ import annotations
@@ -39,6 +43,30 @@ def row_use(rows: torch.Tensor, block_m: int) -> float:
     """Routed rows over the rows of the row tiles that hold them."""
     tiles = (rows + block_m - 1) // block_m
     return float(rows.sum()) / max(1, int(tiles.sum()) * block_m)
+
+
+def tile_bytes(rows: torch.Tensor, N: int, K: int, block_m: int, block_n: int, elem: int) -> int:
+    """Bytes a tiled GEMM's tiles read into the SMs for these rows per expert: every row tile of
+    an expert reads the expert's whole ``[N, K]`` weights (its column tiles), every column tile
+    reads the ``block_m`` rows of each row tile (TMA boxes: whole tiles, past the expert's rows)."""
+    row_tiles = int(((rows + block_m - 1) // block_m).sum())
+    col_tiles = -(-N // block_n)
+    return row_tiles * (N * K + col_tiles * block_m * K) * elem
+
+
+def traffic(models: list[str], tokens: list[int], seed: int = 0) -> list[dict]:
+    """The down projection's tile reads (MB) on 64 x 256 and 128 x 256 tiles, and their ratio."""
+    out = []
+    for model in models:
+        s = MODEL_SHAPES[model]
+        for T in tokens:
+            per_expert = expert_rows(T, s.E, s.top_k, seed)
+            for elem in (1, 2):
+                b64, b128 = (tile_bytes(per_expert, s.D, s.F, bm, 256, elem) for bm in (64, 128))
+                out.append({"model": model, "T": T, "dtype": "fp8" if elem == 1 else "bf16",
+                            "rows/expert": T * s.top_k / s.E, "MB @64x256": b64 / 1e6,
+                            "MB @128x256": b128 / 1e6, "ratio": b128 / b64})  # fmt: skip
+    return out
 
 
 def stages(model: str, T: int, fp8: bool) -> list[tuple[str, int]]:
@@ -74,7 +102,16 @@ def main() -> int:
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3-tp8,gpt-oss-120b,llama4-scout")
     ap.add_argument("--tokens", default="1024,2048,8192,16384")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--traffic", action="store_true", help="the down projection's tile reads instead")
     args = ap.parse_args()
+    if args.traffic:
+        rows = traffic(args.models.split(","), [int(t) for t in args.tokens.split(",")], args.seed)
+        cols = list(rows[0])
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+        return 0
     rows = table(args.models.split(","), [int(t) for t in args.tokens.split(",")], args.seed)
     cols = ["model", "T", "dtype", "stage", "rows/expert", "tile rows", "use"] + [f"use@{b}" for b in TILE_ROWS]
     print("| " + " | ".join(cols) + " |")
