@@ -62,3 +62,26 @@ def test_tile_use_counts_each_experts_last_tile():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tile_use.py"), "--models", "gpt-oss-120b",
                           "--tokens", "2048"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and "| gpt-oss-120b | 2048 | fp8 | w13 (gathered rows) |" in out.stdout, out.stdout
+
+
+@pytest.mark.reference
+def test_tile_use_traffic_counts_whole_tiles():
+    """``scripts/tile_use.py --traffic``: each row tile of an expert reads the expert's whole
+    weights, each column tile the row tile's whole ``block_m`` rows; 128-row tiles read less at
+    128 rows per expert, more at 32."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import tile_use
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    # experts of 64, 65 and 0 rows, N = 512, K = 8, 1-byte elements: 64-row tiles 3 row tiles,
+    # 128-row tiles 2; two column tiles of 256
+    assert tile_use.tile_bytes(torch.tensor([64, 65, 0]), 512, 8, 64, 256, 1) == 3 * (512 * 8 + 2 * 64 * 8)
+    assert tile_use.tile_bytes(torch.tensor([64, 65, 0]), 512, 8, 128, 256, 2) == 2 * (512 * 8 + 2 * 128 * 8) * 2
+    by = {
+        (r["model"], r["T"], r["dtype"]): r["ratio"]
+        for r in tile_use.traffic(["qwen3-30b-a3b", "deepseek-v3-tp8"], [1024, 2048])
+    }
+    assert by[("qwen3-30b-a3b", 2048, "fp8")] < 0.8 and by[("deepseek-v3-tp8", 1024, "bf16")] > 1.1, by
