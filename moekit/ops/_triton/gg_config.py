@@ -251,9 +251,10 @@ SCATTER_SHORT_K = 1024
 # at 53% of their floor, bound neither by DRAM (59% of peak) nor by L2's atomic units (12-18% busy)
 # but by what crosses from L2 into the SMs (ncu, H100, session 47: Qwen3-30B 575 MB in 132.5 µs):
 # each weight tile is read once per row tile of its group, 2.5 times at 128 rows per group on
-# 64-row tiles, 1.5 times on 128-row ones (a third less traffic). 8 warps cannot hold the 128 x 256
-# scatter-add on the fused loop (it spills; off the fused loop it lost, session 35); 16 compile
-# for sm_90 with 128 registers, no spill in the MMA loop (``tests/ops/_sm90.py``).
+# 64-row tiles, 1.5 times on 128-row ones (0.71x the bytes, ``scripts/tile_use.py --traffic``).
+# 8 warps cannot hold the 128 x 256 scatter-add on the fused loop (it spills; off the fused loop it
+# lost, session 35); 16 compile for sm_90 with 128 registers, at most one local-memory access in
+# the MMA loops (``tests/ops/_sm90.py``). Not yet timed on a GPU.
 SCATTER_W16_ROWS = 0
 
 
