@@ -104,22 +104,20 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--traffic", action="store_true", help="the down projection's tile reads instead")
     args = ap.parse_args()
+    models, tokens = args.models.split(","), [int(t) for t in args.tokens.split(",")]
     if args.traffic:
-        rows = traffic(args.models.split(","), [int(t) for t in args.tokens.split(",")], args.seed)
+        rows = traffic(models, tokens, args.seed)
         cols = list(rows[0])
-        print("| " + " | ".join(cols) + " |")
-        print("|" + "---|" * len(cols))
-        for r in rows:
-            print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
-        return 0
-    rows = table(args.models.split(","), [int(t) for t in args.tokens.split(",")], args.seed)
-    cols = ["model", "T", "dtype", "stage", "rows/expert", "tile rows", "use"] + [f"use@{b}" for b in TILE_ROWS]
+        cells = [[f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()] for r in rows]
+    else:
+        rows = table(models, tokens, args.seed)
+        cols = ["model", "T", "dtype", "stage", "rows/expert", "tile rows", "use"] + [f"use@{b}" for b in TILE_ROWS]
+        cells = [[f"{r[c]:.0%}" if c.startswith("use") else (f"{r[c]:.0f}" if c == "rows/expert" else str(r[c]))
+                  for c in cols] for r in rows]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
-    for r in rows:
-        cells = [f"{r[c]:.0%}" if c.startswith("use") else (f"{r[c]:.0f}" if c == "rows/expert" else str(r[c]))
-                 for c in cols]  # fmt: skip
-        print("| " + " | ".join(cells) + " |")
+    for c in cells:
+        print("| " + " | ".join(c) + " |")
     return 0
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import os
 
+import textwrap
+
 import pytest
 import torch
 
@@ -938,6 +940,25 @@ def test_prefill_tiles_compile_without_spills_for_sm90():
     assert all(not t[5] for t in tiles), tiles
 
 
+#: A compile script's helper (``tests.ops._sm90.compile_launches``): the layer's down GEMM at T
+#: tokens, top-k, G experts, [F -> D], router weights on the rows, scatter-added, on meta tensors
+#: (TMA taken as on the GPU).
+_DOWN_SCATTER = """
+from moekit.ops._triton import grouped_gemm as GG
+GG._tma_ok = GG._tma_fits = lambda t, block: t.stride(-1) == 1
+
+
+def down_scatter(dt, T, k, G, F, D, m="meta"):
+    fp8 = dt != torch.bfloat16
+    GG.grouped_gemm(torch.empty(T * k, F, dtype=dt, device=m), torch.empty(G * D, F, dtype=dt, device=m),
+                    torch.empty(G, dtype=torch.int32, device=m),
+                    x_scale=torch.empty(T * k, device=m) if fp8 else None,
+                    w_scale=torch.empty(G * D, device=m) if fp8 else None,
+                    token_weights=torch.empty(T * k, device=m), out=torch.empty(T, D, dtype=torch.bfloat16, device=m),
+                    scatter_indices=torch.empty(T * k, dtype=torch.int32, device=m))
+"""
+
+
 @pytest.mark.reference
 def test_kernel_made_descriptors_keep_the_atomics_reading_back_on_sm90():
     """Why knob ``GG_TRACED_HOST`` exists: the scatter-added tiled GEMM (Qwen3-30B's down GEMM at
@@ -950,23 +971,16 @@ def test_kernel_made_descriptors_keep_the_atomics_reading_back_on_sm90():
     from tests.ops._sm90 import assert_all_compiled, compile_launches
 
     records = compile_launches(
-        """
+        _DOWN_SCATTER
+        + textwrap.dedent(
+            """
         from moekit import settings
-        from moekit.ops._triton import grouped_gemm as GG
-        m = "meta"
-        GG._tma_ok = GG._tma_fits = lambda t, block: t.stride(-1) == 1  # (meta tensors: TMA as on the GPU)
-        T, k, G, F, D = 2048, 8, 128, 768, 2048
         for dev in (0, 2):
             with settings.override(knobs={"GG_DEVICE_TMA": dev}):
                 for dt in (torch.bfloat16, torch.float8_e4m3fn):
-                    fp8 = dt != torch.bfloat16
-                    GG.grouped_gemm(torch.empty(T * k, F, dtype=dt, device=m), torch.empty(G * D, F, dtype=dt, device=m),
-                                    torch.empty(G, dtype=torch.int32, device=m),
-                                    x_scale=torch.empty(T * k, device=m) if fp8 else None,
-                                    w_scale=torch.empty(G * D, device=m) if fp8 else None,
-                                    token_weights=torch.empty(T * k, device=m), out=torch.empty(T, D, dtype=torch.bfloat16, device=m),
-                                    scatter_indices=torch.empty(T * k, dtype=torch.int32, device=m))
-        """,
+                    down_scatter(dt, 2048, 8, 128, 768, 2048)
+        """
+        ),
         ["moekit.ops._triton.grouped_gemm"],
     )
     assert_all_compiled(records, 4)
@@ -1211,22 +1225,15 @@ def test_scatter_w16_tiles_compile_for_sm90():
     from tests.ops._sm90 import assert_all_compiled, compile_launches
 
     records = compile_launches(
-        """
+        _DOWN_SCATTER
+        + textwrap.dedent(
+            """
         from moekit import settings
-        from moekit.ops._triton import grouped_gemm as GG
-        m = "meta"
-        GG._tma_ok = GG._tma_fits = lambda t, block: t.stride(-1) == 1  # (meta tensors: TMA as on the GPU)
         with settings.override(knobs={"SCATTER_W16_ROWS": 64}):
-            for dt, (T, k, G, F, D) in ((torch.float8_e4m3fn, (2048, 8, 128, 768, 2048)),
-                                        (torch.bfloat16, (2048, 8, 256, 256, 7168))):
-                fp8 = dt != torch.bfloat16
-                GG.grouped_gemm(torch.empty(T * k, F, dtype=dt, device=m), torch.empty(G * D, F, dtype=dt, device=m),
-                                torch.empty(G, dtype=torch.int32, device=m),
-                                x_scale=torch.empty(T * k, device=m) if fp8 else None,
-                                w_scale=torch.empty(G * D, device=m) if fp8 else None,
-                                token_weights=torch.empty(T * k, device=m), out=torch.empty(T, D, dtype=torch.bfloat16, device=m),
-                                scatter_indices=torch.empty(T * k, dtype=torch.int32, device=m))
-        """,
+            down_scatter(torch.float8_e4m3fn, 2048, 8, 128, 768, 2048)
+            down_scatter(torch.bfloat16, 2048, 8, 256, 256, 7168)
+        """
+        ),
         ["moekit.ops._triton.grouped_gemm"],
     )
     assert_all_compiled(records, 2)
