@@ -557,6 +557,44 @@ def test_interp_scatter_add_column_slabs(pin_knobs, slab):
     assert_close(out, want, tol=TF32_TOL)
 
 
+@pytest.mark.interpreter
+def test_interp_scatter_w16_tiles(pin_knobs, monkeypatch):
+    """Knob ``SCATTER_W16_ROWS``: the launcher runs the rule's 128 x 256 tiles as chosen (16 warps,
+    the fused loop) for a scatter-add at 128+ rows per group: ragged groups, masked rows and columns
+    past N and K, dropped destinations (-1), router weights; float16 atomics against the reference.
+    (The FP8 tiles keep the fused loop too: ``test_scatter_w16_tiles_compile_for_sm90``.)"""
+    M, G, N, K, T = 300, 2, 264, 40, 70
+    x, w, _, _ = _inputs(M, G, N, K, torch.float16, seed=21)
+    ms = torch.tensor([131, 169], dtype=torch.int32)
+    g = _gen(22)
+    idx = torch.randint(-1, T, (M,), generator=g).to(torch.int32)
+    tw = torch.rand(M, generator=g)
+    out0 = torch.randn(T, N, generator=g).to(torch.float16)
+    tri = _tri()
+    pin_knobs(SCATTER_W16_ROWS=64)
+    cfg = tri.select_config(M, N, K, G, False, 2, 132, False, stored=False)
+    assert (cfg.kind, cfg.block_m, cfg.block_n, cfg.warps, cfg.flatten) == ("tiled", 128, 256, 16, True), cfg
+    launched, real = [], tri.launch
+
+    def spy(kernel):
+        def run(grid):
+            def go(*args, **kw):
+                launched.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["FLATTEN"], kw["num_warps"]))
+                return real(kernel)[grid](*args, **kw)
+
+            return go
+
+        return type("L", (), {"__getitem__": lambda self, grid: run(grid)})()
+
+    monkeypatch.setattr(tri, "launch", spy)
+    out = out0.clone()
+    tri.grouped_gemm(x, w, ms, token_weights=tw, out=out, scatter_indices=idx)
+    assert launched == [(128, 256, True, 16)], launched
+    want = out0.float()
+    ref.grouped_gemm(x.float(), w.float(), ms, None, tw, _output_tensor=want, _scatter_add_indices=idx)
+    assert_close(out.float(), want, tol=_tol(torch.float16))
+
+
 @pytest.mark.reference
 def test_column_slab_rule(pin_knobs):
     """``n_slab_tiles``' rule (knob GG_N_SLAB at its default, -1): 512-column slabs for the
