@@ -1255,11 +1255,37 @@ def test_scatter_w16_rule():
 
 
 @pytest.mark.reference
-def test_scatter_w16_tiles_compile_for_sm90():
+def test_stored_w16_rule():
+    """Knob ``STORED_W16_ROWS`` (0, off, by default): GEMMs that store their rows take the 16-warp
+    128 x 256 tiles from that many rows per group to 191 (Llama 4's down GEMM at M=2048, 128 rows
+    per expert; the bf16 ones on the fused loop, the FP8 ones off it), never where the tall tiles
+    apply (FP8 K <= 1024, bf16 under 96 rows), nor from 192 rows, nor for scatter-adds."""
+    from moekit import settings
+
+    sel = _tri().heuristic_config
+    W16 = {"STORED_W16_ROWS": 96}
+    M, N, K, G = 2048, 5120, 8192, 16  # Llama 4 down, 128 rows per expert
+    for fp8, elem in ((True, 1), (False, 2)):
+        assert sel(M, N, K, G, fp8, elem, 132, stored=True).warps == 8
+        with settings.override(knobs=W16):
+            got = sel(M, N, K, G, fp8, elem, 132, stored=True)
+            assert got == _tri().GemmConfig("tiled", 128, 256, 128 if fp8 else 64, 3, 16, flatten=not fp8), got
+            assert sel(M, N, K, G, fp8, elem, 132).warps == 8  # scatter-added: SCATTER_W16_ROWS' case
+            assert sel(2 * M, N, K, G, fp8, elem, 132, stored=True).warps == 8  # 256 rows per expert
+    with settings.override(knobs=W16):
+        assert sel(16384, 2048, 768, 128, True, 1, 132, stored=True).block_n == 128  # FP8 tall tiles (K = 768)
+        assert sel(16384, 2048, 768, 128, False, 2, 132, stored=True).warps == 16  # bf16 at 128 rows
+        assert sel(8192, 2048, 768, 128, False, 2, 132, stored=True).warps == 8  # bf16 tall tiles (64 rows)
+
+
+@pytest.mark.reference
+def test_w16_tiles_compile_for_sm90():
     """``SCATTER_W16_ROWS``' tiles as the layer launches them (Qwen3-30B's FP8 and DeepSeek-V3 TP8's
     bf16 down GEMM at T=2048, router weights on the rows, scatter-added): 16 warps on the fused tile
     loop, at most 128 registers, within shared memory, fire-and-forget REDG adds, at most one
-    local-memory access inside the MMA loops (the FP8 tile keeps an 8-byte frame)."""
+    local-memory access inside the MMA loops (the FP8 tile keeps an 8-byte frame). And
+    ``STORED_W16_ROWS``' (Llama 4's down GEMM at M=2048, rows stored): no stack frame, the FP8 tile
+    off the fused loop (on it: an 80-byte frame)."""
     from tests.ops._sm90 import assert_all_compiled, compile_launches
 
     records = compile_launches(
@@ -1270,18 +1296,29 @@ def test_scatter_w16_tiles_compile_for_sm90():
         with settings.override(knobs={"SCATTER_W16_ROWS": 64}):
             down_scatter(torch.float8_e4m3fn, 2048, 8, 128, 768, 2048)
             down_scatter(torch.bfloat16, 2048, 8, 256, 256, 7168)
+        with settings.override(knobs={"STORED_W16_ROWS": 96}):  # Llama 4's down GEMM at M=2048, rows stored
+            for dt in (torch.float8_e4m3fn, torch.bfloat16):
+                fp8 = dt != torch.bfloat16
+                M, G, N, K = 2048, 16, 5120, 8192
+                GG.grouped_gemm(torch.empty(M, K, dtype=dt, device="meta"), torch.empty(G * N, K, dtype=dt, device="meta"),
+                                torch.empty(G, dtype=torch.int32, device="meta"),
+                                x_scale=torch.empty(M, device="meta") if fp8 else None,
+                                w_scale=torch.empty(G * N, device="meta") if fp8 else None,
+                                token_weights=torch.empty(M, device="meta"))
         """
         ),
         ["moekit.ops._triton.grouped_gemm"],
     )
-    assert_all_compiled(records, 2)
+    assert_all_compiled(records, 4)
     for r in records:
         c = r["constants"]
-        assert r["num_warps"] == 16 and (c["BLOCK_M"], c["BLOCK_N"], c["FLATTEN"]) == ("128", "256", "True"), r
+        scatter = c["SCATTER"] == "True"
+        flat = "True" if scatter or c["FP8"] == "False" else "False"  # stored FP8: off the fused loop
+        assert r["num_warps"] == 16 and (c["BLOCK_M"], c["BLOCK_N"], c["FLATTEN"]) == ("128", "256", flat), r
         assert r["regs"] is None or r["regs"] <= 128, r
         if r["adds"] is not None:
-            assert r["adds"]["REDG"] > 0 and r["adds"]["ATOMG"] == 0, r
-            assert r["loop_spills"] <= 1 and r["stack"] <= 16, r
+            assert (r["adds"]["REDG"] > 0) == scatter and r["adds"]["ATOMG"] == 0, r
+            assert r["loop_spills"] <= (1 if scatter else 0) and r["stack"] <= (16 if scatter else 0), r
 
 
 @pytest.mark.reference
@@ -2105,6 +2142,36 @@ def test_gpu_scatter_w16_tiles(K, dtype, pin_knobs, cuda):
     # (knob sets merge into the pins: the default first)
     _scatter_add_each(({}, {"SCATTER_W16_ROWS": 64}), check, x, w, ms, xs, ws, tw, idx, T, N, dtype, pin_knobs)
     assert tiles == [(64, 256, 8), (128, 256, 16)], tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_gpu_stored_w16_tiles(dtype, pin_knobs, cuda):
+    """``STORED_W16_ROWS``' 16-warp 128 x 256 tiles for stored rows (128 rows per group on ragged
+    groups, K = 2048 with FP8: past the tall tiles' K), with and without router weights, against the
+    float32 oracle and the default's 8-warp tiles."""
+    from moekit.ops._common import num_sms
+
+    G, M, N, K = 8, 1024, 512, 2048
+    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=9, device=cuda)
+    ms_cpu = _sizes("routing", M, G, seed=4)
+    ms, n = ms_cpu.to(cuda), _valid_rows(ms_cpu, M)
+    fp8 = dtype == FP8
+    for tw in (None, torch.rand(M, device=cuda) + 0.5):
+        want = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
+        got = []
+        for knobs in ({}, {"STORED_W16_ROWS": 96}):  # (knob sets merge into the pins: the default first)
+            pin_knobs(**knobs)
+            cfg = _tri().select_config(M, N, K, G, fp8, x.element_size(), num_sms(x.device), False, stored=True)
+            assert cfg.warps == (16 if knobs else 8), cfg
+            y = (
+                grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw)
+                if fp8
+                else grouped_gemm(x, w, ms, None, tw)
+            )
+            got.append(y[:n].float())
+        assert_close(got[1], want[:n], tol=_tol(dtype), msg=f"tw={tw is not None}")
+        assert_close(got[1], got[0], tol=_tol(dtype))
 
 
 @pytest.mark.gpu

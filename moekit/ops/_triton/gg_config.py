@@ -257,6 +257,15 @@ SCATTER_SHORT_K = 1024
 # the MMA loops (``tests/ops/_sm90.py``). Not yet timed on a GPU.
 SCATTER_W16_ROWS = 0
 
+# The same 16-warp 128 x 256 tiles for GEMMs that store their rows, from that many rows per group
+# up to the 191 where the 8-warp 128-row tiles take over (knob STORED_W16_ROWS, 0: off; never
+# where FP8_TALL_TILES' or BF16_TALL_TILES' tiles apply). Why: the grouped-GEMM grid's worst cells
+# against MSLK (H100, session 44) are Llama 4's down GEMM at 128 rows per expert, FP8 292.7 µs
+# against 257.3, bf16 1.093x: 64 x 256 tiles whose weight reads (about 2.5 x 671 MB in FP8) cross
+# into the SMs at ~5.7 TB/s, the L2 -> SM rate the bf16 down GEMMs top out at (session 47). Not yet
+# timed on a GPU.
+STORED_W16_ROWS = 0
+
 
 def heuristic_config(
     M: int,
@@ -380,6 +389,12 @@ def heuristic_config(
     if not stored and not w_only and elem <= 2 and N >= 256 and 0 < w16_rows <= rows_per_group:
         # (three stages and the fused loop's 64 KB epilogue tile: 208 KB)
         return GemmConfig("tiled", 128, 256, 128 if elem == 1 else 64, 3, 16, flatten=s.gg_flatten)
+    st16_rows = s.knob("STORED_W16_ROWS", STORED_W16_ROWS)
+    if stored and not w_only and elem <= 2 and N >= 256 and 0 < st16_rows <= rows_per_group < 192:
+        # FP8 off the fused loop: on it the stored FP8 tile spills (80-byte frame, sm_90); the FP8
+        # GEMMs this reaches have long K (FP8_TALL_TILES takes K <= 1024), so one pipeline fill
+        # per tile costs little
+        return GemmConfig("tiled", 128, 256, 128 if elem == 1 else 64, 3, 16, flatten=s.gg_flatten and elem == 2)
     # 128-row tiles from 192 rows per group, but never for a short-K scatter-add (SCATTER_SHORT_K).
     short_scatter = not stored and K <= s.knob("SCATTER_SHORT_K", SCATTER_SHORT_K)
     block_m = 64 if rows_per_group < 192 or short_scatter else 128
