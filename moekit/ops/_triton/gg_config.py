@@ -385,16 +385,17 @@ def heuristic_config(
     if stored_16 and rows_per_group < 96 and K >= 256 and s.knob("BF16_TALL_TILES", BF16_TALL_TILES):
         # The same for 16-bit rows: 128 x 128 x 128, three 64 KB stages (the same bytes per stage).
         return GemmConfig("tiled", 128, 128, 128, 3, 8, flatten=s.gg_flatten)
-    w16_rows = s.knob("SCATTER_W16_ROWS", SCATTER_W16_ROWS)
-    if not stored and not w_only and elem <= 2 and N >= 256 and 0 < w16_rows <= rows_per_group:
-        # (three stages and the fused loop's 64 KB epilogue tile: 208 KB)
-        return GemmConfig("tiled", 128, 256, 128 if elem == 1 else 64, 3, 16, flatten=s.gg_flatten)
-    st16_rows = s.knob("STORED_W16_ROWS", STORED_W16_ROWS)
-    if stored and not w_only and elem <= 2 and N >= 256 and 0 < st16_rows <= rows_per_group < 192:
-        # FP8 off the fused loop: on it the stored FP8 tile spills (80-byte frame, sm_90); the FP8
-        # GEMMs this reaches have long K (FP8_TALL_TILES takes K <= 1024), so one pipeline fill
-        # per tile costs little
-        return GemmConfig("tiled", 128, 256, 128 if elem == 1 else 64, 3, 16, flatten=s.gg_flatten and elem == 2)
+    # 16-warp 128 x 256 tiles (knobs SCATTER_W16_ROWS, STORED_W16_ROWS; stored rows only below the
+    # 8-warp 128-row tiles' 192). Three stages and the fused loop's 64 KB epilogue tile: 208 KB.
+    # Stored FP8 off the fused loop: on it that tile spills (80-byte frame, sm_90); the FP8 GEMMs
+    # it reaches have long K (FP8_TALL_TILES takes K <= 1024), so one pipeline fill per tile costs little.
+    if stored:
+        w16_rows = s.knob("STORED_W16_ROWS", STORED_W16_ROWS) if rows_per_group < 192 else 0
+    else:
+        w16_rows = s.knob("SCATTER_W16_ROWS", SCATTER_W16_ROWS)
+    if not w_only and elem <= 2 and N >= 256 and 0 < w16_rows <= rows_per_group:
+        flatten = s.gg_flatten and (not stored or elem == 2)
+        return GemmConfig("tiled", 128, 256, 128 if elem == 1 else 64, 3, 16, flatten=flatten)
     # 128-row tiles from 192 rows per group, but never for a short-K scatter-add (SCATTER_SHORT_K).
     short_scatter = not stored and K <= s.knob("SCATTER_SHORT_K", SCATTER_SHORT_K)
     block_m = 64 if rows_per_group < 192 or short_scatter else 128
