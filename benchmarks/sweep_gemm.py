@@ -102,8 +102,6 @@ def candidate_configs(
     ):
         for flatten in (True, False):
             out.append(GemmConfig("tiled", bm, bn, k, stages, 8, flatten=flatten))
-    if N >= 256 and elem <= 2:  # 128 x 256 on 16 warps (knobs SCATTER_W16_ROWS' and STORED_W16_ROWS' tiles)
-        out.append(GemmConfig("tiled", 128, 256, bk, 3, 16, flatten=not stored or elem == 2))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:

@@ -163,10 +163,6 @@ class Settings:
     #                                     host descriptors)                                     1
     #   SCATTER_SHORT_K                   gg_config (scatter-added tiled GEMMs with K up to this
     #                                     keep 64-row tiles at any rows/group; 0 off)        1024
-    #   SCATTER_W16_ROWS                  gg_config (scatter-added tiled GEMMs on 16-warp
-    #                                     128 x 256 tiles from these rows/group; 0 off)         0
-    #   STORED_W16_ROWS                   gg_config (the same for stored rows, from these
-    #                                     rows/group to 191; 0 off)                             0
     #   GATHER_WHOLE_ROW_MIN_ROWS_PER_SM  gs_gather (whole-row gather from, rows/SM)           8
     #   GATHER_WHOLE_ROW_MAX_ROWS_PER_SM  gs_gather (whole-row gather below, rows/SM)         64
     #   GATHER_STREAM_PROGRAMS_PER_SM     gs_gather (whole-row gather grid, programs/SM)       8
@@ -196,7 +192,7 @@ KNOBS = (
     "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES", "SCATTER_SHORT_K",
     "BF16_TALL_TILES", "NARROW_TILES_WAVES", "STREAM_DEEP_K", "FP8_TALL_SHORT_K",
     "STREAM_DEEP_K32", "COMBINE_FEW_4KB", "SWIGLU_PTR_PAIR", "GG_DEVICE_TMA",
-    "GG_TRACED_HOST", "SCATTER_W16_ROWS", "STORED_W16_ROWS",
+    "GG_TRACED_HOST",
 )  # fmt: skip
 
 

@@ -557,44 +557,6 @@ def test_interp_scatter_add_column_slabs(pin_knobs, slab):
     assert_close(out, want, tol=TF32_TOL)
 
 
-@pytest.mark.interpreter
-def test_interp_scatter_w16_tiles(pin_knobs, monkeypatch):
-    """Knob ``SCATTER_W16_ROWS``: the launcher runs the rule's 128 x 256 tiles as chosen (16 warps,
-    the fused loop) for a scatter-add at 128+ rows per group: ragged groups, masked rows and columns
-    past N and K, dropped destinations (-1), router weights; float16 atomics against the reference.
-    (The FP8 tiles keep the fused loop too: ``test_scatter_w16_tiles_compile_for_sm90``.)"""
-    M, G, N, K, T = 300, 2, 264, 40, 70
-    x, w, _, _ = _inputs(M, G, N, K, torch.float16, seed=21)
-    ms = torch.tensor([131, 169], dtype=torch.int32)
-    g = _gen(22)
-    idx = torch.randint(-1, T, (M,), generator=g).to(torch.int32)
-    tw = torch.rand(M, generator=g)
-    out0 = torch.randn(T, N, generator=g).to(torch.float16)
-    tri = _tri()
-    pin_knobs(SCATTER_W16_ROWS=64)
-    cfg = tri.select_config(M, N, K, G, False, 2, 132, False, stored=False)
-    assert (cfg.kind, cfg.block_m, cfg.block_n, cfg.warps, cfg.flatten) == ("tiled", 128, 256, 16, True), cfg
-    launched, real = [], tri.launch
-
-    def spy(kernel):
-        def run(grid):
-            def go(*args, **kw):
-                launched.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["FLATTEN"], kw["num_warps"]))
-                return real(kernel)[grid](*args, **kw)
-
-            return go
-
-        return type("L", (), {"__getitem__": lambda self, grid: run(grid)})()
-
-    monkeypatch.setattr(tri, "launch", spy)
-    out = out0.clone()
-    tri.grouped_gemm(x, w, ms, token_weights=tw, out=out, scatter_indices=idx)
-    assert launched == [(128, 256, True, 16)], launched
-    want = out0.float()
-    ref.grouped_gemm(x.float(), w.float(), ms, None, tw, _output_tensor=want, _scatter_add_indices=idx)
-    assert_close(out.float(), want, tol=_tol(torch.float16))
-
-
 @pytest.mark.reference
 def test_column_slab_rule(pin_knobs):
     """``n_slab_tiles``' rule (knob GG_N_SLAB at its default, -1): 512-column slabs for the
@@ -1226,99 +1188,6 @@ def test_scatter_short_k_rule():
     with settings.override(knobs={"SCATTER_SHORT_K": 0}):
         off = sel(16384, 2048, 768, 128, True, 1, 132)
     assert sel(16384, 2048, 768, 128, True, 1, 132) == off
-
-
-@pytest.mark.reference
-def test_scatter_w16_rule():
-    """Knob ``SCATTER_W16_ROWS`` (0, off, by default): from that many rows per group a scatter-added
-    tiled GEMM with 16-bit or FP8 rows and N >= 256 takes 128 x 256 tiles on 16 warps, three stages,
-    the fused loop (Qwen3-30B's and DeepSeek-V3 TP8's down GEMMs at T=2048); rows stored, fewer rows
-    per group, narrow N and weight-only FP8 keep the heuristic's tiles."""
-    from moekit import settings
-
-    sel = _tri().heuristic_config
-    W16 = {"SCATTER_W16_ROWS": 64}
-    # (M, N, K, G): Qwen3-30B down (128 rows per expert), DeepSeek-V3 TP8 down (64) at T=2048
-    for M, N, K, G in ((16384, 2048, 768, 128), (16384, 7168, 256, 256)):
-        for fp8, elem in ((True, 1), (False, 2)):
-            off = sel(M, N, K, G, fp8, elem, 132)
-            assert (off.block_m, off.block_n, off.warps) == (64, 256, 8), off
-            with settings.override(knobs=W16):
-                got = sel(M, N, K, G, fp8, elem, 132)
-                assert got == _tri().GemmConfig("tiled", 128, 256, 128 if fp8 else 64, 3, 16, flatten=True), got
-                assert sel(M, N, K, G, fp8, elem, 132, stored=True).warps == 8
-            with settings.override(knobs={"SCATTER_W16_ROWS": 65}):  # DeepSeek's 64 rows per group: below
-                assert (sel(M, N, K, G, fp8, elem, 132).warps == 16) == (G == 128)
-        with settings.override(knobs=W16):
-            assert sel(M, N, K, G, False, 2, 132, w_only=True).warps == 8  # weight-only FP8
-            assert sel(M, 128, K, G, True, 1, 132).warps == 8  # narrow N
-
-
-@pytest.mark.reference
-def test_stored_w16_rule():
-    """Knob ``STORED_W16_ROWS`` (0, off, by default): GEMMs that store their rows take the 16-warp
-    128 x 256 tiles from that many rows per group to 191 (Llama 4's down GEMM at M=2048, 128 rows
-    per expert; the bf16 ones on the fused loop, the FP8 ones off it), never where the tall tiles
-    apply (FP8 K <= 1024, bf16 under 96 rows), nor from 192 rows, nor for scatter-adds."""
-    from moekit import settings
-
-    sel = _tri().heuristic_config
-    W16 = {"STORED_W16_ROWS": 96}
-    M, N, K, G = 2048, 5120, 8192, 16  # Llama 4 down, 128 rows per expert
-    for fp8, elem in ((True, 1), (False, 2)):
-        assert sel(M, N, K, G, fp8, elem, 132, stored=True).warps == 8
-        with settings.override(knobs=W16):
-            got = sel(M, N, K, G, fp8, elem, 132, stored=True)
-            assert got == _tri().GemmConfig("tiled", 128, 256, 128 if fp8 else 64, 3, 16, flatten=not fp8), got
-            assert sel(M, N, K, G, fp8, elem, 132).warps == 8  # scatter-added: SCATTER_W16_ROWS' case
-            assert sel(2 * M, N, K, G, fp8, elem, 132, stored=True).warps == 8  # 256 rows per expert
-    with settings.override(knobs=W16):
-        assert sel(16384, 2048, 768, 128, True, 1, 132, stored=True).block_n == 128  # FP8 tall tiles (K = 768)
-        assert sel(16384, 2048, 768, 128, False, 2, 132, stored=True).warps == 16  # bf16 at 128 rows
-        assert sel(8192, 2048, 768, 128, False, 2, 132, stored=True).warps == 8  # bf16 tall tiles (64 rows)
-
-
-@pytest.mark.reference
-def test_w16_tiles_compile_for_sm90():
-    """``SCATTER_W16_ROWS``' tiles as the layer launches them (Qwen3-30B's FP8 and DeepSeek-V3 TP8's
-    bf16 down GEMM at T=2048, router weights on the rows, scatter-added): 16 warps on the fused tile
-    loop, at most 128 registers, within shared memory, fire-and-forget REDG adds, at most one
-    local-memory access inside the MMA loops (the FP8 tile keeps an 8-byte frame). And
-    ``STORED_W16_ROWS``' (Llama 4's down GEMM at M=2048, rows stored): no stack frame, the FP8 tile
-    off the fused loop (on it: an 80-byte frame)."""
-    from tests.ops._sm90 import assert_all_compiled, compile_launches
-
-    records = compile_launches(
-        _DOWN_SCATTER
-        + textwrap.dedent(
-            """
-        from moekit import settings
-        with settings.override(knobs={"SCATTER_W16_ROWS": 64}):
-            down_scatter(torch.float8_e4m3fn, 2048, 8, 128, 768, 2048)
-            down_scatter(torch.bfloat16, 2048, 8, 256, 256, 7168)
-        with settings.override(knobs={"STORED_W16_ROWS": 96}):  # Llama 4's down GEMM at M=2048, rows stored
-            for dt in (torch.float8_e4m3fn, torch.bfloat16):
-                fp8 = dt != torch.bfloat16
-                M, G, N, K = 2048, 16, 5120, 8192
-                GG.grouped_gemm(torch.empty(M, K, dtype=dt, device="meta"), torch.empty(G * N, K, dtype=dt, device="meta"),
-                                torch.empty(G, dtype=torch.int32, device="meta"),
-                                x_scale=torch.empty(M, device="meta") if fp8 else None,
-                                w_scale=torch.empty(G * N, device="meta") if fp8 else None,
-                                token_weights=torch.empty(M, device="meta"))
-        """
-        ),
-        ["moekit.ops._triton.grouped_gemm"],
-    )
-    assert_all_compiled(records, 4)
-    for r in records:
-        c = r["constants"]
-        scatter = c["SCATTER"] == "True"
-        flat = "True" if scatter or c["FP8"] == "False" else "False"  # stored FP8: off the fused loop
-        assert r["num_warps"] == 16 and (c["BLOCK_M"], c["BLOCK_N"], c["FLATTEN"]) == ("128", "256", flat), r
-        assert r["regs"] is None or r["regs"] <= 128, r
-        if r["adds"] is not None:
-            assert (r["adds"]["REDG"] > 0) == scatter and r["adds"]["ATOMG"] == 0, r
-            assert r["loop_spills"] <= (1 if scatter else 0) and r["stack"] <= (16 if scatter else 0), r
 
 
 @pytest.mark.reference
@@ -2121,57 +1990,6 @@ def test_gpu_scatter_short_k_tiles(K, dtype, pin_knobs, cuda):
 
     _scatter_add_each(({}, {"SCATTER_SHORT_K": 0}), check, x, w, ms, xs, ws, tw, idx, T, N, dtype, pin_knobs)
     assert block_m == [64, 128], block_m
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("K", [256, 768])
-def test_gpu_scatter_w16_tiles(K, dtype, pin_knobs, cuda):
-    """``SCATTER_W16_ROWS``' 16-warp 128 x 256 tiles: a scatter-add at 128 rows per group (the
-    layer's layout, ``_layer_rows``; ragged groups, router weights) against the 8-warp 64 x 256
-    tiles of the default, those against the float32 oracle."""
-    G, N, T, k = 64, 2048, 1024, 8
-    x, w, xs, ws = _inputs(T * k, G, N, K, dtype, seed=7, device=cuda)
-    ms, idx, tw = _layer_rows(T, G, k, 8, cuda)
-    tiles = []
-
-    def check(cfg):
-        assert cfg.kind == "tiled", cfg
-        tiles.append((cfg.block_m, cfg.block_n, cfg.warps))
-
-    # (knob sets merge into the pins: the default first)
-    _scatter_add_each(({}, {"SCATTER_W16_ROWS": 64}), check, x, w, ms, xs, ws, tw, idx, T, N, dtype, pin_knobs)
-    assert tiles == [(64, 256, 8), (128, 256, 16)], tiles
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_gpu_stored_w16_tiles(dtype, pin_knobs, cuda):
-    """``STORED_W16_ROWS``' 16-warp 128 x 256 tiles for stored rows (128 rows per group on ragged
-    groups, K = 2048 with FP8: past the tall tiles' K), with and without router weights, against the
-    float32 oracle and the default's 8-warp tiles."""
-    from moekit.ops._common import num_sms
-
-    G, M, N, K = 8, 1024, 512, 2048
-    x, w, xs, ws = _inputs(M, G, N, K, dtype, seed=9, device=cuda)
-    ms_cpu = _sizes("routing", M, G, seed=4)
-    ms, n = ms_cpu.to(cuda), _valid_rows(ms_cpu, M)
-    fp8 = dtype == FP8
-    for tw in (None, torch.rand(M, device=cuda) + 0.5):
-        want = _oracle(x, w, ms, x_scale=xs, w_scale=ws, token_weights=tw)
-        got = []
-        for knobs in ({}, {"STORED_W16_ROWS": 96}):  # (knob sets merge into the pins: the default first)
-            pin_knobs(**knobs)
-            cfg = _tri().select_config(M, N, K, G, fp8, x.element_size(), num_sms(x.device), False, stored=True)
-            assert cfg.warps == (16 if knobs else 8), cfg
-            y = (
-                grouped_gemm_fp8_rowwise(x, w, ms, xs, ws, token_weights=tw)
-                if fp8
-                else grouped_gemm(x, w, ms, None, tw)
-            )
-            got.append(y[:n].float())
-        assert_close(got[1], want[:n], tol=_tol(dtype), msg=f"tw={tw is not None}")
-        assert_close(got[1], got[0], tol=_tol(dtype))
 
 
 @pytest.mark.gpu

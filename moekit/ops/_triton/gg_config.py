@@ -245,27 +245,6 @@ STREAM_DEEP_K32 = 1
 # (K=8192) T=3072 / 8192 FP8 +4.4 / +6.0%, bf16 T=8192 +7.0%.
 SCATTER_SHORT_K = 1024
 
-# Rows per group from which a scatter-added tiled GEMM (16-bit or FP8 rows, N >= 256) takes 128 x
-# 256 tiles on 16 warps (four warpgroups, 128 registers a thread, the fused tile loop) instead of
-# the 8-warp 64 x 256 ones (knob SCATTER_W16_ROWS, 0: off). Why: the FP8 down GEMMs at T=2048 run
-# at 53% of their floor, bound neither by DRAM (59% of peak) nor by L2's atomic units (12-18% busy)
-# but by what crosses from L2 into the SMs (ncu, H100, session 47: Qwen3-30B 575 MB in 132.5 µs):
-# each weight tile is read once per row tile of its group, 2.5 times at 128 rows per group on
-# 64-row tiles, 1.5 times on 128-row ones (0.71x the bytes, ``scripts/tile_use.py --traffic``).
-# 8 warps cannot hold the 128 x 256 scatter-add on the fused loop (it spills; off the fused loop it
-# lost, session 35); 16 compile for sm_90 with 128 registers, at most one local-memory access in
-# the MMA loops (``tests/ops/_sm90.py``). Not yet timed on a GPU.
-SCATTER_W16_ROWS = 0
-
-# The same 16-warp 128 x 256 tiles for GEMMs that store their rows, from that many rows per group
-# up to the 191 where the 8-warp 128-row tiles take over (knob STORED_W16_ROWS, 0: off; never
-# where FP8_TALL_TILES' or BF16_TALL_TILES' tiles apply). Why: the grouped-GEMM grid's worst cells
-# against MSLK (H100, session 44) are Llama 4's down GEMM at 128 rows per expert, FP8 292.7 µs
-# against 257.3, bf16 1.093x: 64 x 256 tiles whose weight reads (about 2.5 x 671 MB in FP8) cross
-# into the SMs at ~5.7 TB/s, the L2 -> SM rate the bf16 down GEMMs top out at (session 47). Not yet
-# timed on a GPU.
-STORED_W16_ROWS = 0
-
 
 def heuristic_config(
     M: int,
@@ -385,17 +364,6 @@ def heuristic_config(
     if stored_16 and rows_per_group < 96 and K >= 256 and s.knob("BF16_TALL_TILES", BF16_TALL_TILES):
         # The same for 16-bit rows: 128 x 128 x 128, three 64 KB stages (the same bytes per stage).
         return GemmConfig("tiled", 128, 128, 128, 3, 8, flatten=s.gg_flatten)
-    # 16-warp 128 x 256 tiles (knobs SCATTER_W16_ROWS, STORED_W16_ROWS; stored rows only below the
-    # 8-warp 128-row tiles' 192). Three stages and the fused loop's 64 KB epilogue tile: 208 KB.
-    # Stored FP8 off the fused loop: on it that tile spills (80-byte frame, sm_90); the FP8 GEMMs
-    # it reaches have long K (FP8_TALL_TILES takes K <= 1024), so one pipeline fill per tile costs little.
-    if stored:
-        w16_rows = s.knob("STORED_W16_ROWS", STORED_W16_ROWS) if rows_per_group < 192 else 0
-    else:
-        w16_rows = s.knob("SCATTER_W16_ROWS", SCATTER_W16_ROWS)
-    if not w_only and elem <= 2 and N >= 256 and 0 < w16_rows <= rows_per_group:
-        flatten = s.gg_flatten and (not stored or elem == 2)
-        return GemmConfig("tiled", 128, 256, 128 if elem == 1 else 64, 3, 16, flatten=flatten)
     # 128-row tiles from 192 rows per group, but never for a short-K scatter-add (SCATTER_SHORT_K).
     short_scatter = not stored and K <= s.knob("SCATTER_SHORT_K", SCATTER_SHORT_K)
     block_m = 64 if rows_per_group < 192 or short_scatter else 128

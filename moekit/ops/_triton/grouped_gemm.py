@@ -260,15 +260,8 @@ def _launch(x, w, m_sizes, x_scale, w_scale, bias, token_weights, out, scatter_i
         cfg = gemv_config(M, N, K, 1, sms)  # K tiles sized by the 1-byte weights it streams
     if fp8 and not fast_accum and cfg.kind == "tiled" and cfg.block_n > 128:
         cfg = replace(cfg, block_n=128)  # the promoted accumulator needs registers: 128x256 spills
-    if (
-        fp8
-        and scatter
-        and cfg.kind == "tiled"
-        and cfg.flatten
-        and cfg.block_m * cfg.block_n >= 128 * 256
-        and cfg.warps < 16
-    ):
-        cfg = replace(cfg, flatten=False)  # the fused loop's scatter-add epilogue spills FP8 128x256 tiles on 8 warps
+    if fp8 and scatter and cfg.kind == "tiled" and cfg.flatten and cfg.block_m * cfg.block_n >= 128 * 256:
+        cfg = replace(cfg, flatten=False)  # the fused loop's scatter-add epilogue spills FP8 128x256 tiles
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     out_rows = out.shape[0] if scatter else M
     # Placeholder for the pointer arguments a launch does not use: never the output. Under
