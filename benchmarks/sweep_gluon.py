@@ -5,7 +5,8 @@ layer's compute-bound GEMMs.
 
     python benchmarks/sweep_gluon.py [--cases qwen3-w2:8192,...] [--configs 128x256x64b4,128x256x64b3c]
 
-A case is ``name:T[:swiglu][:fp8]`` (``swiglu``, a ``-w13`` shape: the gate/up GEMM with its
+A case is ``name:T[:swiglu][:fp8][:scatter]`` (``scatter``: the rows added into T token rows at
+random indices, both kernels' scatter-add; ``swiglu``, a ``-w13`` shape: the gate/up GEMM with its
 SwiGLU epilogue, rows read by index, against ``grouped_gemm_swiglu``; else the layer's GEMM at T tokens: ``M = T * top-k`` rows spread over the
 experts by a uniform random routing; ``fp8``: row-wise FP8 operands, twice the configs' K tile, cuBLAS
 ``torch._scaled_mm``); a config is ``BMxBNxBK`` ``b<buffers>`` (``c``: the epilogue's rows
@@ -142,7 +143,7 @@ def main() -> int:
             rows.append(_swiglu_case(case, name, int(T), "fp8" in rest, a.swiglu_configs))
             torch.cuda.empty_cache()
             continue
-        fp8 = rest == ["fp8"]
+        fp8, scatter = "fp8" in rest, "scatter" in rest
         G, N, K, k = SHAPES[name]
         M = int(T) * k
         ms = random_m_sizes(M, G, k, device="cuda", seed=0)
@@ -154,10 +155,20 @@ def main() -> int:
             x, xs = quantize_fp8_row(x)
             w, wsc = quantize_fp8_row(w)
             sc = {"x_scale": xs, "w_scale": wsc}
+        if scatter:  # rows added into T token rows (the layer's down projection): both kernels' scatter-add
+            idx = torch.randint(0, int(T), (M,), device="cuda", dtype=torch.int32)
+            y = torch.zeros(int(T), N, device="cuda", dtype=torch.bfloat16)
+            sc_t = dict(sc, out=y, scatter_indices=idx)
+            sc_g = dict(sc, out=y, scatter_indices=idx)
+        else:
+            sc_t = sc_g = sc
         flops = 2.0 * M * N * K
         row = {"case": case, "M": M, "N": N, "K": K, "G": G}
-        want = grouped_gemm(x, w, ms, token_weights=rs, **sc)
-        us = bench_us(lambda: grouped_gemm(x, w, ms, token_weights=rs, **sc), replays=10)
+        if scatter:
+            y.zero_()
+        res = grouped_gemm(x, w, ms, token_weights=rs, **sc_t)  # (None with out: the rows added into y)
+        want = (y if scatter else res).clone()
+        us = bench_us(lambda: grouped_gemm(x, w, ms, token_weights=rs, **sc_t), replays=10)
         row["triton"], row["triton_tf"] = round(us, 1), round(flops / us / 1e6)
         worst = 0.0
         for block, nbuf, co, dp, ws, hv in configs:
@@ -165,13 +176,15 @@ def main() -> int:
             if fp8:  # 128-byte K tiles
                 block = (block[0], block[1], 2 * block[2])
             try:
+                if scatter:
+                    y.zero_()
                 got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws, halves=hv,
-                                         **sc)  # fmt: skip
+                                         **sc_g)  # fmt: skip
                 torch.cuda.synchronize()
                 rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
                 worst = max(worst, rel)
                 us = bench_us(lambda b=block, n=nbuf, c=co, d=dp, v=ws, h=hv: grouped_gemm_gluon(x, w, ms, rs, block=b,
-                              num_buf=n, coalesce=c, depth=d, ws=v, halves=h, **sc), replays=10)  # fmt: skip
+                              num_buf=n, coalesce=c, depth=d, ws=v, halves=h, **sc_g), replays=10)  # fmt: skip
                 row[tag], row[tag + "_tf"] = round(us, 1), round(flops / us / 1e6)
             except Exception as exc:  # a config that does not fit (or FP8 off the warp-specialized kernel)
                 row[tag] = f"{type(exc).__name__}: {str(exc)[:80]}"

@@ -21,7 +21,7 @@ from triton.runtime.jit import mangle_type
 import moekit.ops._triton.gg_gluon as GG
 
 out = []
-for (G, N, K, block, nbuf, co, dp, ws, dt, hv) in json.loads(os.environ["CASES"]):
+for (G, N, K, block, nbuf, co, dp, ws, dt, hv, *sc) in json.loads(os.environ["CASES"]):
     bm, bn, bk = block
     tdt, gdt = (torch.float8_e4m3fn, gl.float8e4nv) if dt == "fp8" else (torch.bfloat16, gl.bfloat16)
     x = torch.empty((4096, K), dtype=tdt, device="meta")
@@ -32,10 +32,10 @@ for (G, N, K, block, nbuf, co, dp, ws, dt, hv) in json.loads(os.environ["CASES"]
     kernel = GG._gg_gluon_ws_kernel if ws else GG._gg_gluon_kernel
     sig = {"x_desc": mangle_type(xd), "w_desc": mangle_type(wd), "y_ptr": "*bf16", "rs_ptr": "*fp32"}
     if ws:
-        sig.update(xs_ptr="*fp32", ws_ptr="*fp32")
+        sig.update(xs_ptr="*fp32", ws_ptr="*fp32", idx_ptr="*i32")
     sig.update(m_sizes_ptr="*i32", M="i32", N="i32", K="i32", G="i32", stride_ym="i32")
     consts = {"HAS_RS": True, "G_BLOCK": max(32, triton.next_power_of_2(G)), "NUM_BUF": nbuf}
-    consts.update(HALVES=hv) if ws else consts.update(COALESCE=co, DEPTH=dp)
+    consts.update(HALVES=hv, SCATTER=bool(sc and sc[0])) if ws else consts.update(COALESCE=co, DEPTH=dp)
     consts["num_warps"] = 4 if hv else 8
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
@@ -58,6 +58,8 @@ for (G, N, K, block, nbuf, co, dp, ws, dt, hv) in json.loads(os.environ["CASES"]
                                os.path.join(d, "k.o")], capture_output=True, text=True).stderr
     out.append({"shared": int(c.metadata.shared), "stack": int(st.group(1)) if st else None,
                 "loop_spills": sass_loop_spills(sass), "serialized": "C7512" in info,
+                "adds": {op: sum(op + ".E.ADD" in ln for ln in sass) for op in ("ATOMG", "REDG")},
+                "redg_bf16x8": sum("REDG.E.ADD.BF16x8" in ln for ln in sass),
                 "wgmma": ptx.count("wgmma.mma_async"), "fp8_wgmma": ptx.count(".e4m3.e4m3"),
                 "tma": ptx.count("cp.async.bulk.tensor"), "setmaxnreg": ptx.count("setmaxnreg")})
 print("@@" + json.dumps(out))
@@ -78,6 +80,10 @@ CASES = [
     (128, 2048, 768, (128, 256, 64), 3, True, 1, True, "bf16", True),
     (128, 2048, 768, (128, 256, 128), 3, True, 1, True, "fp8", True),
     (128, 2048, 768, (128, 256, 32), 6, True, 1, True, "bf16", True),
+    # (the rows added at their token indices: the layer's down projection summed into its tokens)
+    (128, 2048, 768, (128, 256, 128), 3, True, 1, True, "fp8", False, True),
+    (256, 7168, 256, (128, 256, 128), 3, True, 1, True, "fp8", True, True),
+    (128, 2048, 768, (128, 256, 64), 3, True, 1, True, "bf16", False, True),
 ]
 
 
@@ -311,3 +317,65 @@ def layer_reference(x, logits, w13, w2, kw, k: int = 8):
 
     return ref.moe_decode(x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), torch.zeros(x.shape).bfloat16(), top_k=k,
                           score_func="softmax", renormalize=True, **{n: v.cpu() for n, v in kw.items()})  # fmt: skip
+
+
+@pytest.mark.reference
+def test_scatter_errors_name_what_was_expected():
+    """``scatter_indices`` needs the warp-specialized kernel, an ``out [T, N]`` in the rows' output
+    dtype and int32 indices, one per row."""
+    from moekit.ops._triton.gg_gluon import grouped_gemm_gluon
+
+    ms = torch.tensor([2, 2], dtype=torch.int32)
+    x, w = torch.zeros(4, 16).bfloat16(), torch.zeros(8, 16).bfloat16()
+    idx = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="ws=True"):
+        grouped_gemm_gluon(x, w, ms, out=torch.zeros(3, 4).bfloat16(), scatter_indices=idx, ws=False)
+    with pytest.raises(ValueError, match=r"out \[T, 4\] torch.bfloat16.*got None"):
+        grouped_gemm_gluon(x, w, ms, scatter_indices=idx)
+    with pytest.raises(ValueError, match=r"out \[T, 4\] torch.bfloat16.*got \(3, 4\) torch.float32"):
+        grouped_gemm_gluon(x, w, ms, out=torch.zeros(3, 4), scatter_indices=idx)
+    with pytest.raises(ValueError, match=r"int32 \[4\], got torch.int64 \(4,\)"):
+        grouped_gemm_gluon(x, w, ms, out=torch.zeros(3, 4).bfloat16(), scatter_indices=idx.long())
+    x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"out \[T, 4\] torch.bfloat16"):  # FP8 rows add into bf16
+        grouped_gemm_gluon(x8, w8, ms, out=torch.zeros(3, 4).half(), scatter_indices=idx, x_scale=torch.ones(4),
+                           w_scale=torch.ones(8))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("halves", [False, True])
+def test_gpu_scatter_matches_the_triton_kernel(fp8, halves):
+    """The store warps' scatter-add: Qwen3-30B's down projection at T=1024 (128 experts, ragged
+    groups, every program over several tiles, router weights on the rows) and a small ragged case
+    (N and K off the tile, empty groups, dropped rows: index -1) added into a non-zero ``out``,
+    against the library's Triton scatter-add on the same operands."""
+    from moekit.ops._triton.gg_gluon import grouped_gemm_gluon
+    from moekit.ops._triton.grouped_gemm import grouped_gemm
+    from moekit.reference.quantize import quantize_fp8_row
+    from moekit.testing.data import random_m_sizes
+
+    torch.manual_seed(3)
+    for G, N, K, T, ms in [
+        (128, 2048, 768, 1024, random_m_sizes(8192, 128, 8, seed=5)),
+        (6, 200, 272, 150, torch.tensor([0, 300, 5, 0, 129, 64], dtype=torch.int32)),
+    ]:
+        M = int(ms.sum())
+        x = torch.randn(M, K)
+        w = torch.randn(G * N, K) / K**0.5
+        idx = torch.randint(0, T, (M,), dtype=torch.int32)
+        idx[::7] = -1
+        rs = torch.rand(M) + 0.5
+        if fp8:
+            (x, xs), (w, wsc) = quantize_fp8_row(x), quantize_fp8_row(w)
+            scales = dict(x_scale=xs.cuda(), w_scale=wsc.cuda())
+        else:
+            x, w, scales = x.bfloat16(), w.bfloat16(), {}
+        x, w, ms, idx, rs = (t.cuda() for t in (x, w, ms, idx, rs))
+        out0 = torch.randn(T, N, device="cuda").bfloat16()
+        want = out0.clone()
+        grouped_gemm(x, w, ms, token_weights=rs, out=want, scatter_indices=idx, **scales)
+        got = out0.clone()
+        res = grouped_gemm_gluon(x, w, ms, rs, out=got, scatter_indices=idx, halves=halves, **scales)
+        assert res is got
+        assert_close(got.float(), want.float(), tol=2e-2, msg=f"G={G} N={N} K={K} halves={halves}")

@@ -43,6 +43,14 @@ Session 33 (H100, HISTORY run 1): FP8 rows 7.1% ahead of the Triton kernel (Qwen
 projection at T=8192: 250.3 against 269.5 µs; cuBLAS 213.9); the halves form 1.4% ahead of the
 cooperative one on Qwen3's bf16 down GEMM (364.2 against 369.2) but 3.8% behind on DeepSeek's
 (K = 256: 743.9 against 716.5), so it stays a choice (``halves=True``, knob ``GLUON_DOWN=2``).
+
+Scatter-add (``scatter_indices``, session 48): the store warps add a finished tile's rows into
+their tokens' rows (relaxed 16-byte bf16 reductions) while the MMA warps run the next tile. Written
+to test whether the Triton kernel's scatter-add epilogue, which stops its MMAs, is what keeps the
+FP8 down GEMMs at T=2048 at about half their floor. It is not: the adds cost the same ~16-20% in
+both kernels (H100, ``sweep_gluon.py``, µs, stored rows -> added rows: Qwen3-30B FP8 T=2048 Triton
+108.2 -> 129.1, Gluon 112.1 -> 135.8; DeepSeek-V3 TP8 FP8 Triton 296.0 added, Gluon 318.6, halves
+308.1), and the layer with it was level to 6% slower, so the layer keeps the Triton kernel.
 """
 
 from __future__ import annotations
@@ -385,9 +393,12 @@ def _ws_load(x_desc, w_desc, a_bufs, b_bufs, tab, ready, empty, N, K):
 
 
 @gluon.jit
-def _ws_store(c_smem, tab, c_ready, c_empty, y_ptr, N, stride_ym):
+def _ws_store(c_smem, tab, c_ready, c_empty, y_ptr, idx_ptr, N, stride_ym, scatter):
     """The store warps: each finished tile from the staging buffer to its rows, masked at its
-    group's end, 8 rows (one swizzle period) at a time; then the buffer is the MMA warps' again."""
+    group's end, 8 rows (one swizzle period) at a time; then the buffer is the MMA warps' again.
+    ``scatter`` (nonzero; a value, not a constexpr: worker partitions take none): row ``m`` is
+    added (relaxed atomics, 16 bytes a thread) into output row ``idx[m]`` instead, rows with a
+    negative index dropped, the adds of one tile running under the next tile's MMAs."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     BLOCK_N: gl.constexpr = c_smem.type.shape[1]
     NW: gl.constexpr = 2
@@ -398,13 +409,20 @@ def _ws_store(c_smem, tab, c_ready, c_empty, y_ptr, N, stride_ym):
     for j in range(_tiles_of(tab, NW)):
         g, m0, m_end, n0 = _tile_from(tab, pid + j * progs, BLOCK_M, BLOCK_N, NW)
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_l))
+        n_ok = (offs_n < N)[None, :]
         mbarrier.wait(c_ready, j & 1)
         for r in gl.static_range(0, BLOCK_M, CH):
             if m0 + r < m_end:  # (chunks past the group's end: nothing to write, maybe nothing staged)
                 v = c_smem.slice(r, CH).load(rows_l)
                 offs_m = m0 + r + gl.arange(0, CH, layout=gl.SliceLayout(1, rows_l))
-                ptrs = y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
-                gl.store(ptrs, v, mask=(offs_m < m_end)[:, None] & (offs_n < N)[None, :])
+                m_ok = offs_m < m_end
+                if scatter != 0:
+                    dst = gl.load(idx_ptr + offs_m, mask=m_ok, other=-1)
+                    ptrs = y_ptr + dst.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
+                    gl.atomic_add(ptrs, v, mask=(dst >= 0)[:, None] & n_ok, sem="relaxed")
+                else:
+                    ptrs = y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
+                    gl.store(ptrs, v, mask=m_ok[:, None] & n_ok)
         mbarrier.arrive(c_empty, count=1)
 
 
@@ -529,6 +547,7 @@ def _gg_gluon_ws_kernel(
     rs_ptr,
     xs_ptr,
     ws_ptr,
+    idx_ptr,
     m_sizes_ptr,
     M,
     N,
@@ -539,6 +558,7 @@ def _gg_gluon_ws_kernel(
     G_BLOCK: gl.constexpr,
     NUM_BUF: gl.constexpr,
     HALVES: gl.constexpr,
+    SCATTER: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -557,7 +577,7 @@ def _gg_gluon_ws_kernel(
     tab = _table_smem(m_sizes_ptr, M, N, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
     worker = (x_desc, w_desc, a_bufs, b_bufs, tab, ready, empty, N, K)
     mma_args = (a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K)
-    store = (c_smem, tab, c_ready, c_empty, y_ptr, N, stride_ym)
+    store = (c_smem, tab, c_ready, c_empty, y_ptr, idx_ptr, N, stride_ym, 1 if SCATTER else 0)
     if HALVES:  # one warpgroup per 64-row half: this one (4 warps) and a worker of 4 at the same budget
         if HAS_RS:
             gl.warp_specialize([(_ws_lo_scaled, mma_args), (_ws_hi_scaled, mma_args), (_ws_load, worker),
@@ -590,6 +610,7 @@ def grouped_gemm_gluon(
     x_scale: Optional[torch.Tensor] = None,
     w_scale: Optional[torch.Tensor] = None,
     halves: bool = False,
+    scatter_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``y [M, N]`` (``out`` when given): ``y[m] = (x[m] @ w_g.T) * row_scales[m]`` for the rows of
     group ``g`` (``m_sizes [G]`` int32 row counts, rows in group order), ``w [G * N, K]``; rows past
@@ -604,7 +625,12 @@ def grouped_gemm_gluon(
     warp-specialized kernel (TMA warps, the two MMA warpgroups, store warps; ``num_buf`` operand
     stages, 3 at most at 128 x 256 x 64; ``coalesce`` and ``depth`` do not apply). ``halves``
     (warp-specialized, 128-row tiles): each MMA warpgroup its own partition with one 64-row half
-    of the tile, so a group's last row tile with at most 64 rows runs half its MMAs."""
+    of the tile, so a group's last row tile with at most 64 rows runs half its MMAs.
+
+    ``scatter_indices [M]`` (int32, warp-specialized kernel): row ``m`` is added into row
+    ``scatter_indices[m]`` of ``out [T, N]`` (required; bf16 for FP8 rows, else ``x``'s dtype)
+    by relaxed atomics, negative indices dropped (the layer's down projection summed into its
+    tokens; the order of the adds, and so the rounding, is not fixed). ``out`` is returned."""
     fp8 = x.dtype == torch.float8_e4m3fn
     if fp8:
         if w.dtype != x.dtype:
@@ -627,7 +653,21 @@ def grouped_gemm_gluon(
             f"grouped_gemm_gluon: x_scale must be [{M}] and w_scale [{G * N}], got "
             f"{tuple(x_scale.shape)} and {tuple(w_scale.shape)}"
         )
-    y = out if out is not None else torch.empty((M, N), dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
+    y_dtype = torch.bfloat16 if fp8 else x.dtype
+    if scatter_indices is not None:
+        if not ws:
+            raise ValueError("grouped_gemm_gluon: scatter_indices runs on the warp-specialized kernel only (ws=True)")
+        if out is None or out.dim() != 2 or out.shape[1] != N or out.dtype != y_dtype or out.stride(1) != 1:
+            got = None if out is None else f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}"
+            raise ValueError(
+                f"grouped_gemm_gluon: scatter_indices needs out [T, {N}] {y_dtype} with unit column stride, got {got}"
+            )
+        if scatter_indices.dtype != torch.int32 or tuple(scatter_indices.shape) != (M,):
+            raise ValueError(
+                f"grouped_gemm_gluon: scatter_indices must be int32 [{M}], got {scatter_indices.dtype} "
+                f"{tuple(scatter_indices.shape)}"
+            )
+    y = out if out is not None else torch.empty((M, N), dtype=y_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     bm, bn, bk = block or ((128, 256, 128) if fp8 else (128, 256, 64))
@@ -642,9 +682,10 @@ def grouped_gemm_gluon(
     rs = row_scales if row_scales is not None else ph
     if ws:
         _gg_gluon_ws_kernel[(num_sms(x.device),)](
-            x_desc, w_desc, y, rs, x_scale if fp8 else ph, w_scale if fp8 else ph, m_sizes, M, N, K, G, y.stride(0),
+            x_desc, w_desc, y, rs, x_scale if fp8 else ph, w_scale if fp8 else ph,
+            scatter_indices if scatter_indices is not None else m_sizes, m_sizes, M, N, K, G, y.stride(0),
             HAS_RS=row_scales is not None, G_BLOCK=max(32, next_pow2(G)), NUM_BUF=num_buf, HALVES=bool(halves),
-            num_warps=4 if halves else 8,
+            SCATTER=scatter_indices is not None, num_warps=4 if halves else 8,
         )  # fmt: skip
         return y
     _gg_gluon_kernel[(num_sms(x.device),)](
