@@ -106,7 +106,7 @@ def test_errors_name_what_was_expected():
 def test_kernel_compiles_for_sm90_without_spills():
     """Every benchmarked tile compiles through ptxas for sm_90 with no stack, within one block's
     227 KB of shared memory, its MMAs as wgmma and its loads as TMA copies; the warp-specialized
-    kernel's partitions with their own register budgets."""
+    kernel's partitions with their own register budgets; its scatter-add as ``REDG.E.ADD.BF16x8``."""
     from tests.ops._sm90 import run_compile_script
 
     recs = run_compile_script(_COMPILE, CASES)
@@ -121,6 +121,10 @@ def test_kernel_compiles_for_sm90_without_spills():
         assert (r["fp8_wgmma"] > 0) == (case[8] == "fp8"), (case, r)
         assert r["shared"] <= 227 * 1024, (case, r)
         assert r["wgmma"] > 0 and r["tma"] > 0, (case, r)
+        # rows added at their indices: fire-and-forget 16-byte bf16 reductions, none read back
+        scatter = len(case) > 10 and case[10]
+        assert (r["adds"]["REDG"] > 0) == scatter and r["adds"]["ATOMG"] == 0, (case, r)
+        assert not scatter or r["redg_bf16x8"] == r["adds"]["REDG"], (case, r)
 
 
 def _reference(x, w, ms, rs):

@@ -393,12 +393,12 @@ def _ws_load(x_desc, w_desc, a_bufs, b_bufs, tab, ready, empty, N, K):
 
 
 @gluon.jit
-def _ws_store(c_smem, tab, c_ready, c_empty, y_ptr, idx_ptr, N, stride_ym, scatter):
+def _ws_out(c_smem, tab, c_ready, c_empty, y_ptr, idx_ptr, N, stride_ym, SCATTER: gl.constexpr):
     """The store warps: each finished tile from the staging buffer to its rows, masked at its
     group's end, 8 rows (one swizzle period) at a time; then the buffer is the MMA warps' again.
-    ``scatter`` (nonzero; a value, not a constexpr: worker partitions take none): row ``m`` is
-    added (relaxed atomics, 16 bytes a thread) into output row ``idx[m]`` instead, rows with a
-    negative index dropped, the adds of one tile running under the next tile's MMAs."""
+    ``SCATTER`` (``_ws_store_add``): row ``m`` is added (relaxed atomics, 16 bytes a thread) into
+    output row ``idx[m]`` instead, rows with a negative index dropped, the adds of one tile running
+    under the next tile's MMAs."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     BLOCK_N: gl.constexpr = c_smem.type.shape[1]
     NW: gl.constexpr = 2
@@ -416,7 +416,7 @@ def _ws_store(c_smem, tab, c_ready, c_empty, y_ptr, idx_ptr, N, stride_ym, scatt
                 v = c_smem.slice(r, CH).load(rows_l)
                 offs_m = m0 + r + gl.arange(0, CH, layout=gl.SliceLayout(1, rows_l))
                 m_ok = offs_m < m_end
-                if scatter != 0:
+                if SCATTER:
                     dst = gl.load(idx_ptr + offs_m, mask=m_ok, other=-1)
                     ptrs = y_ptr + dst.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
                     gl.atomic_add(ptrs, v, mask=(dst >= 0)[:, None] & n_ok, sem="relaxed")
@@ -424,6 +424,16 @@ def _ws_store(c_smem, tab, c_ready, c_empty, y_ptr, idx_ptr, N, stride_ym, scatt
                     ptrs = y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
                     gl.store(ptrs, v, mask=m_ok[:, None] & n_ok)
         mbarrier.arrive(c_empty, count=1)
+
+
+@gluon.jit
+def _ws_store(c_smem, tab, c_ready, c_empty, y_ptr, N, stride_ym):
+    _ws_out(c_smem, tab, c_ready, c_empty, y_ptr, y_ptr, N, stride_ym, False)
+
+
+@gluon.jit
+def _ws_store_add(c_smem, tab, c_ready, c_empty, y_ptr, idx_ptr, N, stride_ym):
+    _ws_out(c_smem, tab, c_ready, c_empty, y_ptr, idx_ptr, N, stride_ym, True)
 
 
 @gluon.jit
@@ -577,18 +587,34 @@ def _gg_gluon_ws_kernel(
     tab = _table_smem(m_sizes_ptr, M, N, G, G_BLOCK, BLOCK_M, BLOCK_N, num_warps)
     worker = (x_desc, w_desc, a_bufs, b_bufs, tab, ready, empty, N, K)
     mma_args = (a_bufs, b_bufs, c_smem, tab, ready, empty, c_ready, c_empty, rs_ptr, xs_ptr, ws_ptr, N, K)
-    store = (c_smem, tab, c_ready, c_empty, y_ptr, idx_ptr, N, stride_ym, 1 if SCATTER else 0)
+    # The store warps: rows stored, or added at their indices (one function each: a worker partition
+    # takes no constexpr, nor can a function be chosen into a variable, so each launch is spelled out).
+    st = (c_smem, tab, c_ready, c_empty, y_ptr, N, stride_ym)
+    add = (c_smem, tab, c_ready, c_empty, y_ptr, idx_ptr, N, stride_ym)
     if HALVES:  # one warpgroup per 64-row half: this one (4 warps) and a worker of 4 at the same budget
         if HAS_RS:
-            gl.warp_specialize([(_ws_lo_scaled, mma_args), (_ws_hi_scaled, mma_args), (_ws_load, worker),
-                                (_ws_store, store)], [4, 2, 2], [232, 48, 48])  # fmt: skip
+            if SCATTER:
+                gl.warp_specialize([(_ws_lo_scaled, mma_args), (_ws_hi_scaled, mma_args), (_ws_load, worker),
+                                    (_ws_store_add, add)], [4, 2, 2], [232, 48, 48])  # fmt: skip
+            else:
+                gl.warp_specialize([(_ws_lo_scaled, mma_args), (_ws_hi_scaled, mma_args), (_ws_load, worker),
+                                    (_ws_store, st)], [4, 2, 2], [232, 48, 48])  # fmt: skip
         else:
-            gl.warp_specialize([(_ws_lo_plain, mma_args), (_ws_hi_plain, mma_args), (_ws_load, worker),
-                                (_ws_store, store)], [4, 2, 2], [232, 48, 48])  # fmt: skip
+            if SCATTER:
+                gl.warp_specialize([(_ws_lo_plain, mma_args), (_ws_hi_plain, mma_args), (_ws_load, worker),
+                                    (_ws_store_add, add)], [4, 2, 2], [232, 48, 48])  # fmt: skip
+            else:
+                gl.warp_specialize([(_ws_lo_plain, mma_args), (_ws_hi_plain, mma_args), (_ws_load, worker),
+                                    (_ws_store, st)], [4, 2, 2], [232, 48, 48])  # fmt: skip
     elif HAS_RS:
-        gl.warp_specialize([(_ws_mma_scaled, mma_args), (_ws_load, worker), (_ws_store, store)], [2, 2], [48, 48])
+        if SCATTER:
+            gl.warp_specialize([(_ws_mma_scaled, mma_args), (_ws_load, worker), (_ws_store_add, add)], [2, 2], [48, 48])
+        else:
+            gl.warp_specialize([(_ws_mma_scaled, mma_args), (_ws_load, worker), (_ws_store, st)], [2, 2], [48, 48])
+    elif SCATTER:
+        gl.warp_specialize([(_ws_mma_plain, mma_args), (_ws_load, worker), (_ws_store_add, add)], [2, 2], [48, 48])
     else:
-        gl.warp_specialize([(_ws_mma_plain, mma_args), (_ws_load, worker), (_ws_store, store)], [2, 2], [48, 48])
+        gl.warp_specialize([(_ws_mma_plain, mma_args), (_ws_load, worker), (_ws_store, st)], [2, 2], [48, 48])
     _ws_invalidate(ready, empty, c_ready, c_empty)
 
 
