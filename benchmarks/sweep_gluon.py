@@ -158,17 +158,14 @@ def main() -> int:
         if scatter:  # rows added into T token rows (the layer's down projection): both kernels' scatter-add
             idx = torch.randint(0, int(T), (M,), device="cuda", dtype=torch.int32)
             y = torch.zeros(int(T), N, device="cuda", dtype=torch.bfloat16)
-            sc_t = dict(sc, out=y, scatter_indices=idx)
-            sc_g = dict(sc, out=y, scatter_indices=idx)
-        else:
-            sc_t = sc_g = sc
+            sc = dict(sc, out=y, scatter_indices=idx)  # (the same arguments in both kernels)
         flops = 2.0 * M * N * K
         row = {"case": case, "M": M, "N": N, "K": K, "G": G}
         if scatter:
             y.zero_()
-        res = grouped_gemm(x, w, ms, token_weights=rs, **sc_t)  # (None with out: the rows added into y)
+        res = grouped_gemm(x, w, ms, token_weights=rs, **sc)  # (None with out: the rows added into y)
         want = (y if scatter else res).clone()
-        us = bench_us(lambda: grouped_gemm(x, w, ms, token_weights=rs, **sc_t), replays=10)
+        us = bench_us(lambda: grouped_gemm(x, w, ms, token_weights=rs, **sc), replays=10)
         row["triton"], row["triton_tf"] = round(us, 1), round(flops / us / 1e6)
         worst = 0.0
         for block, nbuf, co, dp, ws, hv in configs:
@@ -179,12 +176,12 @@ def main() -> int:
                 if scatter:
                     y.zero_()
                 got = grouped_gemm_gluon(x, w, ms, rs, block=block, num_buf=nbuf, coalesce=co, depth=dp, ws=ws, halves=hv,
-                                         **sc_g)  # fmt: skip
+                                         **sc)  # fmt: skip
                 torch.cuda.synchronize()
                 rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
                 worst = max(worst, rel)
                 us = bench_us(lambda b=block, n=nbuf, c=co, d=dp, v=ws, h=hv: grouped_gemm_gluon(x, w, ms, rs, block=b,
-                              num_buf=n, coalesce=c, depth=d, ws=v, halves=h, **sc_g), replays=10)  # fmt: skip
+                              num_buf=n, coalesce=c, depth=d, ws=v, halves=h, **sc), replays=10)  # fmt: skip
                 row[tag], row[tag + "_tf"] = round(us, 1), round(flops / us / 1e6)
             except Exception as exc:  # a config that does not fit (or FP8 off the warp-specialized kernel)
                 row[tag] = f"{type(exc).__name__}: {str(exc)[:80]}"

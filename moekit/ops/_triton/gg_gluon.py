@@ -47,8 +47,8 @@ cooperative one on Qwen3's bf16 down GEMM (364.2 against 369.2) but 3.8% behind 
 Scatter-add (``scatter_indices``, session 48): the store warps add a finished tile's rows into
 their tokens' rows (relaxed 16-byte bf16 reductions) while the MMA warps run the next tile. Written
 to test whether the Triton kernel's scatter-add epilogue, which stops its MMAs, is what keeps the
-FP8 down GEMMs at T=2048 at about half their floor. It is not: the adds cost the same ~16-20% in
-both kernels (H100, ``sweep_gluon.py``, µs, stored rows -> added rows: Qwen3-30B FP8 T=2048 Triton
+FP8 down GEMMs at T=2048 at about half their floor. It is not: the adds cost the same ~20% (21-24
+µs) in both kernels (H100, ``sweep_gluon.py``, µs, stored rows -> added rows: Qwen3-30B FP8 T=2048 Triton
 108.2 -> 129.1, Gluon 112.1 -> 135.8; DeepSeek-V3 TP8 FP8 Triton 296.0 added, Gluon 318.6, halves
 308.1), and the layer with it was level to 6% slower, so the layer keeps the Triton kernel.
 """
