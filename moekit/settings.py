@@ -154,6 +154,8 @@ class Settings:
     #                                     weight tiles per choice, 512-wide F, 3 stages)     True
     #   SWIGLU_PTR_PAIR                   gg_swiglu (the paired gate|up tile also through
     #                                     pointers, where no TMA descriptor is taken)        True
+    #   SWIGLU_PAIR_MIX                   gg_swiglu (the paired tile's gate and up rows mixed
+    #                                     in blocks of BN/2: the split stays in registers)   True
     #   GG_DEVICE_TMA                     grouped_gemm + gg_swiglu (TMA descriptors made in the
     #                                     kernel: 0 never, 1 the tiled kernels under tracing
     #                                     (torch.compile), 2 every TMA launch, 3 every
@@ -192,7 +194,7 @@ KNOBS = (
     "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES", "SCATTER_SHORT_K",
     "BF16_TALL_TILES", "NARROW_TILES_WAVES", "STREAM_DEEP_K", "FP8_TALL_SHORT_K",
     "STREAM_DEEP_K32", "COMBINE_FEW_4KB", "SWIGLU_PTR_PAIR", "GG_DEVICE_TMA",
-    "GG_TRACED_HOST",
+    "GG_TRACED_HOST", "SWIGLU_PAIR_MIX",
 )  # fmt: skip
 
 

@@ -211,6 +211,48 @@ def test_interp_swiglu_pair_through_pointers(pin_knobs, w_kind, flatten):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("w_kind", ["same", "fp8", "fp8x"])
+@pytest.mark.parametrize("F", [32, 20], ids=["whole_blocks", "ragged_block"])
+def test_interp_swiglu_pair_mixed_order(pin_knobs, w_kind, F):
+    """Knob ``SWIGLU_PAIR_MIX``: the paired tile's gate and up rows in blocks of BN / 2 (host
+    descriptor of the ``[G, F / h, 2, h, K]`` view, the descriptor made in the kernel, and masked
+    pointers) compute bit for bit what the ``[gate | up]`` order does, and the reference's values;
+    with F not a multiple of h = 8 the TMA paths keep the plain order (the view's last block would
+    run into the up rows) while the pointer path mixes (its rows past F masked)."""
+    from moekit import settings
+    from moekit.ops._triton import gg_swiglu as SW
+    from moekit.ops._triton.gg_config import GemmConfig
+
+    T, k, G, K = 20, 3, 3, 48
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, K, torch.float16, w_kind, seed=29)
+    cfg = GemmConfig("tiled", 16, 16, 16, 2, 4, group_m=2, use_tma=True, flatten=True)
+    want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    ok = _valid_rows(gi, T)
+    mixes = []
+    orig_launch = SW.launch
+
+    def spy(kernel):
+        launcher = orig_launch(kernel)
+        return type("L", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
+            mixes.append(kw.get("MIX")), launcher[grid](*a, **kw))[1]})()  # fmt: skip
+
+    SW.launch = spy
+    try:
+        for path, knobs, tma in (("host", {}, True), ("device", {"GG_DEVICE_TMA": 2}, True),
+                                 ("pointers", {}, False)):  # fmt: skip
+            got = {}
+            for mix in (False, True):
+                pin_knobs(SWIGLU_PAIR=True, SWIGLU_PAIR_MIX=mix, **knobs)
+                with settings.override(gg_tma=tma):
+                    got[mix] = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=cfg)
+            assert mixes[-2:] == [False, F % 8 == 0 or not tma], (path, mixes)
+            assert torch.equal(got[True][ok], got[False][ok]), path
+            assert_close(got[True][ok].float(), want[ok].float(), tol=1e-2 if w_kind == "fp8x" else 2e-3)
+    finally:
+        SW.launch = orig_launch
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("w_kind", ["same", "fp8x"])
 @pytest.mark.parametrize("case", ["pair_by_index", "pair_in_order", "two_mmas_in_order", "stream"])
 def test_interp_swiglu_descriptors_made_in_the_kernel(pin_knobs, w_kind, case):
@@ -874,6 +916,33 @@ def test_gpu_swiglu_pair_through_pointers(shape, w_kind, cuda):
     assert_close(ptr[ok].float(), want[ok].float(), tol=1e-2)
     assert_close(two[ok].float(), want[ok].float(), tol=1e-2)
     assert torch.equal(ptr[ok], tma[ok])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_kind", ["same", "fp8x"])
+@pytest.mark.parametrize("shape", [(1024, 8, 128, 768, 2048), (2048, 8, 128, 768, 2048), (1024, 1, 4, 8192, 5120),
+                                   (2048, 8, 64, 256, 7168)],
+                         ids=["qwen3-64rows", "qwen3-128rows", "llama4", "deepseek"])  # fmt: skip
+def test_gpu_swiglu_pair_mixed_order_same_bits(shape, w_kind, cuda):
+    """Knob ``SWIGLU_PAIR_MIX`` (the paired tile's rows through the ``[G, F / h, 2, h, K]`` view's
+    descriptor, whose strides do not fall with the dimensions; made on the host, in the kernel, or
+    rows through pointers): the same bits as the ``[gate | up]`` order on the rule's tiles (64-row
+    fused-loop ones, 128-row ones), and the reference's values."""
+    from moekit import settings
+
+    T, k, G, F, D = shape
+    x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, D, torch.bfloat16, w_kind, seed=T + 13, device=cuda)
+    args = dict(gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+    ok = _valid_rows(gi, T)
+    want = ref.grouped_gemm_swiglu(x, w, ms, **args)
+    for name, over in (("host", {}), ("device", {"knobs": {"GG_DEVICE_TMA": 2}}), ("pointers", {"gg_tma": False})):
+        got = {}
+        for mix in (False, True):
+            knobs = {"SWIGLU_PAIR": True, "SWIGLU_PAIR_MIX": mix, **over.get("knobs", {})}
+            with settings.override(knobs=knobs, **{k_: v for k_, v in over.items() if k_ != "knobs"}):
+                got[mix] = grouped_gemm_swiglu(x, w, ms, **args)
+        assert torch.equal(got[True][ok], got[False][ok]), name
+        assert_close(got[True][ok].float(), want[ok].float(), tol=1e-2)
 
 
 @pytest.mark.gpu

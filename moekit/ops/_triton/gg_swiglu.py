@@ -278,18 +278,21 @@ def _swiglu_stream_kernel(
 def _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate, gate_row0, up_row0, n_mask,
                  W_CAST: tl.constexpr, USE_TMA: tl.constexpr, FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, X_TMA: tl.constexpr,
-                 PAIR: tl.constexpr):  # fmt: skip
+                 PAIR: tl.constexpr, MIX: tl.constexpr = False):  # fmt: skip
     """A tiled tile's float32 gate and up accumulators ``[BLOCK_M, BLOCK_N]`` over the whole K:
     the row tile (``x_rows`` pointers, or rows from ``m0`` through the descriptor ``x_ptr`` with
     ``X_TMA``) against the gate and up weight tiles (one ``[2 BN, BK]`` descriptor load and one
-    MMA with ``PAIR``, split at the end)."""
+    MMA with ``PAIR``, split at the end). ``MIX`` (with ``PAIR``): the paired tile's rows in
+    blocks of ``BLOCK_N // 2`` gate rows then the same columns' up rows (``_pair_order``), not all
+    gate rows then all up rows: a column's gate and up sums then sit in one thread's registers
+    and the split moves no data."""
     if PAIR:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        # Without TMA the same [gate | up] tile through masked pointers: rows gate_row0 + j, then
-        # up_row0 + j (j < BLOCK_N), the columns past F masked.
-        half = tl.arange(0, 2 * BLOCK_N) % BLOCK_N
-        pair_rows = gate_row0.to(tl.int64) + half + tl.where(tl.arange(0, 2 * BLOCK_N) < BLOCK_N, 0, F)
-        pair_ok = (n0 + half) < F
+        # Without TMA the same tile through masked pointers: each of its 2 BN rows is the weight
+        # row gate_row0 + j (gate) or gate_row0 + F + j (up), the columns j past F masked.
+        j, up_half = _pair_order(BLOCK_N, MIX)
+        pair_rows = gate_row0.to(tl.int64) + j + up_half * F
+        pair_ok = (n0 + j) < F
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -301,7 +304,9 @@ def _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate,
         else:
             a = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_mask[None, :], other=0.0)
         if PAIR:  # gate and up rows in one tile, one MMA
-            if USE_TMA:
+            if USE_TMA and MIX:  # [G, F / (BN/2), 2, BN/2, K] view: (column block, gate|up, row)
+                wgu = tl.reshape(w_ptr.load([g, n0 // (BLOCK_N // 2), 0, 0, k0]), [2 * BLOCK_N, BLOCK_K])
+            elif USE_TMA:
                 wgu = tl.reshape(w_ptr.load([g, 0, n0, k0]), [2 * BLOCK_N, BLOCK_K])
             else:
                 wgu = tl.load(w_ptr + pair_rows[:, None] * stride_wn + offs_k[None, :],
@@ -324,19 +329,45 @@ def _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate,
             else:
                 acc_g = tl.dot(a, tl.trans(wg), acc_g, max_num_imprecise_acc=BLOCK_K)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, max_num_imprecise_acc=BLOCK_K)
-    if PAIR:  # columns [gate | up] of the one accumulator
+    if PAIR and MIX:  # columns (block b, gate|up h, j) -> output column b * BN/2 + j, h last
+        acc = tl.permute(tl.reshape(acc, [BLOCK_M, 2, 2, BLOCK_N // 2]), [0, 1, 3, 2])
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    elif PAIR:  # columns [gate | up] of the one accumulator
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
     return acc_g, acc_u
 
 
 @triton.jit
-def _pair_descriptor(w_ptr, F, K, G, stride_wn, MAKE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _pair_order(BLOCK_N: tl.constexpr, MIX: tl.constexpr):
+    """The paired tile's ``2 * BLOCK_N`` rows: per row, its column ``j`` (< ``BLOCK_N``) and
+    whether it is the up row (1) or the gate row (0). Plain: ``[gate 0..BN-1 | up 0..BN-1]``.
+    ``MIX``: ``[gate 0..h-1 | up 0..h-1 | gate h..2h-1 | up h..2h-1]`` (h = BN/2). The MMA's
+    accumulator spreads its columns over registers within 64-column spans and over the two
+    warpgroups of an 8-warp 64-row tile across them, so only the mixed order keeps a column's
+    gate and up sums in one thread (sm_90 TTGIR: no ``convert_layout`` before the split)."""
+    i = tl.arange(0, 2 * BLOCK_N)
+    if MIX:
+        h: tl.constexpr = BLOCK_N // 2
+        return (i // BLOCK_N) * h + i % h, (i // h) % 2
+    return i % BLOCK_N, i // BLOCK_N
+
+
+@triton.jit
+def _pair_descriptor(w_ptr, F, K, G, stride_wn, MAKE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     MIX: tl.constexpr = False):  # fmt: skip
     """With ``MAKE`` (``DEV_TMA`` and a paired tile through TMA) the descriptor ``_tiled_operands``
     would have made on the host for the paired tile, made here: the weights viewed ``[G, 2, F, K]``
-    in ``[1, 2, BLOCK_N, BLOCK_K]`` tiles; else ``w_ptr`` unchanged."""
+    in ``[1, 2, BLOCK_N, BLOCK_K]`` tiles (``MIX``: ``[G, F / h, 2, h, K]``, h = BLOCK_N / 2, in
+    ``[1, 2, 2, h, BLOCK_K]`` tiles); else ``w_ptr`` unchanged."""
     if MAKE:
         fk = tl.cast(stride_wn, tl.int64) * F  # (not .to: a stride traced as a constant is a Python int)
-        w_ptr = tl.make_tensor_descriptor(w_ptr, [G, 2, F, K], [2 * fk, fk, stride_wn, 1], [1, 2, BLOCK_N, BLOCK_K])
+        if MIX:
+            h: tl.constexpr = BLOCK_N // 2
+            w_ptr = tl.make_tensor_descriptor(w_ptr, [G, F // h, 2, h, K], [2 * fk, h * stride_wn, fk, stride_wn, 1],
+                                              [1, 2, 2, h, BLOCK_K])  # fmt: skip
+        else:
+            w_ptr = tl.make_tensor_descriptor(w_ptr, [G, 2, F, K], [2 * fk, fk, stride_wn, 1],
+                                              [1, 2, BLOCK_N, BLOCK_K])  # fmt: skip
     return w_ptr
 
 
@@ -375,6 +406,7 @@ def _swiglu_tiled_kernel(
     X_TMA: tl.constexpr = False,
     PAIR: tl.constexpr = False,
     DEV_TMA: tl.constexpr = False,
+    MIX: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     """Persistent ``[BLOCK_M, BLOCK_N]`` output tiles (expert, row tile, column tile): the rows'
@@ -392,7 +424,7 @@ def _swiglu_tiled_kernel(
     pdl_prologue(USE_PDL)
     x_ptr, w_ptr = _make_descriptors(x_ptr, w_ptr, T_IN, K, G * 2 * F, stride_xm, stride_wn, USE_TMA and not PAIR,
                                      X_TMA, DEV_TMA, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-    w_ptr = _pair_descriptor(w_ptr, F, K, G, stride_wn, DEV_TMA and USE_TMA and PAIR, BLOCK_N, BLOCK_K)
+    w_ptr = _pair_descriptor(w_ptr, F, K, G, stride_wn, DEV_TMA and USE_TMA and PAIR, BLOCK_N, BLOCK_K, MIX)
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     gi, starts, rows = _group_table(m_sizes_ptr, G, M, True, G_BLOCK)
@@ -417,7 +449,7 @@ def _swiglu_tiled_kernel(
         gate = gate_row0.to(tl.int64) + tl.arange(0, BLOCK_N)
         acc_g, acc_u = _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate, gate_row0, up_row0,
                                     n_mask, W_CAST, USE_TMA, FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, X_TMA,
-                                    PAIR)  # fmt: skip
+                                    PAIR, MIX)  # fmt: skip
         xs = tl.full((BLOCK_M,), 1.0, tl.float32)
         if HAS_XS:
             xs = tl.load(xs_ptr + src, mask=row_ok, other=0.0)
@@ -463,6 +495,7 @@ def _swiglu_tiled_quant_kernel(
     STAGES: tl.constexpr,
     X_TMA: tl.constexpr = False,
     PAIR: tl.constexpr = False,
+    MIX: tl.constexpr = False,
     MAX_FP8: tl.constexpr = 448.0,
     EMULATE: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
@@ -503,7 +536,7 @@ def _swiglu_tiled_quant_kernel(
             gate = gate_row0.to(tl.int64) + tl.arange(0, BLOCK_N)
             acc_g, acc_u = _gate_up_acc(x_ptr, x_rows, w_ptr, row_ok, g, m0, n0, F, K, stride_wn, gate, gate_row0,
                                         up_row0, n_mask, W_CAST, USE_TMA, FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K,
-                                        STAGES, X_TMA, PAIR)  # fmt: skip
+                                        STAGES, X_TMA, PAIR, MIX)  # fmt: skip
             # (the rows' scales loaded per column tile, from L1: nothing but the running max held
             # across the sweep, which keeps the 128 x 256 FP8 tiles free of spills)
             xs = tl.full((BLOCK_M,), 1.0, tl.float32)
@@ -533,6 +566,15 @@ def _swiglu_tiled_quant_kernel(
 # Rows per expert from which the tiled kernel loads a column block's gate and up rows as one pair
 # (``swiglu_pair``).
 SWIGLU_PAIR_MIN_ROWS = 128
+
+# Knob SWIGLU_PAIR_MIX: the paired tile's gate and up rows in ``_pair_order``'s mixed order, so
+# the epilogue's split is a renaming of registers. In the [gate | up] order an 8-warp 64-row
+# tile's two warpgroups hold the gate and the up half (the MMA's warps split N), and the split
+# went through shared memory (sm_90 TTGIR: a convert_layout of the 64 x 256 float32 tile, 64 KB
+# stored and loaded back per tile, while no MMA runs). H100, session 49, ncu: Qwen3-30B's FP8
+# gate/up at T=2048 ran 196.6 µs against 182.5 for the plain grouped GEMM on the same 64 x 256 x
+# 128 tile (its epilogue a plain store).
+SWIGLU_PAIR_MIX = True
 
 
 # Knob SWIGLU_PTR_PAIR: the tiled kernel's paired gate|up tile (``swiglu_pair``) also where the
@@ -667,13 +709,15 @@ def swiglu_config(M: int, F: int, K: int, G: int, fp8: bool, elem: int, sms: int
     return replace(cfg, stages=max(2, min(cfg.stages, budget // stage)))
 
 
-def _tiled_operands(x, w13, cfg: GemmConfig, gathered: bool, M: int, G: int, allow_dev: bool = True):
-    """The tiled kernels' operands: ``(x_arg, w_arg, use_tma, x_tma, pair, dev)``. The weights
+def _tiled_operands(x, w13, cfg: GemmConfig, gathered: bool, M: int, G: int, allow_dev: bool = True,
+                    allow_mix: bool = True):  # fmt: skip
+    """The tiled kernels' operands: ``(x_arg, w_arg, use_tma, x_tma, pair, dev, mix)``. The weights
     through a TMA descriptor where the strides allow (``[G, 2, F, K]``: a tile's gate and up rows
-    in one load, ``swiglu_pair``); rows given in order (not gathered) whole row tiles through one
+    in one load, ``swiglu_pair``; ``mix``: in ``_pair_order``'s mixed order, the ``[G, F / h, 2,
+    h, K]`` view, h = BLOCK_N / 2); rows given in order (not gathered) whole row tiles through one
     too, as the grouped GEMM's tiled kernel reads them. ``dev`` (``grouped_gemm.device_tma``,
     where ``allow_dev``): the kernel makes those descriptors itself (``DEV_TMA``) from the
-    tensors, which are then the arguments."""
+    tensors, which are then the arguments. ``allow_mix`` False: never the mixed order."""
     from moekit.ops._triton.grouped_gemm import _descriptor, _tma_fits, _tma_ok, device_tma, ensure_allocator
 
     K = int(x.shape[1])
@@ -687,15 +731,22 @@ def _tiled_operands(x, w13, cfg: GemmConfig, gathered: bool, M: int, G: int, all
     # through the [G, 2, F, K] view's descriptor, else through pointers (knob SWIGLU_PTR_PAIR)
     through = w13.is_contiguous() if use_tma else bool(settings.get().knob("SWIGLU_PTR_PAIR", SWIGLU_PTR_PAIR))
     pair = through and swiglu_pair(M, G, cfg.block_m == 64)
+    # the mixed order's view needs whole h-column blocks (else its last block's rows would run
+    # past F into the up rows, and past the tensor's end for the last expert)
+    h = cfg.block_n // 2
+    mix = allow_mix and pair and h >= 8 and (F % h == 0 or not use_tma)
+    mix = mix and bool(settings.get().knob("SWIGLU_PAIR_MIX", SWIGLU_PAIR_MIX))
     dev = dev and use_tma
     if dev:
         ensure_allocator()
-        return x, w13, use_tma, x_tma, pair, True
+        return x, w13, use_tma, x_tma, pair, True, mix
     w_arg = _descriptor(w13, w_block) if use_tma else w13
     x_arg = _descriptor(x, x_block) if x_tma else x
-    if pair and use_tma:
+    if pair and use_tma and mix:  # (column block, gate|up, row): strides 2FK, hK, FK, K, 1
+        w_arg = _descriptor(w13.view(G, 2, F // h, h, K).permute(0, 2, 1, 3, 4), [1, 2, 2, h, cfg.block_k])
+    elif pair and use_tma:
         w_arg = _descriptor(w13.view(G, 2, F, K), [1, 2, cfg.block_n, cfg.block_k])
-    return x_arg, w_arg, use_tma, x_tma, pair, False
+    return x_arg, w_arg, use_tma, x_tma, pair, False, mix
 
 
 def grouped_gemm_swiglu(
@@ -759,12 +810,13 @@ def grouped_gemm_swiglu(
                                                          w_scale, z, bool(fast_accum))  # fmt: skip
             return z
         tiles = (cdiv(M, cfg.block_m) + min(G, M)) * cdiv(F, cfg.block_n)  # at most, over any m_sizes
-        x_arg, w_arg, use_tma, x_tma, pair, dev = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G)
+        x_arg, w_arg, use_tma, x_tma, pair, dev, mix = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G)
         launch(_swiglu_tiled_kernel)[(max(1, min(tiles, sms)),)](
             x_arg, w_arg, z, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), z.stride(0),
             W_CAST=w13.dtype != x.dtype, USE_TMA=use_tma, FAST_ACCUM=fast_accum, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
-            FLATTEN=cfg.flatten, X_TMA=x_tma, PAIR=pair, DEV_TMA=dev, num_warps=cfg.warps, num_stages=cfg.stages,
+            FLATTEN=cfg.flatten, X_TMA=x_tma, PAIR=pair, DEV_TMA=dev, MIX=mix, num_warps=cfg.warps,
+            num_stages=cfg.stages,
             **flags,
         )  # fmt: skip
         return z
@@ -837,8 +889,10 @@ def grouped_gemm_swiglu_quant(
     cfg = config or swiglu_config(M, F, K, G, True, 1, sms, w_elem=1, by_index=gather_indices is not None)
     if cfg.kind != "tiled":
         return None
-    # (host descriptors only: the quantizing kernel, off the layer's path, takes no DEV_TMA)
-    x_arg, w_arg, use_tma, x_tma, pair, _ = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G, False)
+    # (host descriptors only: the quantizing kernel, off the layer's path, takes no DEV_TMA; nor
+    # the mixed pair order, with which its 128 x 256 FP8 tiles spill 24 bytes on sm_90)
+    x_arg, w_arg, use_tma, x_tma, pair, _, mix = _tiled_operands(x, w13, cfg, gather_indices is not None, M, G,
+                                                                 False, False)  # fmt: skip
     units = cdiv(M, cfg.block_m) + min(G, M)  # row tiles, at most, over any m_sizes
     progs = max(1, min(units, sms))
     zq = torch.empty((M, F), dtype=FP8_DTYPE, device=x.device)
@@ -850,7 +904,7 @@ def grouped_gemm_swiglu_quant(
         x_arg, w_arg, zq, zs, scratch, m_sizes, *optional, M, F, K, G, T_IN, x.stride(0), w13.stride(0), float(eps),
         GATHER=gather_indices is not None, HAS_XS=True, HAS_WS=True, HAS_RS=row_scales is not None, W_CAST=False,
         USE_TMA=use_tma, FAST_ACCUM=fast_accum, G_BLOCK=max(16, next_pow2(G)), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, X_TMA=x_tma, PAIR=pair, MAX_FP8=FP8_MAX,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, X_TMA=x_tma, PAIR=pair, MIX=mix, MAX_FP8=FP8_MAX,
         EMULATE=EMULATE_FP8, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return zq, zs
