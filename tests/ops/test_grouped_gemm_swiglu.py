@@ -4,6 +4,8 @@ public ops on the CPU, against ``moekit.reference``."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -331,6 +333,55 @@ def test_tiled_tiles_keep_their_mmas_in_flight_on_sm90():
     bad = [r for r in off if r["serialized"]]
     assert {(r["constants"]["USE_TMA"], r["constants"]["PAIR"], r["constants"]["FLATTEN"]) for r in bad} == {
         ("False", "False", "True")}, [(r["constants"], r["serialized"]) for r in off]  # fmt: skip
+
+
+@pytest.mark.reference
+def test_mixed_pair_order_splits_in_registers_on_sm90(tmp_path, monkeypatch):
+    """Knob ``SWIGLU_PAIR_MIX`` on Qwen3-30B's gate|up at T=2048 (64-row paired tiles on the fused
+    loop, FP8 and bf16), compiled for sm_90: no ``convert_layout`` of the accumulator before the
+    split (the plain order converts the 64 x 256 float32 tile), 16 KB less shared memory, and
+    only with it do 5 stages fit a block's 227 KB (knob ``SWIGLU_SMALL_STAGES``); no stack, the
+    wgmma instructions asynchronous."""
+    from tests.ops._sm90 import compile_launches
+
+    monkeypatch.setenv("SM90_DUMP_DIR", str(tmp_path))
+    snippet = """
+        from moekit import settings
+        from moekit.ops._triton import gg_swiglu as SW
+        from moekit.ops._triton import grouped_gemm as GG
+        m = "meta"
+        f8 = torch.float8_e4m3fn
+        GG._tma_ok = GG._tma_fits = lambda t, block: t.stride(-1) == 1  # meta tensors: never TMA
+        T, k, G, F, D = 2048, 8, 128, 768, 2048
+        for dt in (f8, torch.bfloat16):
+            fp8 = dt == f8
+            for stages in (4, 5):
+                for mix in (False, True):
+                    with settings.override(knobs={"SWIGLU_PAIR_MIX": mix, "SWIGLU_SMALL_STAGES": stages}):
+                        SW.grouped_gemm_swiglu(torch.empty(T, D, dtype=dt, device=m),
+                                               torch.empty(G * 2 * F, D, dtype=dt, device=m),
+                                               torch.empty(G, dtype=torch.int32, device=m),
+                                               torch.empty(T * k, dtype=torch.int32, device=m), None,
+                                               torch.empty(T, device=m) if fp8 else None,
+                                               torch.empty(G * 2 * F, device=m) if fp8 else None)
+    """
+    records = compile_launches(snippet, ["moekit.ops._triton.gg_swiglu"], serialized=True)
+    # (not assert_all_compiled: the plain order's 5-stage builds are over the block's limit here)
+    assert len(records) == 8 and not [r["error"] for r in records if r["error"]], records
+    block_smem = 227 * 1024
+    for i, r in enumerate(records):
+        c = r["constants"]
+        mix, stages = c["MIX"] == "True", int(c["STAGES"])
+        assert (c["BLOCK_M"], c["PAIR"], c["FLATTEN"], stages) == ("64", "True", "True", 4 + (i // 2) % 2), c
+        assert not r["stack"] and r["serialized"] is False, (c, r["stack"], r["serialized"])
+        ttgir = open(tmp_path / f"_swiglu_tiled_kernel_{i}.ttgir").read()
+        # the accumulator's split (not the prologue's split of a constant): its operand's layout
+        splits = re.findall(r"tt\.split %(?!cst)\S+ : tensor<64x128x2xf32, #(\w+)>", ttgir)
+        assert len(splits) == 1, splits
+        assert splits[0].startswith("blocked") is not mix, (mix, splits)
+        assert (r["shared"] <= block_smem) is (mix or stages == 4), (c, r["shared"])
+    for a, b in zip(records[::2], records[1::2]):  # plain, mixed at the same stages and dtype
+        assert a["shared"] - b["shared"] >= 16 * 1024, (a["shared"], b["shared"])
 
 
 @pytest.mark.reference

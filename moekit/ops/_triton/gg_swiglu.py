@@ -567,14 +567,21 @@ def _swiglu_tiled_quant_kernel(
 # (``swiglu_pair``).
 SWIGLU_PAIR_MIN_ROWS = 128
 
-# Knob SWIGLU_PAIR_MIX: the paired tile's gate and up rows in ``_pair_order``'s mixed order, so
-# the epilogue's split is a renaming of registers. In the [gate | up] order an 8-warp 64-row
-# tile's two warpgroups hold the gate and the up half (the MMA's warps split N), and the split
-# went through shared memory (sm_90 TTGIR: a convert_layout of the 64 x 256 float32 tile, 64 KB
-# stored and loaded back per tile, while no MMA runs). H100, session 49, ncu: Qwen3-30B's FP8
-# gate/up at T=2048 ran 196.6 µs against 182.5 for the plain grouped GEMM on the same 64 x 256 x
-# 128 tile (its epilogue a plain store).
-SWIGLU_PAIR_MIX = True
+# Knob SWIGLU_PAIR_MIX (off): the paired tile's gate and up rows in ``_pair_order``'s mixed
+# order, so the epilogue's split is a renaming of registers. In the [gate | up] order an 8-warp
+# 64-row tile's two warpgroups hold the gate and the up half (the MMA's warps split N), and the
+# split goes through shared memory (sm_90 TTGIR: a convert_layout of the 64 x 256 float32 tile,
+# 64 KB stored and loaded back per tile while no MMA runs). Predicted from session 49's ncu run
+# (H100: Qwen3-30B's FP8 gate/up at T=2048 196.6 µs against 181.5-182.5 for the plain grouped GEMM
+# on the same 64 x 256 x 128 tile, whose epilogue is a plain store): most of that gap. Measured
+# (H100, session 49): the kernel alone 196.4 µs (sweep_swiglu, another call than the 199.6
+# before), the layer from logits level (bench_layer --alt-knobs SWIGLU_PAIR_MIX=0, one process,
+# Qwen3-30B / gpt-oss-120b / DeepSeek-V3 TP8 at T = 1024 / 2048 / 8192, bf16 and FP8: 0.994-1.02,
+# errors against the reference the same). So that round trip is not what holds the kernel. It
+# does free 16 KB of the 64-row FP8 tile's shared memory (196.6 -> 180.3 KB): only with it do 5
+# stages fit a block (221.2 KB; 237.6 without), knob SWIGLU_SMALL_STAGES, not yet timed (3 -> 4
+# stages was worth 7% on this kernel in session 49's sweep: 231.3 -> 216.1 µs).
+SWIGLU_PAIR_MIX = False
 
 
 # Knob SWIGLU_PTR_PAIR: the tiled kernel's paired gate|up tile (``swiglu_pair``) also where the
@@ -639,7 +646,8 @@ def swiglu_tiled_config(M: int, F: int, K: int, hits: float, elem: int, sms: int
     if small is None:
         small = by_index and K < 4 * F
     if small and M < s.knob("SWIGLU_SMALL_MAX_ROWS", 192) * hits:
-        return GemmConfig("tiled", 64, block_n, block_k, 4, 8, flatten=bool(s.knob("SWIGLU_FLATTEN", True)))
+        stages = int(s.knob("SWIGLU_SMALL_STAGES", 4))  # (5: with SWIGLU_PAIR_MIX only, see there)
+        return GemmConfig("tiled", 64, block_n, block_k, stages, 8, flatten=bool(s.knob("SWIGLU_FLATTEN", True)))
     stages = int(s.knob("SWIGLU_TILED_STAGES", 3))
     flatten = bool(s.knob("SWIGLU_FLATTEN", False)) and elem != 1
     return GemmConfig("tiled", 128, block_n, block_k, stages, 8, flatten=flatten)
