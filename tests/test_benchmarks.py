@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -658,3 +659,31 @@ def test_session48_grids_on_the_h100():
     new = {(r["model"], r["dtype"], r["T"]): r["moekit_us"] for r in rows}
     ratios = {k: new[k] / old[k] for k in keys if k in new}
     assert len(ratios) == 80 and all(0.98 < q < 1.04 for q in ratios.values()), ratios
+
+
+@pytest.mark.reference
+def test_session49_pair_mix_level_and_the_swiglu_stage_tiles():
+    """Session 49 (H100): the mixed gate|up order (``SWIGLU_PAIR_MIX``, then on; alt = off) was
+    level in every layer cell (18 cells, 0.99-1.03, geometric mean within 1%) with the same errors
+    against the reference, and the FP8 SwiGLU kernel alone stayed 8% behind the plain grouped GEMM
+    on the same tile (``sweep_swiglu_mix_s49_h100.json``). The stage's tile sweep
+    (``sweep_swiglu_tiles_s49_h100.json``, Qwen3-30B FP8 T=2048): 3 -> 4 stages of the rule's
+    64-row tile 6-8% faster, the 128-row fused-loop tiles (spilling) 16-33% slower."""
+    res = os.path.join(ROOT, "benchmarks", "results")
+
+    def rows(name):
+        with open(os.path.join(res, name)) as f:
+            return json.load(f)["rows"]
+
+    ab = rows("layer_pair_mix_ab_s49_h100.json")
+    ratios = [r["alt/moekit"] for r in ab]
+    assert len(ab) == 18 and all(0.99 < q < 1.03 for q in ratios), ratios
+    assert abs(math.exp(sum(math.log(q) for q in ratios) / len(ratios)) - 1.0) < 0.01
+    assert all(abs(r["alt_err"] - r["moekit_err"]) <= 1e-3 * r["moekit_err"] + 1e-6 for r in ab)
+    fp8 = next(r for r in rows("sweep_swiglu_mix_s49_h100.json") if r["dtype"] == "fp8")
+    assert 1.06 < fp8["kernel_us"] / fp8["gemm_us"] < 1.10, (fp8["kernel_us"], fp8["gemm_us"])
+    (t,) = rows("sweep_swiglu_tiles_s49_h100.json")
+    assert t["auto"] == "tiled 64x128x128 s4"
+    assert 1.06 < t["64x128 s3 fused pair"] / t["64x128 s4 fused pair"] < 1.08
+    for alt in ("128x128 s3 fused pair", "128x128 s2 fused pair"):
+        assert 1.16 < t[alt] / t["64x128 s4 fused pair"] < 1.34, (alt, t[alt])
