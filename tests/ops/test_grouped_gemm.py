@@ -2297,9 +2297,11 @@ sw = dict(x_ptr=t(M, K, dt=torch.bfloat16), w_ptr=t(G * 2 * F, K, dt=torch.bfloa
           STAGES=3, DEV_TMA=True, USE_PDL=0)
 for name, kernel, kw in (
     ("swiglu_pair_dev", SW._swiglu_tiled_kernel, dict(sw, FAST_ACCUM=True, GROUP_M=8, FLATTEN=True, X_TMA=True,
-                                                       PAIR=True)),
+                                                       PAIR=True, MIX=False)),
+    ("swiglu_mix_dev", SW._swiglu_tiled_kernel, dict(sw, FAST_ACCUM=True, GROUP_M=8, FLATTEN=True, X_TMA=False,
+                                                      PAIR=True, MIX=True, GATHER=True)),
     ("swiglu_tiled_dev", SW._swiglu_tiled_kernel, dict(sw, FAST_ACCUM=True, GROUP_M=8, FLATTEN=True, X_TMA=False,
-                                                        PAIR=False, GATHER=True)),
+                                                        PAIR=False, MIX=False, GATHER=True)),
     ("swiglu_stream_dev", SW._swiglu_stream_kernel, dict(sw, BLOCK_M=16, GATHER=True)),
 ):
     acc = identify_accessed_tensors(kernel, kw, {})
@@ -2339,6 +2341,7 @@ def test_inductor_sees_only_the_output_written():
     # descriptors made in the kernel from x and w (GG_DEVICE_TMA): read through them, never written
     assert writes["tiled_dev"] in (["y_ptr"], ["m_sizes_ptr", "y_ptr"]) and writes["stream_dev"] == ["y_ptr"], writes
     assert writes["swiglu_pair_dev"] in (["z_ptr"], ["m_sizes_ptr", "z_ptr"]), writes
+    assert writes["swiglu_mix_dev"] in (["z_ptr"], ["m_sizes_ptr", "z_ptr"]), writes
     assert writes["swiglu_tiled_dev"] in (["z_ptr"], ["m_sizes_ptr", "z_ptr"]), writes
     # the same with every int argument a constant, as torch 2.11 compiles the kernels to analyze
     # them: a failure there takes every tensor as written (the paired SwiGLU tile's weights: inductor

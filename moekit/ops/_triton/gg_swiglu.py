@@ -579,8 +579,8 @@ SWIGLU_PAIR_MIN_ROWS = 128
 # Qwen3-30B / gpt-oss-120b / DeepSeek-V3 TP8 at T = 1024 / 2048 / 8192, bf16 and FP8: 0.994-1.02,
 # errors against the reference the same). So that round trip is not what holds the kernel. It
 # does free 16 KB of the 64-row FP8 tile's shared memory (196.6 -> 180.3 KB): only with it do 5
-# stages fit a block (221.2 KB; 237.6 without; a block may take 232.4), knob SWIGLU_SMALL_STAGES, not yet timed (3 -> 4
-# stages was worth 7% on this kernel in session 49's sweep: 231.3 -> 216.1 µs).
+# stages fit a block (221.2 KB; 237.6 without; a block may take 232.4), knob SWIGLU_SMALL_STAGES,
+# not yet timed (3 -> 4 stages was worth 7% on this stage in session 49's sweep: 231.3 -> 216.1).
 SWIGLU_PAIR_MIX = False
 
 
