@@ -99,6 +99,27 @@ def test_interp_swiglu_unwritten_rows_and_no_gather(kind):
     assert_close(got2[keep], want2[keep], tol=2e-3)
 
 
+def _spy_kwargs(module, keys: tuple, seen: list):
+    """Replace ``module.launch`` by a recorder of each launch's keyword arguments ``keys`` (a
+    tuple per launch, appended to ``seen``); returns the original to put back."""
+    orig = module.launch
+
+    def spy(kernel):
+        launcher = orig(kernel)
+
+        def run(grid):
+            def go(*args, **kw):
+                seen.append(tuple(kw.get(k) for k in keys))
+                return launcher[grid](*args, **kw)
+
+            return go
+
+        return type("L", (), {"__getitem__": lambda self, grid: run(grid)})()
+
+    module.launch = spy
+    return orig
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("w_kind", ["same", "fp8x"])
 @pytest.mark.parametrize("pair", [False, True], ids=["two_mma", "pair"])
@@ -114,28 +135,14 @@ def test_interp_swiglu_rows_through_tma(w_kind, pair, pin_knobs):
     ms = torch.tensor([13, 0, 21, 9], dtype=torch.int32)  # 43 of 45 rows; tiles of 16 straddle groups
     cfg = GemmConfig("tiled", 16, 16, 16, 2, 4, group_m=2, use_tma=True)
     pin_knobs(SWIGLU_PAIR=pair)
-    seen = {}
-    orig = SW.launch
-
-    def spy(kernel):
-        launcher = orig(kernel)
-
-        def run(grid):
-            def go(*args, **kw):
-                seen["x_tma"], seen["pair"] = kw.get("X_TMA"), kw.get("PAIR")
-                return launcher[grid](*args, **kw)
-
-            return go
-
-        return type("L", (), {"__getitem__": lambda self, grid: run(grid)})()
-
-    SW.launch = spy
+    seen = []
+    orig = _spy_kwargs(SW, ("X_TMA", "PAIR"), seen)
     try:
         out = poison(torch.empty(T, F, dtype=torch.bfloat16 if w_kind == "fp8x" else torch.float16))
         SW.grouped_gemm_swiglu(x, w, ms, None, rs, xs, ws, config=cfg, out=out)
     finally:
         SW.launch = orig
-    assert seen["x_tma"] is True and seen["pair"] is pair
+    assert seen == [(True, pair)], seen
     want = ref.grouped_gemm_swiglu(x, w, ms, row_scales=rs, x_scale=xs, w_scale=ws)
     assert_poisoned(out, torch.arange(T) < 43, msg="rows past sum(m_sizes)")
     assert_close(out[:43].float(), want[:43].float(), tol=1e-2 if w_kind == "fp8x" else 2e-3)
@@ -186,21 +193,7 @@ def test_interp_swiglu_pair_through_pointers(pin_knobs, w_kind, flatten):
     want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
     ok = _valid_rows(gi, T)
     seen = []
-    orig = SW.launch
-
-    def spy(kernel):
-        launcher = orig(kernel)
-
-        def run(grid):
-            def go(*args, **kw):
-                seen.append((kw.get("USE_TMA"), kw.get("PAIR"), kw.get("FLATTEN")))
-                return launcher[grid](*args, **kw)
-
-            return go
-
-        return type("L", (), {"__getitem__": lambda self, grid: run(grid)})()
-
-    SW.launch = spy
+    orig = _spy_kwargs(SW, ("USE_TMA", "PAIR", "FLATTEN"), seen)
     try:
         for ptr_pair in (True, False):
             pin_knobs(SWIGLU_PAIR=True, SWIGLU_PTR_PAIR=ptr_pair)
@@ -231,14 +224,7 @@ def test_interp_swiglu_pair_mixed_order(pin_knobs, w_kind, F):
     want = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
     ok = _valid_rows(gi, T)
     mixes = []
-    orig_launch = SW.launch
-
-    def spy(kernel):
-        launcher = orig_launch(kernel)
-        return type("L", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
-            mixes.append(kw.get("MIX")), launcher[grid](*a, **kw))[1]})()  # fmt: skip
-
-    SW.launch = spy
+    orig = _spy_kwargs(SW, ("MIX",), mixes)
     try:
         for path, knobs, tma in (("host", {}, True), ("device", {"GG_DEVICE_TMA": 2}, True),
                                  ("pointers", {}, False)):  # fmt: skip
@@ -247,11 +233,11 @@ def test_interp_swiglu_pair_mixed_order(pin_knobs, w_kind, F):
                 pin_knobs(SWIGLU_PAIR=True, SWIGLU_PAIR_MIX=mix, **knobs)
                 with settings.override(gg_tma=tma):
                     got[mix] = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=cfg)
-            assert mixes[-2:] == [False, F % 8 == 0 or not tma], (path, mixes)
+            assert mixes[-2:] == [(False,), (F % 8 == 0 or not tma,)], (path, mixes)
             assert torch.equal(got[True][ok], got[False][ok]), path
             assert_close(got[True][ok].float(), want[ok].float(), tol=1e-2 if w_kind == "fp8x" else 2e-3)
     finally:
-        SW.launch = orig_launch
+        SW.launch = orig
 
 
 @pytest.mark.interpreter
