@@ -241,6 +241,40 @@ def test_interp_swiglu_pair_mixed_order(pin_knobs, w_kind, F):
 
 
 @pytest.mark.interpreter
+def test_interp_small_tile_stages_past_four_only_in_mixed_order(pin_knobs, monkeypatch):
+    """The rules' 64-row tiles take more than 4 stages (knob ``SWIGLU_SMALL_STAGES``) only where
+    the launch takes the mixed order: in the [gate | up] order 5 stages are over a block's shared
+    memory on sm_90, so the launchers cut them to 4 there (the knob off, F not a multiple of BN / 2
+    on the TMA path, the quantizing kernel); a config the caller gives keeps its stages."""
+    from moekit import settings
+    from moekit.ops._triton import gg_swiglu as SW
+    from moekit.ops._triton.gg_config import GemmConfig
+
+    T, k, G, K = 20, 3, 3, 48
+    rule = GemmConfig("tiled", 64, 16, 16, 5, 4, use_tma=True, flatten=True)
+    monkeypatch.setattr(SW, "swiglu_config", lambda *a, **kw: rule)
+    seen = []
+    orig = _spy_kwargs(SW, ("STAGES", "MIX"), seen)
+    try:
+        for F, mix, want in ((32, True, (5, True)), (32, False, (4, False)), (20, True, (4, False))):
+            x, w, ms, gi, rs, xs, ws = _case(T, k, G, F, K, torch.float16, "fp8x", seed=31)
+            pin_knobs(SWIGLU_PAIR=True, SWIGLU_PAIR_MIX=mix)
+            with settings.override(gg_tma=True):
+                got = SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws)
+                assert seen[-1] == want, (F, mix, seen)
+                ok = _valid_rows(gi, T)
+                exp = ref.grouped_gemm_swiglu(x, w, ms, gather_indices=gi, row_scales=rs, x_scale=xs, w_scale=ws)
+                assert_close(got[ok].float(), exp[ok].float(), tol=1e-2)
+                SW.grouped_gemm_swiglu(x, w, ms, gi, rs, xs, ws, config=rule)
+                assert seen[-1] == (5, want[1]), (F, mix, seen)
+                if F == 32 and mix:  # the quantizing kernel never mixes
+                    SW.grouped_gemm_swiglu_quant(x, w, ms, gi, rs, xs, ws)
+                    assert seen[-1] == (4, False), seen
+    finally:
+        SW.launch = orig
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("w_kind", ["same", "fp8x"])
 @pytest.mark.parametrize("case", ["pair_by_index", "pair_in_order", "two_mmas_in_order", "stream"])
 def test_interp_swiglu_descriptors_made_in_the_kernel(pin_knobs, w_kind, case):
@@ -338,6 +372,7 @@ def test_mixed_pair_order_splits_in_registers_on_sm90(tmp_path, monkeypatch):
         m = "meta"
         f8 = torch.float8_e4m3fn
         GG._tma_ok = GG._tma_fits = lambda t, block: t.stride(-1) == 1  # meta tensors: never TMA
+        SW._PLAIN_SMALL_STAGES = 5  # the plain order's 5-stage builds too (the launchers cut them)
         T, k, G, F, D = 2048, 8, 128, 768, 2048
         for dt in (f8, torch.bfloat16):
             fp8 = dt == f8
