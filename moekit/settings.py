@@ -156,7 +156,10 @@ class Settings:
     #                                     pointers, where no TMA descriptor is taken)        True
     #   SWIGLU_PAIR_MIX                   gg_swiglu (the paired tile's gate and up rows mixed
     #                                     in blocks of BN/2: the split stays in registers)  False
-    #   SWIGLU_SMALL_STAGES               gg_swiglu (pipeline stages of the 64-row tiles)       4
+    #   SWIGLU_SMALL_STAGES               gg_swiglu (pipeline stages of the 64-row tiles; above 4
+    #                                     only where the launch mixes the pair order)          4
+    #   DECODE_ROUTE_ROWS                 decode (moe_decode's first launch routes the token on
+    #                                     one copy of its logits row per warp)                True
     #   GG_DEVICE_TMA                     grouped_gemm + gg_swiglu (TMA descriptors made in the
     #                                     kernel: 0 never, 1 the tiled kernels under tracing
     #                                     (torch.compile), 2 every TMA launch, 3 every
@@ -195,7 +198,7 @@ KNOBS = (
     "GLUON_DOWN", "GLUON_SWIGLU", "SWIGLU_QUANT", "FP8_TALL_TILES", "SCATTER_SHORT_K",
     "BF16_TALL_TILES", "NARROW_TILES_WAVES", "STREAM_DEEP_K", "FP8_TALL_SHORT_K",
     "STREAM_DEEP_K32", "COMBINE_FEW_4KB", "SWIGLU_PTR_PAIR", "GG_DEVICE_TMA",
-    "GG_TRACED_HOST", "SWIGLU_PAIR_MIX", "SWIGLU_SMALL_STAGES",
+    "GG_TRACED_HOST", "SWIGLU_PAIR_MIX", "SWIGLU_SMALL_STAGES", "DECODE_ROUTE_ROWS",
 )  # fmt: skip
 
 

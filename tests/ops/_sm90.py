@@ -12,7 +12,9 @@ frame bytes (spills; None when ``cuobjdump`` is missing), ``loop_spills`` (local
 inside the MMA loops), ``adds`` (the global atomic adds in the SASS: ``{"ATOMG": n, "REDG": n}``,
 those that read the old value back and the fire-and-forget ones), ``serialized`` (with
 ``serialized=True``: ptxas's reason for making the wgmma instructions synchronous, else False),
-``error`` or None). With
+``lead_bars`` (the block barriers ``BAR.SYNC`` in the SASS ahead of the first asynchronous copy
+into shared memory, ``LDGSTS`` or ``UTMALDG``: what a prologue makes every warp wait on before
+its stream starts), ``error`` or None). With
 ``SM90_DUMP_DIR=<folder>`` each launch's TTGIR, PTX and cubin are written there (for
 ``cuobjdump -sass``).
 """
@@ -46,7 +48,7 @@ def registers(cubin):
     # the wait for every MMA group, ``DEPBAR.LE gsb0, 0x0``, as the Gluon compile tests count).
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return None, None, None, None
+        return None, None, None, None, None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -55,7 +57,10 @@ def registers(cubin):
     m = re.search(r"REG:(\d+)", out)
     st = re.search(r"STACK:(\d+)", out)
     adds = {op: sum(op + ".E.ADD" in ln for ln in sass) for op in ("ATOMG", "REDG")}
-    return (int(m.group(1)) if m else None), (int(st.group(1)) if st else None), sass_loop_spills(sass), adds
+    # block barriers ahead of the first asynchronous copy into shared memory (cp.async or TMA)
+    first = next((i for i, ln in enumerate(sass) if "LDGSTS" in ln or "UTMALDG" in ln), len(sass))
+    lead = sum("BAR.SYNC" in ln for ln in sass[:first])
+    return (int(m.group(1)) if m else None), (int(st.group(1)) if st else None), sass_loop_spills(sass), adds, lead
 
 
 def compile_one(kernel, args, kwargs):
@@ -91,13 +96,13 @@ def compile_one(kernel, args, kwargs):
             raise TypeError(f"{kernel.__name__}: unsupported argument {name}={v!r}")
     rec = {"kernel": kernel.__name__, "num_warps": opts.get("num_warps", 4), "launch_pdl": opts.get("launch_pdl", False),
            "constants": {k: repr(v) for k, v in consts.items()}, "shared": None, "regs": None, "stack": None, "loop_spills": None,
-           "serialized": None, "adds": None, "error": None}
+           "serialized": None, "adds": None, "lead_bars": None, "error": None}
     try:
         k = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=opts)
         assert k.asm.get("cubin"), "no cubin"
         rec["shared"] = int(k.metadata.shared)
-        rec["regs"], rec["stack"], rec["loop_spills"], rec["adds"] = registers(k.asm["cubin"])
+        rec["regs"], rec["stack"], rec["loop_spills"], rec["adds"], rec["lead_bars"] = registers(k.asm["cubin"])
         if SERIALIZED:
             rec["serialized"] = wgmma_serialized(k.asm["ptx"])
         dump = os.environ.get("SM90_DUMP_DIR")  # a folder: each launch's TTGIR, PTX and cubin

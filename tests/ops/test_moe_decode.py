@@ -127,6 +127,41 @@ def test_interp_lazy_routing_gives_the_same_bits(routing):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_interp_routing_on_a_row_per_warp_gives_the_same_bits(routing, logits_dtype):
+    """Knob ``DECODE_ROUTE_ROWS``: the first launch routes on one copy of the token's logits row
+    per warp (``ROWS`` = 4 at 64 experts, float32 and bf16 logits) and stores the experts, weights
+    and SwiGLU rows that one row gives, bit for bit; the whole layer matches the reference."""
+    from moekit.ops._triton import decode as dec
+    from tests.ops.test_grouped_gemm_swiglu import _spy_kwargs
+
+    T, E, D, F, k = 3, 64, 32, 24, 4
+    on_input = routing == "sigmoid"
+    x, logits, w13, w2, kw = _case(T, E, D, F, k, routing, seed=17)
+    logits = logits.to(logits_dtype)
+    logits[1, 5:9] = logits[1, 3]  # ties across the top-k boundary
+    args = (x, logits, kw["e_score_correction_bias"], w13.reshape(-1, D), None, F, k, kw["score_func"],
+            kw["renormalize"], kw["n_group"], kw["topk_group"], kw["routed_scaling_factor"], on_input)  # fmt: skip
+    seen = []
+    orig = _spy_kwargs(dec, ("ROWS",), seen)
+    try:
+        got = {}
+        for rows in (False, True):
+            with settings.override(knobs={"DECODE_ROUTE_ROWS": rows}):
+                got[rows] = dec.decode_swiglu(*args, config=(8, 16, 2, 4, True))
+                out = _launch(x, logits, w13, w2, torch.zeros(T, D, dtype=torch.bfloat16), k, kw, on_input, False)
+    finally:
+        dec.launch = orig
+    assert [r for (r,) in seen] == [1, 1, 4, 4], seen
+    for a, b in zip(got[False], got[True]):
+        assert torch.equal(a, b), routing
+    want = ref.moe_decode(x, logits.float(), w13, w2, torch.zeros(T, D, dtype=torch.bfloat16), top_k=k,
+                          apply_router_weight_on_input=on_input, accumulate=False, **kw)  # fmt: skip
+    assert_close(out.float(), want.float(), tol=2e-2, msg=routing)
+
+
+@pytest.mark.interpreter
 def test_interp_accumulates_into_out_and_stores_without_reading():
     T, E, D, F, k = 2, 8, 32, 16, 2
     x, logits, w13, w2, kw = _case(T, E, D, F, k, "softmax_renorm", seed=5)
@@ -422,3 +457,43 @@ def test_kernels_compile_without_spills_for_sm90():
                  and tile(r) <= 4096]  # fmt: skip
     assert len(fp8_small) >= 4, len(fp8_small)
     assert all(r["regs"] is None or r["regs"] <= 128 for r in fp8_small), [(tile(r), r["regs"]) for r in fp8_small]
+
+
+@pytest.mark.reference
+def test_routing_on_a_row_per_warp_drops_the_block_barriers_on_sm90():
+    """Knob ``DECODE_ROUTE_ROWS`` on the first launch of Qwen3-30B, DeepSeek-V3 TP8 (grouped, with
+    a bias) and gpt-oss-120b at T=1 (FP8 weights), compiled for sm_90: where ``route_rows`` gives
+    each warp a row (bf16 logits; float32 up to 128 experts) at most 8 block barriers stand ahead
+    of the first weight copy, against 18-54 on one row, with at most 4 registers more; where it
+    keeps one row (DeepSeek's 256 float32 logits) nothing changes."""
+    from tests.ops._sm90 import compile_launches
+
+    records = compile_launches(
+        """
+        from moekit import settings
+        from moekit.ops._triton import decode as DEC
+        m = "meta"
+        for E, D, F, k, ng in ((128, 2048, 768, 8, None), (256, 7168, 256, 8, 8), (128, 2880, 2880, 4, None)):
+            for ldt in (torch.bfloat16, torch.float32):
+                for rows in (False, True):
+                    with settings.override(knobs={"DECODE_ROUTE_ROWS": rows}):
+                        DEC.decode_swiglu(torch.empty(1, D, dtype=torch.bfloat16, device=m),
+                                          torch.empty(1, E, dtype=ldt, device=m), torch.empty(E, device=m) if ng else None,
+                                          torch.empty(E * 2 * F, D, dtype=torch.float8_e4m3fn, device=m),
+                                          torch.empty(E * 2 * F, device=m), F, k, "sigmoid" if ng else "softmax", True, ng,
+                                          4 if ng else None, 2.5, False)
+        """,
+        ["moekit.ops._triton.decode"],
+    )
+    assert len(records) == 12 and not [r["error"] for r in records if r["error"]], records
+    if records[0]["lead_bars"] is None:
+        pytest.skip("cuobjdump is not available")
+    for i, (one, per_warp) in enumerate(zip(records[::2], records[1::2])):
+        wide = i == 3  # DeepSeek's 256 float32 logits: one row
+        assert one["constants"]["ROWS"] == "1" and per_warp["constants"]["ROWS"] == ("1" if wide else "4"), i
+        assert not one["stack"] and not per_warp["stack"], i
+        if wide:
+            assert per_warp["lead_bars"] == one["lead_bars"], i
+            continue
+        assert per_warp["lead_bars"] <= 8 < 18 <= one["lead_bars"], (i, one["lead_bars"], per_warp["lead_bars"])
+        assert per_warp["regs"] <= one["regs"] + 4, (i, one["regs"], per_warp["regs"])

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit import settings
 from moekit.ops._common import cdiv, launch, next_pow2, num_sms
 from moekit.ops._triton._pdl import pdl_prologue
 from moekit.ops._triton.gg_combine import grouped_gemm_combine
@@ -72,6 +73,7 @@ def _decode_swiglu_kernel(
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
     LAZY: tl.constexpr = False,
+    ROWS: tl.constexpr = 1,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
@@ -82,25 +84,29 @@ def _decode_swiglu_kernel(
     t = m // TOPK
     j = m % TOPK
     x_row = x_ptr + t.to(tl.int64) * stride_xm
-    # The token's choice, as the routing launch makes it (one row of its [BT, BLOCK_E] tiles).
+    # The token's choice, as the routing launch makes it (one row of its [BT, BLOCK_E] tiles), on
+    # ROWS copies of the row (``route_rows``: one per warp, the rounds' reductions warp-local).
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     slots = tl.arange(0, K_PAD)
     slot_ok = slots < TOPK
-    row_ok = tl.full((1,), 1, tl.int1)
+    row_ok = tl.full((ROWS,), 1, tl.int1)
     bias = tl.zeros([BLOCK_E], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    l = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + cols[None, :] * stride_le, mask=col_ok[None, :], other=0.0)
+    reps = tl.zeros([ROWS, 1], dtype=tl.int32)
+    l = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + (reps + cols[None, :]) * stride_le,
+                mask=col_ok[None, :], other=0.0)  # fmt: skip
     if LAZY:  # the weights (all K rounds) where stored or used; elsewhere rounds up to the own slot
         need_w = (nb == 0) | WEIGHT_IN
         _, _, ids, w, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, row_ok, scale, TOPK,
-                                       SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, 1, BLOCK_E,
+                                       SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, ROWS, BLOCK_E,
                                        tl.where(need_w, TOPK - 1, j), need_w)  # fmt: skip
     else:
         _, _, ids, w, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, row_ok, scale, TOPK,
-                                       SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, 1, BLOCK_E, TOPK - 1, True)  # fmt: skip
-    mine = slots[None, :] == j
+                                       SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, ROWS, BLOCK_E, TOPK - 1,
+                                       True)  # fmt: skip
+    mine = (slots[None, :] == j) & (tl.arange(0, ROWS)[:, None] == 0)
     g = tl.sum(tl.where(mine, ids, 0))
     wj = tl.sum(tl.where(mine, w, 0.0))
     if nb == 0:
@@ -119,6 +125,33 @@ def _decode_swiglu_kernel(
     offs_m = m + tl.zeros((1,), tl.int32)
     _swiglu_store(hg, hu, offs_m, offs_m >= 0, offs_n, n_mask, z_ptr, stride_zm, rs, ws_g, ws_u, rs,
                   False, HAS_WS, WEIGHT_IN)  # fmt: skip
+
+
+# Knob DECODE_ROUTE_ROWS (on): each of the GEMV program's warps routes the token on its own copy
+# of the logits row (``route_rows``), so the top-k rounds' row reductions stay inside a warp
+# (shuffles) instead of crossing the 4 warps through shared memory and a block barrier each.
+# sm_90 SASS of the first launch (FP8 weights, block barriers ahead of the first weight copy, one
+# row -> one row per warp, bf16 logits): Qwen3-30B 36 -> 4, DeepSeek-V3 TP8 (grouped, with a
+# bias) 54 -> 8, gpt-oss-120b 18 -> 4, E = 64 top-6 50 -> 4; the same registers. Predicted: the
+# routing ahead of every program's weight stream ~1 µs shorter at T=1 (a barrier round trip
+# ~60-100 cycles). Not where a warp cannot hold the row (float32 logits past 128 experts, bf16
+# past 256: the row splits over warps again and the rounds run 4 times over: DeepSeek's float32
+# logits 56 -> 58 barriers, E=512 50 -> 52 with twice the instructions) nor below 32 experts
+# (one warp holds the single row already: E=16 0 -> 4).
+DECODE_ROUTE_ROWS = True
+
+
+def route_rows(E: int, logits: torch.Tensor, warps: int) -> int:
+    """Copies of the token's logits row the first launch routes on (``ROWS``): one per warp where
+    Triton's layout of the ``[warps, BLOCK_E]`` load gives each warp a whole row (16-byte vectors
+    across its 32 lanes: rows contiguous, 16-byte aligned, ``32 <= BLOCK_E <= 32 * vector``), else
+    one (knob ``DECODE_ROUTE_ROWS`` False: always one)."""
+    if not settings.get().knob("DECODE_ROUTE_ROWS", DECODE_ROUTE_ROWS):
+        return 1
+    vec = 16 // logits.element_size()
+    block_e = max(16, next_pow2(E))
+    whole = logits.stride(1) == 1 and E % vec == 0 and (logits.stride(0) % vec == 0 or logits.shape[0] == 1)
+    return warps if whole and 32 <= block_e <= 32 * vec else 1
 
 
 def decode_swiglu_config(M: int, F: int, D: int, w_elem: int, sms: int) -> tuple[int, int, int, int]:
@@ -162,6 +195,7 @@ def decode_swiglu(
     cfg = config or decode_swiglu_config(M, F, D, w13.element_size(), num_sms(dev))
     bn, bk, stages, warps = cfg[:4]
     lazy = bool(cfg[4]) if len(cfg) > 4 else True
+    rows = route_rows(E, logits, warps)
     ph = torch.empty((1,), dtype=torch.float32, device=dev)
     launch(_decode_swiglu_kernel)[(M * cdiv(F, bn),)](
         x, logits, bias if bias is not None else ph, w13, w13_scale if w13_scale is not None else ph, z, ids, rw,
@@ -169,7 +203,7 @@ def decode_swiglu(
         TOPK=top_k, K_PAD=next_pow2(top_k), SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None,
         RENORM=bool(renormalize), NG=1 if n_group is None else int(n_group), TOPK_GROUP=int(topk_group or 1),
         BLOCK_E=max(16, next_pow2(E)), WEIGHT_IN=bool(weight_on_input), HAS_WS=w13_scale is not None,
-        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, num_warps=warps, num_stages=stages,
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, ROWS=rows, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return z, ids, rw
 
