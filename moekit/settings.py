@@ -159,7 +159,7 @@ class Settings:
     #   SWIGLU_SMALL_STAGES               gg_swiglu (pipeline stages of the 64-row tiles; above 4
     #                                     only where the launch mixes the pair order)          4
     #   DECODE_ROUTE_ROWS                 decode (moe_decode's first launch routes the token on
-    #                                     one copy of its logits row per warp)                True
+    #                                     one copy of its logits row per warp)               False
     #   GG_DEVICE_TMA                     grouped_gemm + gg_swiglu (TMA descriptors made in the
     #                                     kernel: 0 never, 1 the tiled kernels under tracing
     #                                     (torch.compile), 2 every TMA launch, 3 every

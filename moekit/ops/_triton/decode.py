@@ -127,7 +127,7 @@ def _decode_swiglu_kernel(
                   False, HAS_WS, WEIGHT_IN)  # fmt: skip
 
 
-# Knob DECODE_ROUTE_ROWS (on): each of the GEMV program's warps routes the token on its own copy
+# Knob DECODE_ROUTE_ROWS (off until timed): each of the GEMV program's warps routes the token on its own copy
 # of the logits row (``route_rows``), so the top-k rounds' row reductions stay inside a warp
 # (shuffles) instead of crossing the 4 warps through shared memory and a block barrier each.
 # sm_90 SASS of the first launch (FP8 weights, block barriers ahead of the first weight copy, one
@@ -137,8 +137,12 @@ def _decode_swiglu_kernel(
 # ~60-100 cycles). Not where a warp cannot hold the row (float32 logits past 128 experts, bf16
 # past 256: the row splits over warps again and the rounds run 4 times over: DeepSeek's float32
 # logits 56 -> 58 barriers, E=512 50 -> 52 with twice the instructions) nor below 32 experts
-# (one warp holds the single row already: E=16 0 -> 4).
-DECODE_ROUTE_ROWS = True
+# (one warp holds the single row already: E=16 0 -> 4). Built in session 50 on the CPU (the same
+# bits in the interpreter); no GPU came that session, so it is off: off, the kernel's sm_90 SASS is
+# the one before it, instruction for instruction. The A/B: bench_layer.py --lean --quick --models
+# qwen3-30b-a3b,gpt-oss-120b,deepseek-v3-tp8 --tokens 1,4 --dtype fp8,bf16 --alt-knobs
+# DECODE_ROUTE_ROWS=1 (the benchmark's float32 logits: DeepSeek's 256 keep one row, a control).
+DECODE_ROUTE_ROWS = False
 
 
 def route_rows(E: int, logits: torch.Tensor, warps: int) -> int:
