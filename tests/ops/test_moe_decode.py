@@ -128,23 +128,32 @@ def test_interp_lazy_routing_gives_the_same_bits(routing):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("routing", list(ROUTINGS))
-@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
-def test_interp_routing_on_a_row_per_warp_gives_the_same_bits(routing, logits_dtype):
+@pytest.mark.parametrize(
+    "E,logits_dtype,perm_s",
+    [(64, torch.float32, 0), (64, torch.bfloat16, 0), (256, torch.float32, 128), (512, torch.bfloat16, 256)],
+    ids=["e64_f32", "e64_bf16", "e256_f32_halves", "e512_bf16_halves"],
+)
+def test_interp_routing_on_a_row_per_warp_gives_the_same_bits(routing, E, logits_dtype, perm_s):
     """Knob ``DECODE_ROUTE_ROWS``: the first launch routes on one copy of the token's logits row
-    per warp (``ROWS`` = 4 at 64 experts, float32 and bf16 logits) and stores the experts, weights
-    and SwiGLU rows that one row gives, bit for bit; the whole layer matches the reference."""
+    per warp (``ROWS`` = 4), a row of two warps' width loaded as two joined halves (``PERM_S``:
+    blocks of half a group where experts are grouped, DeepSeek's 4 groups here), and stores the
+    experts, weights and SwiGLU rows that one row in expert order gives, bit for bit, ties across
+    the top-k boundary and across the halves included; the whole layer matches the reference."""
     from moekit.ops._triton import decode as dec
     from tests.ops.test_grouped_gemm_swiglu import _spy_kwargs
 
-    T, E, D, F, k = 3, 64, 32, 24, 4
+    T, D, F, k = 3, 32, 24, 4
     on_input = routing == "sigmoid"
     x, logits, w13, w2, kw = _case(T, E, D, F, k, routing, seed=17)
     logits = logits.to(logits_dtype)
     logits[1, 5:9] = logits[1, 3]  # ties across the top-k boundary
+    logits[2, [3, E // 2 + 1, E - 2]] = logits[2].max() + 1  # equal maxima in both halves
+    if kw["n_group"] and perm_s:
+        perm_s = E // kw["n_group"] // 2
     args = (x, logits, kw["e_score_correction_bias"], w13.reshape(-1, D), None, F, k, kw["score_func"],
             kw["renormalize"], kw["n_group"], kw["topk_group"], kw["routed_scaling_factor"], on_input)  # fmt: skip
     seen = []
-    orig = _spy_kwargs(dec, ("ROWS",), seen)
+    orig = _spy_kwargs(dec, ("ROWS", "PERM_S"), seen)
     try:
         got = {}
         for rows in (False, True):
@@ -153,7 +162,7 @@ def test_interp_routing_on_a_row_per_warp_gives_the_same_bits(routing, logits_dt
                 out = _launch(x, logits, w13, w2, torch.zeros(T, D, dtype=torch.bfloat16), k, kw, on_input, False)
     finally:
         dec.launch = orig
-    assert [r for (r,) in seen] == [1, 1, 4, 4], seen
+    assert seen == [(1, 0)] * 2 + [(4, perm_s)] * 2, seen
     for a, b in zip(got[False], got[True]):
         assert torch.equal(a, b), routing
     want = ref.moe_decode(x, logits.float(), w13, w2, torch.zeros(T, D, dtype=torch.bfloat16), top_k=k,
@@ -462,10 +471,10 @@ def test_kernels_compile_without_spills_for_sm90():
 @pytest.mark.reference
 def test_routing_on_a_row_per_warp_drops_the_block_barriers_on_sm90():
     """Knob ``DECODE_ROUTE_ROWS`` on the first launch of Qwen3-30B, DeepSeek-V3 TP8 (grouped, with
-    a bias) and gpt-oss-120b at T=1 (FP8 weights), compiled for sm_90: where ``route_rows`` gives
-    each warp a row (bf16 logits; float32 up to 128 experts) at most 8 block barriers stand ahead
-    of the first weight copy, against 18-54 on one row, with at most 4 registers more; where it
-    keeps one row (DeepSeek's 256 float32 logits) nothing changes."""
+    a bias) and gpt-oss-120b at T=1 (FP8 weights), bf16 and float32 logits, compiled for sm_90: a
+    row per warp (DeepSeek's 256 float32 logits as two joined halves of half a group's width each)
+    leaves at most 8 block barriers ahead of the first weight copy, against 18-56 on one row, with
+    no more registers and no stack."""
     from tests.ops._sm90 import compile_launches
 
     records = compile_launches(
@@ -489,11 +498,9 @@ def test_routing_on_a_row_per_warp_drops_the_block_barriers_on_sm90():
     if records[0]["lead_bars"] is None:
         pytest.skip("cuobjdump is not available")
     for i, (one, per_warp) in enumerate(zip(records[::2], records[1::2])):
-        wide = i == 3  # DeepSeek's 256 float32 logits: one row
-        assert one["constants"]["ROWS"] == "1" and per_warp["constants"]["ROWS"] == ("1" if wide else "4"), i
+        c1, c4 = one["constants"], per_warp["constants"]
+        assert (c1["ROWS"], c1["PERM_S"]) == ("1", "0"), (i, c1)
+        assert (c4["ROWS"], c4["PERM_S"]) == ("4", "16" if i == 3 else "0"), (i, c4)  # (DeepSeek, float32)
         assert not one["stack"] and not per_warp["stack"], i
-        if wide:
-            assert per_warp["lead_bars"] == one["lead_bars"], i
-            continue
         assert per_warp["lead_bars"] <= 8 < 18 <= one["lead_bars"], (i, one["lead_bars"], per_warp["lead_bars"])
-        assert per_warp["regs"] <= one["regs"] + 4, (i, one["regs"], per_warp["regs"])
+        assert per_warp["regs"] <= one["regs"], (i, one["regs"], per_warp["regs"])

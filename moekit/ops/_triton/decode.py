@@ -74,6 +74,7 @@ def _decode_swiglu_kernel(
     STAGES: tl.constexpr,
     LAZY: tl.constexpr = False,
     ROWS: tl.constexpr = 1,
+    PERM_S: tl.constexpr = 0,
     USE_PDL: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)
@@ -87,6 +88,13 @@ def _decode_swiglu_kernel(
     # The token's choice, as the routing launch makes it (one row of its [BT, BLOCK_E] tiles), on
     # ROWS copies of the row (``route_rows``: one per warp, the rounds' reductions warp-local).
     cols = tl.arange(0, BLOCK_E)
+    if PERM_S > 0:
+        # Two halves of a warp's width each (whole 16-byte vectors), joined: half h's c-th value in
+        # column 2c + h. Half 0 holds the first PERM_S of every 2 * PERM_S experts, half 1 the next
+        # PERM_S, so an expert group (or the whole row) keeps one block of columns.
+        c = tl.arange(0, BLOCK_E // 2)
+        lo = (c // PERM_S) * (2 * PERM_S) + c % PERM_S  # half 0's experts (half 1: + PERM_S)
+        cols = tl.reshape(tl.join(lo, lo + PERM_S), [BLOCK_E])  # each column's expert
     col_ok = cols < E
     slots = tl.arange(0, K_PAD)
     slot_ok = slots < TOPK
@@ -95,17 +103,23 @@ def _decode_swiglu_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     reps = tl.zeros([ROWS, 1], dtype=tl.int32)
-    l = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + (reps + cols[None, :]) * stride_le,
-                mask=col_ok[None, :], other=0.0)  # fmt: skip
+    if PERM_S > 0:
+        row = logits_ptr + t.to(tl.int64) * stride_lt + (reps + lo[None, :]) * stride_le
+        l = tl.join(tl.load(row, mask=(lo < E)[None, :], other=0.0),
+                    tl.load(row + PERM_S * stride_le, mask=(lo + PERM_S < E)[None, :], other=0.0))  # fmt: skip
+        l = tl.reshape(l, [ROWS, BLOCK_E])
+    else:
+        l = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + (reps + cols[None, :]) * stride_le,
+                    mask=col_ok[None, :], other=0.0)  # fmt: skip
     if LAZY:  # the weights (all K rounds) where stored or used; elsewhere rounds up to the own slot
         need_w = (nb == 0) | WEIGHT_IN
         _, _, ids, w, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, row_ok, scale, TOPK,
                                        SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, ROWS, BLOCK_E,
-                                       tl.where(need_w, TOPK - 1, j), need_w)  # fmt: skip
+                                       tl.where(need_w, TOPK - 1, j), need_w, PERM_S)  # fmt: skip
     else:
         _, _, ids, w, _ = _select_topk(l.to(tl.float32), cols, col_ok, bias, slots, slot_ok, row_ok, scale, TOPK,
                                        SCORE, HAS_BIAS, RENORM, NG, TOPK_GROUP, ROWS, BLOCK_E, TOPK - 1,
-                                       True)  # fmt: skip
+                                       True, PERM_S)  # fmt: skip
     mine = (slots[None, :] == j) & (tl.arange(0, ROWS)[:, None] == 0)
     g = tl.sum(tl.where(mine, ids, 0))
     wj = tl.sum(tl.where(mine, w, 0.0))
@@ -127,35 +141,48 @@ def _decode_swiglu_kernel(
                   False, HAS_WS, WEIGHT_IN)  # fmt: skip
 
 
-# Knob DECODE_ROUTE_ROWS (off until timed): each of the GEMV program's warps routes the token on its own copy
-# of the logits row (``route_rows``), so the top-k rounds' row reductions stay inside a warp
-# (shuffles) instead of crossing the 4 warps through shared memory and a block barrier each.
-# sm_90 SASS of the first launch (FP8 weights, block barriers ahead of the first weight copy, one
-# row -> one row per warp, bf16 logits): Qwen3-30B 36 -> 4, DeepSeek-V3 TP8 (grouped, with a
-# bias) 54 -> 8, gpt-oss-120b 18 -> 4, E = 64 top-6 50 -> 4; the same registers. Predicted: the
-# routing ahead of every program's weight stream ~1 µs shorter at T=1 (a barrier round trip
-# ~60-100 cycles). Not where a warp cannot hold the row (float32 logits past 128 experts, bf16
-# past 256: the row splits over warps again and the rounds run 4 times over: DeepSeek's float32
-# logits 56 -> 58 barriers, E=512 50 -> 52 with twice the instructions) nor below 32 experts
-# (one warp holds the single row already: E=16 0 -> 4). Built in session 50 on the CPU (the same
-# bits in the interpreter); no GPU came that session, so it is off: off, the kernel's sm_90 SASS is
-# the one before it, instruction for instruction. The A/B: bench_layer.py --lean --quick --models
+# Knob DECODE_ROUTE_ROWS (off until timed): each of the GEMV program's warps routes the token on
+# its own copy of the logits row (``route_rows``), so the top-k rounds' row reductions stay in a
+# warp (shuffles) instead of crossing the 4 warps through shared memory and a block barrier each.
+# A row wider than a warp's 32 16-byte vectors (float32 logits of 256 experts, bf16 of 512) is
+# loaded as two halves joined column by column (``PERM_S``): Triton's layout of a plain load caps
+# a thread at one 16-byte vector and splits such a row over two warps. sm_90 SASS of the first
+# launch at T=1 (FP8 weights; block barriers ahead of the first weight copy, one row -> a row per
+# warp): Qwen3-30B 36 -> 4, DeepSeek-V3 TP8 (grouped, with a bias) 54 -> 8 with bf16 logits and
+# 56 -> 8 with float32 (halves), gpt-oss-120b 18 -> 4, 256 float32 logits without groups 38 -> 4,
+# 512 bf16 50 -> 10; no more registers. Not for float32 logits of 512 experts (four warps' width)
+# nor below 32 experts (one warp holds the row already). Predicted: the routing ahead of every
+# program's weight stream ~1-2 µs shorter at T=1 (32-48 fewer barrier round trips of ~60-100
+# cycles), less at T=4 (more programs than one wave, whose routing overlaps other programs'
+# streams). Built in session 50 on the CPU (the interpreter gives the same bits); no GPU came that
+# session, so it is off: off, the first launch's sm_90 SASS is the one before the knob, instruction
+# for instruction. The A/B: bench_layer.py --lean --quick --models
 # qwen3-30b-a3b,gpt-oss-120b,deepseek-v3-tp8 --tokens 1,4 --dtype fp8,bf16 --alt-knobs
-# DECODE_ROUTE_ROWS=1 (the benchmark's float32 logits: DeepSeek's 256 keep one row, a control).
+# DECODE_ROUTE_ROWS=1 (the benchmark's logits are float32: DeepSeek's take the halves).
 DECODE_ROUTE_ROWS = False
 
 
-def route_rows(E: int, logits: torch.Tensor, warps: int) -> int:
-    """Copies of the token's logits row the first launch routes on (``ROWS``): one per warp where
-    Triton's layout of the ``[warps, BLOCK_E]`` load gives each warp a whole row (16-byte vectors
-    across its 32 lanes: rows contiguous, 16-byte aligned, ``32 <= BLOCK_E <= 32 * vector``), else
-    one (knob ``DECODE_ROUTE_ROWS`` False: always one)."""
+def route_rows(E: int, logits: torch.Tensor, warps: int, n_group: Optional[int] = None) -> tuple[int, int]:
+    """``(ROWS, PERM_S)`` of the first launch: the copies of the token's logits row it routes on
+    (one per warp where Triton's layout of the ``[warps, BLOCK_E]`` load gives each warp a whole
+    row: 16-byte vectors across its 32 lanes, rows contiguous and 16-byte aligned, ``32 <= BLOCK_E
+    <= 32 * vector``; else one) and, for a row of two warps' width (float32 logits of 256 experts,
+    bf16 of 512), the width ``S`` of the blocks of experts it loads as two halves and joins (whole
+    16-byte vectors: ``S >= vector``; half a group where experts are grouped), else 0. Knob
+    ``DECODE_ROUTE_ROWS`` False: ``(1, 0)``."""
     if not settings.get().knob("DECODE_ROUTE_ROWS", DECODE_ROUTE_ROWS):
-        return 1
+        return 1, 0
     vec = 16 // logits.element_size()
     block_e = max(16, next_pow2(E))
     whole = logits.stride(1) == 1 and E % vec == 0 and (logits.stride(0) % vec == 0 or logits.shape[0] == 1)
-    return warps if whole and 32 <= block_e <= 32 * vec else 1
+    if not whole or block_e < 32:
+        return 1, 0
+    if block_e <= 32 * vec:
+        return warps, 0
+    half = (block_e // (n_group or 1)) // 2  # S: half a group (the row's half without groups)
+    if block_e == 64 * vec and half >= vec:
+        return warps, half
+    return 1, 0
 
 
 def decode_swiglu_config(M: int, F: int, D: int, w_elem: int, sms: int) -> tuple[int, int, int, int]:
@@ -199,7 +226,7 @@ def decode_swiglu(
     cfg = config or decode_swiglu_config(M, F, D, w13.element_size(), num_sms(dev))
     bn, bk, stages, warps = cfg[:4]
     lazy = bool(cfg[4]) if len(cfg) > 4 else True
-    rows = route_rows(E, logits, warps)
+    rows, perm_s = route_rows(E, logits, warps, n_group)
     ph = torch.empty((1,), dtype=torch.float32, device=dev)
     launch(_decode_swiglu_kernel)[(M * cdiv(F, bn),)](
         x, logits, bias if bias is not None else ph, w13, w13_scale if w13_scale is not None else ph, z, ids, rw,
@@ -207,7 +234,7 @@ def decode_swiglu(
         TOPK=top_k, K_PAD=next_pow2(top_k), SCORE=SCORE_CODES[score_func], HAS_BIAS=bias is not None,
         RENORM=bool(renormalize), NG=1 if n_group is None else int(n_group), TOPK_GROUP=int(topk_group or 1),
         BLOCK_E=max(16, next_pow2(E)), WEIGHT_IN=bool(weight_on_input), HAS_WS=w13_scale is not None,
-        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, ROWS=rows, num_warps=warps, num_stages=stages,
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, STAGES=stages, LAZY=lazy, ROWS=rows, PERM_S=perm_s, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return z, ids, rw
 

@@ -58,14 +58,17 @@ def _group_mask(c, BT: tl.constexpr, NG: tl.constexpr, GP: tl.constexpr, TOPK_GR
 @triton.jit
 def _select_topk(l, cols, col_ok, bias, slots, slot_ok, row_ok, scale, K: tl.constexpr, SCORE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 BT: tl.constexpr, BLOCK_E: tl.constexpr, last, weights):  # fmt: skip
+                 BT: tl.constexpr, BLOCK_E: tl.constexpr, last, weights, PERM_S: tl.constexpr = 0):  # fmt: skip
     """A ``[BT, BLOCK_E]`` float32 logits tile to each token's choice: ``(key, thr, ids, w, ok)``,
     the unique selection keys, the K-th largest key per row (``key >= thr``: the chosen experts),
     the experts ``[BT, K_PAD]`` in slot order (value descending, expert ascending; 0 where not
     ``ok``), their float32 weights (normalized, scaled) and the valid (row, slot) mask. Shared by
     the routing launch and the fused decode GEMV (``moekit.ops._triton.decode``). ``last``: the
     last slot to find (``K - 1``: all; the decode GEMV may stop at its own, the later slots then
-    0 and ``thr`` that slot's key); ``weights`` False: the raw gathered scores, not normalized."""
+    0 and ``thr`` that slot's key); ``weights`` False: the raw gathered scores, not normalized.
+    ``PERM_S`` = S > 0: the tile's columns are the decode GEMV's two joined halves, not the experts
+    in order: column ``2c + h`` holds expert ``(c // S) * 2S + c % S + h * S`` (``cols`` gives each
+    column's expert, which the keys and so ``ids`` carry; the weights are gathered by column)."""
     c, s = _scores(l, col_ok, bias, SCORE, HAS_BIAS)
     if NG > 1:
         c = _group_mask(c, BT, NG, BLOCK_E // NG, TOPK_GROUP)
@@ -79,7 +82,11 @@ def _select_topk(l, cols, col_ok, bias, slots, slot_ok, row_ok, scale, K: tl.con
             ids = tl.where(slots[None, :] == j, (65535 - (thr & 65535)).to(tl.int32)[:, None], ids)
     ok = row_ok[:, None] & slot_ok[None, :]
     ids = tl.where(ok, ids, 0)
-    w = tl.gather(s, ids, 1)
+    pos = ids
+    if PERM_S > 0:  # each chosen expert's column
+        r = ids % (2 * PERM_S)
+        pos = ids - r + 2 * (r % PERM_S) + r // PERM_S
+    w = tl.gather(s, pos, 1)
     if weights:
         if SCORE == 2:  # softmax over the k logits (the first slot holds their max)
             w0 = tl.sum(tl.where(slots[None, :] == 0, w, 0.0), axis=1)
