@@ -350,6 +350,41 @@ def test_gpu_matches_reference_and_sorted_pipeline(name, w_kind, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3-tp8", "gpt-oss-120b"])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_routing_on_a_row_per_warp(name, logits_dtype, T):
+    """Knob ``DECODE_ROUTE_ROWS`` on the GPU (a row per warp; DeepSeek's 256 float32 logits as two
+    joined halves): the same experts in the same slots as the routing launch, weights within
+    float32 rounding of it, and moe_decode's output within bf16 rounding of the knob off and of the
+    reference; the launch took the row per warp."""
+    from moekit.ops._triton import decode as dec
+    from tests.ops.test_grouped_gemm_swiglu import _spy_kwargs
+
+    x, logits, w13, w2, kw, k = _gpu_case(name, T, "fp8", seed=40 + T)
+    logits = logits.to(logits_dtype)
+    D = x.shape[1]
+    seen = []
+    orig = _spy_kwargs(dec, ("ROWS", "PERM_S"), seen)
+    try:
+        with settings.override(knobs={"DECODE_ROUTE_ROWS": True}):
+            on = moe_decode(x, logits, w13, w2, torch.zeros(T, D, dtype=torch.bfloat16, device="cuda"), k, **kw)
+            ids, rw, ids_r, rw_r = _choices(x, logits, w13, w2, k, kw)
+        with settings.override(knobs={"DECODE_ROUTE_ROWS": False}):
+            off = moe_decode(x, logits, w13, w2, torch.zeros(T, D, dtype=torch.bfloat16, device="cuda"), k, **kw)
+    finally:
+        dec.launch = orig
+    wide = name == "deepseek-v3-tp8" and logits_dtype == torch.float32
+    assert seen[0] == (4, 16 if wide else 0) and seen[-1] == (1, 0), seen
+    assert torch.equal(ids, ids_r.to(ids.dtype)), (name, T)
+    assert_close(rw, rw_r, tol=1e-6, msg=f"{name} weights")
+    assert_close(on.float(), off.float(), tol=1e-2, msg=name)
+    want = ref.moe_decode(x.cpu(), logits.float().cpu(), w13.cpu(), w2.cpu(), torch.zeros(T, D).bfloat16(), top_k=k,
+                          **{n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in kw.items()})  # fmt: skip
+    assert_close(on.cpu().float(), want.float(), tol=2e-2, msg=f"{name} T={T}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("w_kind", ["bf16", "fp8"])
 def test_gpu_moe_forward_graph_replays_new_routing_bitwise(w_kind):
     """moe_forward at T=1 of Qwen3-30B's shapes takes moe_decode (auto) where ``decode_fused``
