@@ -85,3 +85,30 @@ def test_tile_use_traffic_counts_whole_tiles():
         for r in tile_use.traffic(["qwen3-30b-a3b", "deepseek-v3-tp8"], [1024, 2048])
     }
     assert by[("qwen3-30b-a3b", 2048, "fp8")] < 0.8 and by[("deepseek-v3-tp8", 1024, "bf16")] > 1.1, by
+
+
+@pytest.mark.reference
+def test_layer_launches_finds_what_the_layer_runs_on_sm90():
+    """``scripts/layer_launches.py``: the layer on meta tensors that read as CUDA ones records the
+    launches the GPU would run, each compiled for sm_90: Qwen3-30B at T=1 (FP8) moe_decode's two
+    launches (the routing GEMV and the combine), at T=64 (bf16) the sorted pipeline (routing, the
+    gate/up GEMM with its SwiGLU, the scatter-added down GEMM); a knob reaches the launchers
+    (``DECODE_ROUTE_ROWS``: a row per warp); a case that reads device data on the host fails."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import layer_launches
+    finally:
+        sys.path.pop(0)
+    recs = layer_launches.collect([("qwen3-30b-a3b", 1, "fp8"), ("qwen3-30b-a3b", 64, "bf16")])
+    assert not [p for r in recs for p in layer_launches.problems(r)], recs
+    decode = [r for r in recs if r["case"] == ["qwen3-30b-a3b", 1, "fp8"]]
+    assert [r["kernel"] for r in decode] == ["_decode_swiglu_kernel", "_combine_kernel"], decode
+    if decode[0]["stack"] is not None:  # (cuobjdump present)
+        assert all(r["stack"] == 0 for r in decode), decode
+    sorted_ = [r["kernel"] for r in recs if r["case"] == ["qwen3-30b-a3b", 64, "bf16"]]
+    assert sorted_[0].startswith("_route") and "_swiglu" in " ".join(sorted_) and len(sorted_) >= 3, sorted_
+    rows = layer_launches.collect([("qwen3-30b-a3b", 1, "fp8")], knobs="DECODE_ROUTE_ROWS=1")
+    assert rows[0]["constants"]["ROWS"] == "4" and decode[0]["constants"]["ROWS"] == "1", (rows[0], decode[0])
+    assert layer_launches.problems({"case": ["m", 1, "fp8"], "case_error": "RuntimeError: item() on meta"})
+    line = layer_launches.row(decode[1])
+    assert line[:4] == ["qwen3-30b-a3b", "1", "fp8", "_combine_kernel"] and "BLOCK_F=" in line[-1], line
