@@ -3,15 +3,16 @@
 
 ``moe_forward`` (the routed experts from float32 router logits, as ``benchmarks/bench_layer.py``
 times them) runs on meta tensors that read as CUDA ones on a card of 132 SMs, 50 MB of L2 and
-compute capability 9.0, outside any CUDA-graph capture; every Triton launch it makes is recorded
-and compiled for sm_90 through ptxas (``tests/ops/_sm90.py``), and the experimental Gluon
+compute capability 9.0; every Triton launch it makes is recorded and compiled for sm_90 through
+ptxas (``tests/ops/_sm90.py``), with programmatic dependent launch as inside the CUDA graphs the
+benchmarks replay (``--no-pdl``: as an eager call launches them), and the experimental Gluon
 kernels' launches are named (``gluon``; their own compile tests live in
 ``tests/ops/test_gg_gluon*.py``). So the launchers' rules (paths, tiles, stages, TMA, early
 epilogues) pick what they pick on the GPU, from shapes alone, and a host read of device data
 (``.item()``, ``.tolist()``: none is allowed on the layer's path) fails the case.
 
     python scripts/layer_launches.py [--models qwen3-30b-a3b,...] [--tokens 1,4,...,16384]
-        [--dtype bf16,fp8] [--knobs NAME=value,...] [--json PATH]
+        [--dtype bf16,fp8] [--knobs NAME=value,...] [--no-pdl] [--json PATH]
 
 One row per launch: the case, the kernel, warps, stages, shared memory, registers per thread,
 stack frame bytes, local-memory accesses inside its MMA loops, ptxas's reason for making its wgmma
@@ -108,12 +109,13 @@ for model, T, dtype in CASES:
 """
 
 _TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_F", "BLOCK_E", "STAGES", "SCATTER", "EARLY_EPI", "PAIR", "MIX",
-              "USE_TMA", "X_TMA", "ROWS", "PERM_S")  # fmt: skip
+              "USE_TMA", "X_TMA", "ROWS", "PERM_S", "USE_PDL")  # fmt: skip
 
 
-def collect(cases: list[tuple[str, int, str]], knobs: str = "", timeout: int = 7200) -> list[dict]:
+def collect(cases: list[tuple[str, int, str]], knobs: str = "", pdl: bool = True, timeout: int = 7200) -> list[dict]:
     """One dict per launch (``tests/ops/_sm90.py``'s compile record plus ``case``), a ``gluon``
-    record per Gluon launch, a ``case_error`` record per case that failed to run."""
+    record per Gluon launch, a ``case_error`` record per case that failed to run. ``pdl``: the
+    kernels that take ``USE_PDL`` compiled as a CUDA-graph capture launches them on sm_90."""
     from tests.ops._sm90 import compile_launches
 
     old = os.environ.get("MOEKIT_KNOBS")
@@ -121,7 +123,7 @@ def collect(cases: list[tuple[str, int, str]], knobs: str = "", timeout: int = 7
         os.environ["MOEKIT_KNOBS"] = knobs
     try:
         snippet = f"CASES = {json.dumps(cases)}\n" + _SNIPPET
-        raw = compile_launches(snippet, launch_modules(), timeout=timeout, serialized=True)
+        raw = compile_launches(snippet, launch_modules(), timeout=timeout, pdl=pdl, serialized=True)
     finally:
         if knobs:
             if old is None:
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=DEFAULT_TOKENS)
     ap.add_argument("--dtype", default="bf16,fp8")
     ap.add_argument("--knobs", default="", help="NAME=value,... as $MOEKIT_KNOBS")
+    ap.add_argument("--no-pdl", action="store_true", help="compile as eager calls launch (no PDL)")
     ap.add_argument("--json", default=None, help="write the records here")
     args = ap.parse_args(argv)
     from moekit.testing.data import MODEL_SHAPES
@@ -195,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
 
         parse_knobs(args.knobs)  # ValueError naming an unknown knob or value
     cases = [(m, t, d) for m in models for t in tokens for d in dtypes]
-    recs = collect(cases, args.knobs)
+    try:
+        recs = collect(cases, args.knobs, pdl=not args.no_pdl)
+    except BaseException as e:  # tests/ops/_sm90.py skips (pytest's Skipped) where ptxas is missing
+        if type(e).__name__ != "Skipped":
+            raise
+        print(f"layer_launches: cannot compile for sm_90 here: {e}", file=sys.stderr)
+        return 2
     cols = ["model", "T", "dtype", "kernel", "warps", "shared KB", "regs", "stack", "loop spills", "serialized",
             "tiles"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
