@@ -4,6 +4,8 @@
 #   DECODE_ROUTE_ROWS (session 50, off): moe_decode's first launch routes on a row per warp;
 #   SWIGLU_PAIR_MIX + SWIGLU_SMALL_STAGES=5 (session 49, off / 4): 5-stage 64-row SwiGLU tiles.
 # Then, if a knob pays: its default on, its comment, RESULTS.md with this command.
+# Session 51 (H100) ran it: both knobs level or mixed, both stay off (RESULTS.md, session 51); the
+# script stays as the template for the next knob built without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1

@@ -154,11 +154,14 @@ def _decode_swiglu_kernel(
 # nor below 32 experts (one warp holds the row already). Predicted: the routing ahead of every
 # program's weight stream ~1-2 µs shorter at T=1 (32-48 fewer barrier round trips of ~60-100
 # cycles), less at T=4 (more programs than one wave, whose routing overlaps other programs'
-# streams). Built in session 50 on the CPU (the interpreter gives the same bits); no GPU came that
-# session, so it is off: off, the first launch's sm_90 SASS is the one before the knob, instruction
-# for instruction. The A/B: bench_layer.py --lean --quick --models
-# qwen3-30b-a3b,gpt-oss-120b,deepseek-v3-tp8 --tokens 1,4 --dtype fp8,bf16 --alt-knobs
-# DECODE_ROUTE_ROWS=1 (the benchmark's logits are float32: DeepSeek's take the halves).
+# streams). Built in session 50 on the CPU (the interpreter gives the same bits). Measured level
+# (H100, session 51, bench_layer.py --lean --quick --models qwen3-30b-a3b,gpt-oss-120b,deepseek-v3-tp8
+# --tokens 1,4 --dtype fp8,bf16 --alt-knobs DECODE_ROUTE_ROWS=1, one process, knob on / off:
+# 0.987-1.007; Qwen3-30B FP8 T=1 20.3 / 20.1 -> 20.2 / 20.0 µs, T=4 55.1 / 55.0 -> 54.7 / 53.9,
+# DeepSeek-V3 TP8 bf16 T=1 35.9 / 36.2 -> 36.3 / 36.3): the barriers cost ~0.1-0.2 µs, not the
+# predicted 1-2, so the routing is not what holds the first launch (as session 30 found for the
+# top-k rounds). Off: the first launch's sm_90 SASS is the one before the knob, instruction for
+# instruction.
 DECODE_ROUTE_ROWS = False
 
 

@@ -579,8 +579,12 @@ SWIGLU_PAIR_MIN_ROWS = 128
 # Qwen3-30B / gpt-oss-120b / DeepSeek-V3 TP8 at T = 1024 / 2048 / 8192, bf16 and FP8: 0.994-1.02,
 # errors against the reference the same). So that round trip is not what holds the kernel. It
 # does free 16 KB of the 64-row FP8 tile's shared memory (196.6 -> 180.3 KB): only with it do 5
-# stages fit a block (221.2 KB; 237.6 without; a block may take 232.4), knob SWIGLU_SMALL_STAGES,
-# not yet timed (3 -> 4 stages was worth 7% on this stage in session 49's sweep: 231.3 -> 216.1).
+# stages fit a block (221.2 KB; 237.6 without; a block may take 232.4), knob SWIGLU_SMALL_STAGES
+# (3 -> 4 stages was worth 7% on this stage in session 49's sweep: 231.3 -> 216.1). 4 -> 5 was not
+# (H100, session 51, bench_layer.py --lean --quick --models qwen3-30b-a3b,gpt-oss-120b --tokens
+# 1024,2048 --dtype fp8,bf16 --alt-knobs SWIGLU_PAIR_MIX=1,SWIGLU_SMALL_STAGES=5, one process, µs,
+# off -> on, two passes: Qwen3-30B FP8 T=1024 274.1 / 273.6 -> 269.6 / 271.4, T=2048 355.5 / 358.6
+# -> 367.0 / 365.2, bf16 T=1024 459.5 / 461.6 -> 464.9 / 466.4; gpt-oss-120b level): both off.
 SWIGLU_PAIR_MIX = False
 
 
