@@ -17,7 +17,8 @@ epilogues) pick what they pick on the GPU, from shapes alone, and a host read of
 One row per launch: the case, the kernel, warps, stages, shared memory, registers per thread,
 stack frame bytes, local-memory accesses inside its MMA loops, ptxas's reason for making its wgmma
 synchronous (else "-") and its tile constants. Exit 1 when a case fails to run, or a launch does
-not compile, has its wgmma serialized or needs more than 227 KB of shared memory. Knobs
+not compile, has its wgmma serialized or needs more than 227 KB of shared memory; exit 2 where
+there is no ptxas to compile with (Triton's NVIDIA backend). Knobs
 (``--knobs``, as ``$MOEKIT_KNOBS``) change what the launchers pick. About 5-10 s a new kernel
 variant on two cores (Triton's cache keeps the compiled ones).
 """

@@ -93,7 +93,7 @@ def test_layer_launches_finds_what_the_layer_runs_on_sm90():
     launches the GPU would run, each compiled for sm_90: Qwen3-30B at T=1 (FP8) moe_decode's two
     launches (the routing GEMV and the combine), at T=64 (bf16) the sorted pipeline (routing, the
     gate/up GEMM with its SwiGLU, the scatter-added down GEMM); a knob reaches the launchers
-    (``DECODE_ROUTE_ROWS``: a row per warp); a case that reads device data on the host fails."""
+    (``DECODE_ROUTE_ROWS``: a row per warp); a case that failed to run is a problem."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
         import layer_launches
